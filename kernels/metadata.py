@@ -1,0 +1,40 @@
+"""The per-step description of a flattened ragged batch that every attention backend reads.
+
+One engine step packs the new tokens of all scheduled sequences into one row `[T]`. Sequence `i`
+owns query rows `query_start_loc[i]:query_start_loc[i + 1]`; its keys are the first `seq_lens[i]`
+slots reached through `block_tables[i]`, and its queries are the last of those positions. So a
+query at local index `j` of a sequence with `n` new tokens sees key positions
+`<= seq_lens[i] - n + j`: one rule covers prefill, chunked prefill, prefix hits and decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token (negative: do not write)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, prefix sums of new-token counts
+    seq_lens: torch.Tensor  # [num_seqs] int32, context + new tokens per sequence
+    block_size: int
+    # Host copies, so backends that loop over sequences never sync with the device to read them.
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+    # Backends memoise what they derive once per step (gather indices, masks) here, so the work is
+    # shared by every layer of the forward instead of being redone per layer.
+    derived: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1

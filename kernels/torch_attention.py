@@ -1,0 +1,125 @@
+"""PyTorch paged attention and cache write: the CPU backend and the oracle for the Triton kernels.
+
+Per-sequence gather + `scaled_dot_product_attention` was measured 2x to 30x faster on CPU than
+padding the batch or masking a block-diagonal packed batch, so each sequence is attended alone.
+The gather indices depend only on the step, so they are built once per step and reused by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new `key`/`value` `[T, KVH, D]` into caches `[KVH, num_slots, D]`; negative slots are skipped."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key_cache.index_copy_(1, slot_mapping, key.transpose(0, 1).to(key_cache.dtype))
+    value_cache.index_copy_(1, slot_mapping, value.transpose(0, 1).to(value_cache.dtype))
+
+
+def gather_indices(metadata: AttentionMetadata) -> list[torch.Tensor]:
+    """The cache slots of positions `0..seq_len-1` of every sequence, memoised for the step."""
+    cached = metadata.derived.get("torch_gather")
+    if cached is None:
+        bs = metadata.block_size
+        offsets = torch.arange(bs, device=metadata.block_tables.device, dtype=torch.int64)
+        cached = []
+        for i, seq_len in enumerate(metadata.seq_lens_host):
+            blocks = metadata.block_tables[i, : -(-seq_len // bs)].to(torch.int64)
+            cached.append((blocks[:, None] * bs + offsets).flatten()[:seq_len])
+        metadata.derived["torch_gather"] = cached
+    return cached
+
+
+def causal_mask(
+    num_queries: int, seq_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """Bool `[n, L]`: key position <= context length + query position (and inside the window)."""
+    q_pos = torch.arange(seq_len - num_queries, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    return allowed
+
+
+def attend_one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of `q [H, n, D]` over `k, v [KVH, L, D]` whose last `n` positions are the queries."""
+    n, seq_len = q.shape[1], k.shape[1]
+    if softcap is not None:
+        return attend_softcapped(q, k, v, scale, causal_mask(n, seq_len, sliding_window, q.device), softcap)
+    window_matters = sliding_window is not None and seq_len > sliding_window
+    if n == 1 and not window_matters:
+        mask, is_causal = None, False
+    elif n == seq_len and not window_matters:
+        mask, is_causal = None, True
+    else:
+        mask, is_causal = causal_mask(n, seq_len, sliding_window, q.device), False
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=is_causal, scale=scale,
+        enable_gqa=q.shape[0] != k.shape[0],
+    )
+    return out[0]
+
+
+def attend_softcapped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor, softcap: float
+) -> torch.Tensor:
+    """Eager attention with tanh logit soft-capping (Gemma 2), which SDPA cannot express."""
+    group = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of packed `query [T, H, D]` over the paged cache; returns `[T, H, D]`.
+
+    `new_key`/`new_value` `[T, KVH, D]` (optional) are this step's keys, already in the cache: a
+    sequence with no earlier context reads them directly and skips the gather.
+    """
+    out = torch.empty_like(query)
+    starts = metadata.query_start_loc_host
+    gathers = None
+    for i, seq_len in enumerate(metadata.seq_lens_host):
+        s, e = starts[i], starts[i + 1]
+        q = query[s:e].transpose(0, 1)
+        if new_key is not None and e - s == seq_len:
+            k, v = new_key[s:e].transpose(0, 1), new_value[s:e].transpose(0, 1)
+        else:
+            gathers = gathers or gather_indices(metadata)
+            k = key_cache.index_select(1, gathers[i])
+            v = value_cache.index_select(1, gathers[i])
+        out[s:e] = attend_one(q, k, v, scale, sliding_window, softcap).transpose(0, 1)
+    return out

@@ -1,0 +1,22 @@
+"""paged-backend: a paged KV cache and continuous-batching engine for HuggingFace transformers."""
+
+from .config import EngineConfig
+from .default_model import DEFAULT_MODEL
+from .engine import Engine
+from .llm import LLM
+from .model_loader import UnsupportedArchitectureError
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "LLM",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "UnsupportedArchitectureError",
+]

@@ -1,0 +1,33 @@
+"""EngineConfig: the knobs of one engine, with defaults sized for a small machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CPU_KV_BYTES = 512 * 2**20  # a fixed budget: the KV cache never takes "most of the machine"
+DEFAULT_CUDA_KV_FRACTION = 0.4  # of the device memory free after loading the model
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # wins over kv_cache_bytes when set
+    kv_cache_bytes: int | None = None  # default: DEFAULT_CPU_KV_BYTES on CPU, a fraction of free memory on CUDA
+    max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill slices prompts to fit)
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    dtype: torch.dtype | str | None = None
+    device: str | torch.device | None = None
+    num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's setting
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name}={value!r}: must be an int >= 1")
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"EngineConfig.{name}={value!r}: must be an int >= 1 or None")

@@ -1,0 +1,290 @@
+"""Engine: add requests, step the continuous batch, collect outputs.
+
+One step = schedule -> one packed model forward -> sample -> append tokens and check stops.
+Requests join and leave the running batch at every step. A bad request is refused with a
+ValueError at `add_request`; a failure inside a step ends only the requests of that step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from .attention import ATTENTION_NAME, register
+from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache_manager import KVCacheManager
+from .model_loader import check_architecture
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .paged_cache import KVShape, PagedCache, probe_kv_shape
+from .request import Request, RequestStatus
+from .sampler import SamplerOutput, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    def __init__(self, model: PreTrainedModel, tokenizer=None, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        check_architecture(model)
+        register()
+        if model.config._attn_implementation != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        text_config = model.config.get_text_config()
+        shape = probe_kv_shape(model, text_config.num_hidden_layers)
+        param = next(model.parameters())
+        num_blocks = self.choose_num_blocks(shape, param.dtype, param.device)
+        self.cache = PagedCache(shape, num_blocks, self.config.block_size, param.dtype, param.device)
+        self.kv = KVCacheManager(num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.kv)
+        self.runner = ModelRunner(model, self.cache)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_model_len = self.resolve_max_model_len(text_config)
+        self.eos_token_ids = find_eos_ids(model, tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.pending_outputs: list[RequestOutput] = []
+        self.ids = itertools.count()
+        self.utilisation_samples: list[float] = []
+
+    def choose_num_blocks(self, shape: KVShape, dtype: torch.dtype, device: torch.device) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        budget = self.config.kv_cache_bytes
+        if budget is None and device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * DEFAULT_CUDA_KV_FRACTION)
+        budget = budget or DEFAULT_CPU_KV_BYTES
+        return max(1, budget // shape.bytes_per_block(self.config.block_size, dtype))
+
+    def resolve_max_model_len(self, text_config) -> int:
+        model_len = self.config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
+        # A request alone must always fit in the cache, or preemption could never make room for it.
+        return min(model_len, self.kv.capacity_tokens)
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a prompt (text or token ids); raise ValueError, leaving the engine untouched, if it is invalid."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self.ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        request = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            max_tokens=self.resolve_max_tokens(len(token_ids), params),
+            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids),
+            metrics=RequestMetrics(arrival_time=arrival_time or time.time()),
+            stream=stream,
+            generator=self.make_generator(params.seed),
+            detokenizer=self.make_detokenizer(token_ids, params),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a prompt must be a string or a sequence of int token ids")
+        return None, list(prompt)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; this engine's context length is {self.max_model_len}, "
+                "which must also leave room for at least one generated token"
+            )
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.max_model_len - prompt_len
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def make_generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator(device=self.cache.kv.device).manual_seed(seed)
+
+    def make_detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
+                                      params.skip_special_tokens)
+
+    def abort_request(self, request_id: str, error: str | None = None) -> None:
+        """Stop a request now and free its blocks; its final output comes from the next step()."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return
+        request.error = error
+        self.finish(request, "abort")
+        self.pending_outputs.append(self.make_output(request, []))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.pending_outputs)
+
+    # ---------------------------------------------------------------- stepping
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the outputs that changed (every new token when streaming)."""
+        outputs, self.pending_outputs = self.pending_outputs, []
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return outputs
+        try:
+            logits, sampling_requests = self.runner.execute(batch)
+            sampled = sample(logits, sampling_requests)
+        except Exception as exc:  # a failed forward ends this step's requests, not the engine
+            logger.exception("engine step failed")
+            for request in batch.requests:
+                self.abort_request(request.request_id, error=f"{type(exc).__name__}: {exc}")
+            outputs, self.pending_outputs = outputs + self.pending_outputs, []
+            return outputs
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += n
+        self.record_utilisation()
+        outputs.extend(self.append_tokens(sampling_requests, sampled))
+        return outputs
+
+    def append_tokens(self, requests: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
+        outputs = []
+        now = time.time()
+        for i, request in enumerate(requests):
+            token = sampled.token_ids[i]
+            request.output_token_ids.append(token)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if request.logprobs is not None:
+                record_logprobs(request, sampled, i)
+            self.check_stop(request, token)
+            if request.stream or request.is_finished:
+                outputs.append(self.make_output(request, [token]))
+        return outputs
+
+    def check_stop(self, request: Request, token: int) -> None:
+        stop_string = request.detokenizer.update([token]) if request.detokenizer else None
+        if stop_string is not None:
+            request.stop_reason = stop_string
+            self.finish(request, "stop")
+        elif token in request.stop_ids and request.num_output_tokens >= request.params.min_tokens:
+            request.stop_reason = None if token in self.eos_token_ids and token not in request.params.stop_token_ids \
+                else token
+            self.finish(request, "stop")
+        elif request.num_output_tokens >= request.max_tokens:
+            self.finish(request, "length")
+
+    def finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        request.metrics.finished_time = time.time()
+        self.scheduler.finish(request)
+        del self.requests[request.request_id]
+
+    def make_output(self, request: Request, delta_ids: list[int]) -> RequestOutput:
+        finished = request.is_finished
+        detok = request.detokenizer
+        completion = CompletionOutput(
+            index=0,
+            text=detok.output_text if detok else "",
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+            logprobs=request.logprobs,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=request.metrics,
+            num_cached_tokens=request.num_cached_tokens,
+            error=request.error,
+            delta_text=detok.take_delta(finished) if detok else "",
+            delta_token_ids=delta_ids,
+        )
+
+    # ---------------------------------------------------------------- stats
+
+    def record_utilisation(self) -> None:
+        allocated = self.kv.slots_in_use()
+        if allocated:
+            stored = sum(r.num_computed_tokens for r in self.scheduler.running)
+            self.utilisation_samples.append(stored / allocated)
+
+    def stats(self) -> dict[str, float]:
+        samples = self.utilisation_samples
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": self.kv.pool.num_blocks,
+            "kv_blocks_free": self.kv.pool.num_free,
+            "kv_usage": self.kv.pool.usage,
+            "kv_utilisation_mean": sum(samples) / len(samples) if samples else 1.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+
+def record_logprobs(request: Request, sampled: SamplerOutput, row: int) -> None:
+    token = sampled.token_ids[row]
+    chosen = sampled.logprobs[row]
+    entry = {token: Logprob(chosen)}
+    k = request.params.logprobs or 0
+    if k and sampled.top_ids is not None:
+        for rank, (tid, lp) in enumerate(zip(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k]), start=1):
+            entry.setdefault(tid, Logprob(lp, rank))
+            if tid == token:
+                entry[tid].rank = rank
+    request.logprobs.append(entry)
+    request.cumulative_logprob += chosen
+
+
+def find_eos_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, getattr(model.config, "eos_token_id", None) if gen_eos is None else None,
+                  getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)

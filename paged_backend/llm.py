@@ -1,0 +1,120 @@
+"""LLM: the offline API. Load a model once, generate for many prompts in one continuous batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .attention import ATTENTION_NAME, register
+from .config import EngineConfig
+from .engine import Engine, Prompt
+from .model_loader import load_model
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+LOAD_KEYS = ("dtype", "device", "trust_remote_code")
+
+
+class LLM:
+    """`LLM(model)` where model is a hub id, a folder, a `.gguf` file, None (the default model) or a
+    loaded `PreTrainedModel` (used as it is); extra keywords are EngineConfig fields."""
+
+    def __init__(self, model: Any = None, tokenizer: Any = None, **engine_config: Any) -> None:
+        load_kwargs = {k: engine_config.pop(k) for k in LOAD_KEYS if k in engine_config}
+        config = EngineConfig(**engine_config)
+        register()
+        model, tokenizer = load_model(model, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
+        self.engine = Engine(model, tokenizer, config)
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) at once; outputs come back in input order.
+
+        Every prompt is validated before any is queued, so an invalid one raises ValueError (naming
+        its index) without leaving half a batch in the engine."""
+        prompts = normalise_prompts(prompts)
+        params = normalise_params(sampling_params, len(prompts))
+        return self.run(prompts, params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation and generate."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs or {})
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(self, conversation: Conversation, add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None, extra: dict[str, Any]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 return_dict=False, **extra)
+        return list(ids)
+
+    def run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                engine.validate(engine.tokenize(prompt)[1], p)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        ids = [engine.add_request(prompt, p, stream=False) for prompt, p in zip(prompts, params)]
+        index = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="Generating", unit="req") as bar:
+            while any(r is None for r in results):
+                for output in engine.step():
+                    if output.finished and output.request_id in index:
+                        results[index[output.request_id]] = output
+                        bar.update(1)
+        return results
+
+
+def normalise_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def normalise_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def engine_config_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(EngineConfig)]

@@ -1,0 +1,100 @@
+"""ModelRunner: turns a scheduled batch into one packed forward of the unmodified HF model.
+
+Inputs are built with numpy over the whole batch (no Python work per token): the new tokens of
+every request are packed into one row `[1, T]` with their positions, cache slots, block tables and
+query offsets, and logits are computed only at the last position of requests that sample.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from paged_backend.kernels import AttentionMetadata
+
+from .paged_cache import PagedCache
+from .request import Request
+from .scheduler import ScheduledBatch
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    logits_indices: torch.Tensor  # [S] rows of the packed batch whose logits are needed
+    sampling_requests: list[Request]
+    metadata: AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache: PagedCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = cache.kv.device
+
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
+        """Run one forward; return logits `[S, V]` for the requests that reach their last token."""
+        inputs = self.prepare_inputs(batch)
+        self.cache.metadata = inputs.metadata
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=inputs.input_ids,
+                    position_ids=inputs.position_ids,
+                    cache=self.cache,
+                    use_cache=True,
+                    paged_cache=self.cache,
+                    logits_to_keep=inputs.logits_indices,
+                )
+        finally:
+            self.cache.metadata = None
+        return out.logits[0], inputs.sampling_requests
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        requests, counts = batch.requests, np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=len(requests))
+        ends = starts + counts
+        query_start_loc = np.zeros(len(requests) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start_loc[1:])
+        token_ids = np.concatenate(
+            [np.asarray(r.token_slice(s, e), dtype=np.int64) for r, s, e in zip(requests, starts, ends)]
+        )
+        positions = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1] - starts, counts)
+        block_tables = self.block_table_array(requests)
+        block_size = self.cache.block_size
+        rows = np.repeat(np.arange(len(requests)), counts)
+        slots = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        sampling = [i for i, r in enumerate(requests) if ends[i] == r.num_tokens]
+        # A step of only partial prompt chunks samples nothing; keep one row so the forward's shape is valid.
+        logits_rows = query_start_loc[1:][sampling] - 1 if sampling else query_start_loc[-1:] - 1
+        metadata = AttentionMetadata(
+            slot_mapping=self.to_device(slots),
+            block_tables=self.to_device(block_tables),
+            query_start_loc=self.to_device(query_start_loc.astype(np.int32)),
+            seq_lens=self.to_device(ends.astype(np.int32)),
+            block_size=block_size,
+            query_start_loc_host=query_start_loc.tolist(),
+            seq_lens_host=ends.tolist(),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(ends.max()),
+        )
+        return StepInputs(
+            input_ids=self.to_device(token_ids)[None],
+            position_ids=self.to_device(positions)[None],
+            logits_indices=self.to_device(logits_rows),
+            sampling_requests=[requests[i] for i in sampling],
+            metadata=metadata,
+        )
+
+    @staticmethod
+    def block_table_array(requests: list[Request]) -> np.ndarray:
+        width = max(len(r.block_ids) for r in requests)
+        table = np.zeros((len(requests), width), dtype=np.int32)
+        for i, request in enumerate(requests):
+            table[i, : len(request.block_ids)] = request.block_ids
+        return table
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)

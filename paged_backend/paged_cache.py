@@ -1,0 +1,107 @@
+"""PagedCache: the paged K/V tensors, as a `transformers.Cache` the model writes into.
+
+An unmodified HF attention module calls `cache.update(key, value, layer_idx)` and then the
+registered attention function. `update` writes the step's new K/V into their slots through
+`slot_mapping` and hands the same tensors back; the attention function reads the context through
+the block tables. The step's metadata is set on the cache by the model runner before each forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from paged_backend.kernels import AttentionMetadata, write_kv_cache
+
+
+@dataclass(slots=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * elem
+
+
+class PackedStepCache(Cache):
+    """What transformers asks of a cache around one packed step: there is no single sequence length
+    (position_ids are always given), and the mask, if any, covers the step's own tokens only."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=[])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
+
+
+class PagedCache(PackedStepCache):
+    def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.shape = shape
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # [layer, k/v, kv_head, slot, head_dim]: a head's slots are contiguous, so the CPU gather of
+        # one sequence is one index_select per layer and a Triton tile of one block is one stride.
+        # `empty`, not `zeros`: unwritten slots are never read (every read is bounded by seq_lens),
+        # and untouched pages cost no resident memory.
+        self.kv = torch.empty(
+            shape.num_layers, 2, shape.num_kv_heads, num_blocks * block_size, shape.head_dim,
+            dtype=dtype, device=device,
+        )
+        self.metadata: AttentionMetadata | None = None
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write the new K/V `[1, KVH, T, D]` into their slots; return them unchanged for attention."""
+        if self.metadata is None:
+            raise RuntimeError("PagedCache.update called outside an engine step")
+        key_cache, value_cache = self.layer(layer_idx)
+        write_kv_cache(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), key_cache, value_cache,
+                       self.metadata.slot_mapping)
+        return key_states, value_states
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.num_blocks * self.block_size
+
+
+class ShapeProbe(PackedStepCache):
+    """Records the K/V shape each layer writes, from one tiny forward, so any architecture
+    (multi-query, grouped, per-layer head dims) sizes its paged cache from what it really does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, tuple[int, int, torch.dtype]] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.seen[layer_idx] = (key_states.shape[1], key_states.shape[3], key_states.dtype)
+        return key_states, value_states
+
+
+def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
+    """Run one token through the model and read the K/V shape its layers hand to the cache."""
+    probe = ShapeProbe()
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        model(input_ids=ids, position_ids=torch.zeros_like(ids), cache=probe, use_cache=True)
+    shapes = {(h, d) for h, d, _ in probe.seen.values()}
+    if len(probe.seen) != num_layers or len(shapes) != 1:
+        raise NotImplementedError(
+            f"{type(model).__name__}: the paged cache needs every one of its {num_layers} layers to write "
+            f"K/V of one shape; saw {len(probe.seen)} layers with shapes {sorted(shapes)}"
+        )
+    (heads, head_dim), = shapes
+    return KVShape(num_layers, heads, head_dim)

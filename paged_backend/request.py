@@ -1,0 +1,70 @@
+"""Request: one prompt's journey through the engine (tokens, progress, blocks, stop state)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .outputs import RequestMetrics, SampleLogprobs
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context length
+    stop_ids: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
+    metrics: RequestMetrics
+    stream: bool = True  # emit an output after every new token, or only the final one
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens `[start, stop)` of prompt + output, without concatenating the whole sequence."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]

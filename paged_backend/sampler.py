@@ -1,0 +1,120 @@
+"""Sampler: the next token of every sampling request in one vectorised pass over the batch.
+
+Greedy rows are an argmax. Random rows use the exponential race (argmax of p / q with
+q ~ Exp(1)), which samples from p exactly; a seeded request draws its q row from its own
+generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .request import Request
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]
+    # Only when some request asked for logprobs; rows of the others are computed but unused.
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    """Pick one token per row of `logits [B, V]`; row i belongs to `requests[i]`."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any_wants_logprobs(requests) else None
+    apply_penalties(logits, requests)
+    ban_stop_tokens_before_min(logits, requests)
+    tokens = pick_tokens(logits, requests)
+    if raw_logprobs is None:
+        return SamplerOutput(tokens.tolist())
+    return gather_logprobs(raw_logprobs, tokens, requests)
+
+
+def any_wants_logprobs(requests: list[Request]) -> bool:
+    return any(r.params.logprobs is not None for r in requests)
+
+
+def pick_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    greedy = [r.params.temperature == 0.0 for r in requests]
+    if all(greedy):
+        return logits.argmax(dim=-1)
+    temps = torch.tensor([r.params.temperature or 1.0 for r in requests], device=logits.device)
+    scaled = filter_logits(logits / temps[:, None], requests)
+    probs = torch.softmax(scaled, dim=-1)
+    q = torch.empty_like(probs).exponential_()
+    for i, request in enumerate(requests):
+        if request.generator is not None:
+            q[i].exponential_(generator=request.generator)
+    sampled = (probs / q).argmax(dim=-1)
+    if not any(greedy):
+        return sampled
+    greedy_rows = torch.tensor(greedy, device=logits.device)
+    return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+
+def filter_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Top-k, then top-p, then min-p (transformers' warper order), as -inf outside the kept set."""
+    params = [r.params for r in requests]
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    use_k = any(k < vocab for k in top_k)
+    use_p = any(p.top_p < 1.0 for p in params)
+    use_min_p = any(p.min_p > 0.0 for p in params)
+    if not (use_k or use_p or use_min_p):
+        return logits
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    ranks = torch.arange(vocab, device=device)
+    if use_k:
+        remove |= ranks[None, :] >= torch.tensor(top_k, device=device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    if use_p:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        remove |= before >= top_p[:, None]
+    if use_min_p:
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        remove |= probs < min_p[:, None] * probs[:, :1]
+    remove[:, 0] = False  # the most likely token always survives
+    return logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Repetition penalty (transformers' rule, prompt + output) and OpenAI presence/frequency
+    penalties (output only), in place, for the rows that ask for them."""
+    for i, request in enumerate(requests):
+        p = request.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(request.prompt_token_ids + request.output_token_ids, device=logits.device).unique()
+            row = logits[i, seen]
+            logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+            ids = torch.tensor(request.output_token_ids, device=logits.device)
+            counts = torch.zeros(logits.shape[-1], device=logits.device).index_add_(
+                0, ids, torch.ones(len(ids), device=logits.device))
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def ban_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request]) -> None:
+    for i, request in enumerate(requests):
+        if request.num_output_tokens < request.params.min_tokens and request.stop_ids:
+            logits[i, list(request.stop_ids)] = float("-inf")
+
+
+def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    k = max(r.params.logprobs or 0 for r in requests)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    top = logprobs.topk(k, dim=-1) if k > 0 else None
+    return SamplerOutput(
+        tokens.tolist(),
+        chosen.tolist(),
+        top.indices.tolist() if top is not None else None,
+        top.values.tolist() if top is not None else None,
+    )

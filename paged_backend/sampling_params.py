@@ -1,0 +1,72 @@
+"""SamplingParams: how one request is decoded and when it stops (vLLM's field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        check(isinstance(self.n, int) and self.n == 1, "n", self.n, "must be 1 (n > 1 is not supported yet)")
+        check_number(self.temperature, "temperature", lambda x: x >= 0, "must be >= 0")
+        check(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
+              "must be an int >= 0, or -1 to disable")
+        check_number(self.top_p, "top_p", lambda x: 0 < x <= 1, "must be in (0, 1]")
+        check_number(self.min_p, "min_p", lambda x: 0 <= x <= 1, "must be in [0, 1]")
+        check_number(self.repetition_penalty, "repetition_penalty", lambda x: x > 0, "must be > 0")
+        check_number(self.presence_penalty, "presence_penalty", lambda x: -2 <= x <= 2, "must be in [-2, 2]")
+        check_number(self.frequency_penalty, "frequency_penalty", lambda x: -2 <= x <= 2,
+                     "must be in [-2, 2]")
+        check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an int or None")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              "max_tokens", self.max_tokens, "must be an int >= 1 or None")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+              "must be an int >= 0")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+              f"must be <= max_tokens ({self.max_tokens})")
+        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
+              self.stop, "must be a list of non-empty strings")
+        check(isinstance(self.stop_token_ids, list) and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids", self.stop_token_ids, "must be a list of non-negative ints")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs",
+              self.logprobs, "must be an int >= 0 or None")
+
+
+def check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r}: {rule}")
+
+
+def check_number(value: object, name: str, ok: Callable[[float], bool], rule: str) -> None:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    check(is_number and ok(value), name, value, rule)

@@ -1,0 +1,97 @@
+"""Scheduler: decides which requests run in the next step and how many tokens each computes.
+
+There is no prefill or decode phase. Every request has `num_computed_tokens`; each step gives
+running requests (oldest first) the tokens they lack under one token budget, then admits waiting
+requests in arrival order, slicing long prompts (chunked prefill). When blocks run out, the newest
+running request is preempted: its blocks are freed and it is recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import NamedTuple
+
+from .config import EngineConfig
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+class ScheduledBatch(NamedTuple):
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.max_tokens = config.max_num_batched_tokens
+        self.max_seqs = config.max_num_seqs
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [])
+        preemptions_before = self.num_preemptions
+        budget = self.schedule_running(batch, self.max_tokens)
+        # After a preemption the cache is full: admitting new work would only preempt again.
+        if self.num_preemptions == preemptions_before:
+            self.schedule_waiting(batch, budget)
+        return batch
+
+    def schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is request:
+                    return budget
+            batch.requests.append(request)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        return budget
+
+    def schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request, n):
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.time()
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(n)
+            budget -= n
+
+    def preempt(self, request: Request) -> None:
+        """Free the request's blocks and put it first in line; it will recompute its tokens."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        """Remove a request wherever it is and free its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED

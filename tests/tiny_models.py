@@ -1,0 +1,48 @@
+"""Tiny random models of every architecture the engine claims, built in-process (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+VOCAB = 256
+
+# Each factory returns a config small enough that a forward takes milliseconds.
+CONFIGS = {
+    "llama": lambda: tf.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **_common()),
+    "mistral": lambda: tf.MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
+                                        **_common()),
+    "qwen2": lambda: tf.Qwen2Config(num_attention_heads=4, num_key_value_heads=2, **_common()),
+    "qwen3": lambda: tf.Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, **_common()),
+    "gemma": lambda: tf.GemmaConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=16, **_common()),
+    "phi3": lambda: tf.Phi3Config(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **_common()),
+    "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512),
+    "gpt_neox": lambda: tf.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, intermediate_size=128, rotary_pct=0.5,
+                                         max_position_embeddings=512),
+    "gptj": lambda: tf.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=512),
+    "gpt_bigcode": lambda: tf.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, multi_query=True,
+                                               n_positions=512),
+    "opt": lambda: tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                ffn_dim=128, word_embed_proj_dim=64, max_position_embeddings=512),
+}
+
+
+def _common() -> dict:
+    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                max_position_embeddings=512)
+
+
+def build(arch: str, seed: int = 0) -> tf.PreTrainedModel:
+    """A tiny random causal LM of `arch`, in float32 eval mode, with no eos so runs go to max length."""
+    torch.manual_seed(seed)
+    config = CONFIGS[arch]()
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Larger-than-default init spreads the logits, so greedy argmax has no near-ties to flip on rounding.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
