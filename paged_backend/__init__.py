@@ -2,6 +2,7 @@
 
 from .config import EngineConfig
 from .default_model import DEFAULT_MODEL
+from .async_engine import AsyncEngine
 from .engine import Engine
 from .llm import LLM
 from .model_loader import UnsupportedArchitectureError
@@ -10,6 +11,7 @@ from .sampling_params import SamplingParams
 
 __all__ = [
     "DEFAULT_MODEL",
+    "AsyncEngine",
     "CompletionOutput",
     "Engine",
     "EngineConfig",
