@@ -171,8 +171,9 @@ class Engine:
         if not batch.requests:
             return outputs
         try:
-            logits, sampling_requests = self.runner.execute(batch)
-            sampled = sample(logits, sampling_requests)
+            with torch.inference_mode():
+                logits, sampling_requests = self.runner.execute(batch)
+                sampled = sample(logits, sampling_requests)
         except Exception as exc:  # a failed forward ends this step's requests, not the engine
             logger.exception("engine step failed")
             for request in batch.requests:

@@ -34,19 +34,19 @@ class ModelRunner:
         self.device = cache.kv.device
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
-        """Run one forward; return logits `[S, V]` for the requests that reach their last token."""
+        """Run one forward; return logits `[S, V]` for the requests that reach their last token.
+        The caller holds `torch.inference_mode()` over this and the sampling that follows."""
         inputs = self.prepare_inputs(batch)
         self.cache.metadata = inputs.metadata
         try:
-            with torch.inference_mode():
-                out = self.model(
-                    input_ids=inputs.input_ids,
-                    position_ids=inputs.position_ids,
-                    cache=self.cache,
-                    use_cache=True,
-                    paged_cache=self.cache,
-                    logits_to_keep=inputs.logits_indices,
-                )
+            out = self.model(
+                input_ids=inputs.input_ids,
+                position_ids=inputs.position_ids,
+                cache=self.cache,
+                use_cache=True,
+                paged_cache=self.cache,
+                logits_to_keep=inputs.logits_indices,
+            )
         finally:
             self.cache.metadata = None
         return out.logits[0], inputs.sampling_requests

@@ -311,7 +311,8 @@ def test_stop_split_across_multibyte_tokens(byte_tok: PreTrainedTokenizerFast) -
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_at_first_token(smollm: PreTrainedTokenizerFast, include: bool) -> None:
     ids = encode(smollm, "Hello world")
-    detok = IncrementalDetokenizer(smollm, encode(smollm, "Greet: "), stop=["Hel"], include_stop_str_in_output=include)
+    prompt = encode(smollm, "Greet: ")
+    detok = IncrementalDetokenizer(smollm, prompt, stop=["Hel"], include_stop_str_in_output=include)
     assert detok.update(ids[:1]) == "Hel"
     first = detok.take_delta(finished=False)
     assert first == detok.output_text == ("Hel" if include else "")
@@ -398,7 +399,11 @@ def _check_scenario(tok: PreTrainedTokenizerFast, sc: dict) -> None:
     stops = [full[s : s + n] for s, n in sc["stop_spans"] if s < len(full)] + sc["random_stops"]
     stops = [s for s in stops if s and FFFD not in s]
     detok = IncrementalDetokenizer(
-        tok, sc["prompt"], stop=stops, include_stop_str_in_output=sc["include"], skip_special_tokens=sc["skip"]
+        tok,
+        sc["prompt"],
+        stop=stops,
+        include_stop_str_in_output=sc["include"],
+        skip_special_tokens=sc["skip"],
     )
     deltas: list[str] = []
     hit = None

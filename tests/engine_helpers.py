@@ -1,0 +1,41 @@
+"""Shared helpers for engine tests: HF reference generation and running an engine to completion."""
+
+from __future__ import annotations
+
+import torch
+
+from paged_backend import Engine, RequestOutput, SamplingParams
+
+
+def mixed_prompts(n: int = 12, vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    """Prompts of different lengths (3 to about 40 tokens), deterministic."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3 + (7 * i) % 38 for i in range(n)]
+    return [torch.randint(1, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: plain `generate`, greedy, forced to run `max_new_tokens` (eos banned)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def run_to_completion(engine: Engine) -> dict[str, RequestOutput]:
+    finals: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    return finals
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def assert_all_blocks_free(engine: Engine) -> None:
+    pool = engine.kv.pool
+    assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks leaked"
+    assert all(count == 0 for count in pool.ref_counts)

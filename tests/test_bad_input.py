@@ -1,0 +1,120 @@
+"""Bad input gets a clear error for that request; the engine keeps serving the others."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import assert_all_blocks_free, greedy, hf_greedy, run_to_completion
+from tiny_models import build
+
+from paged_backend import Engine, EngineConfig, SamplingParams, UnsupportedArchitectureError
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("llama")
+
+
+@pytest.fixture
+def engine(model):
+    return Engine(model, None, EngineConfig(num_kv_blocks=64, max_model_len=128))
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], None, "empty"),
+        ([1] * 128, None, "context length is 128"),
+        ([1, 2, 256], None, "outside the vocabulary"),
+        ([1, -3], None, "outside the vocabulary"),
+        ("text", None, "needs a tokenizer"),
+        ([1, 2.5], None, "int token ids"),
+    ],
+)
+def test_bad_prompt_is_refused_while_others_run(model, engine, prompt, params, message):
+    good = engine.add_request([5, 6, 7], greedy(6))
+    engine.step()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, params)
+    finals = run_to_completion(engine)
+    assert finals[good].outputs[0].token_ids == hf_greedy(model, [5, 6, 7], 6)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(stop="x y".split(" ") + [3]), "stop"),
+        (dict(stop=[""]), "stop"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(n=2), "n"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**kwargs)
+
+
+def test_params_mutated_after_construction_are_revalidated(engine):
+    params = SamplingParams()
+    params.temperature = -1.0
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request([1, 2], params)
+    assert not engine.has_unfinished_requests()
+
+
+def test_stop_strings_need_a_tokenizer(engine):
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request([1, 2], SamplingParams(stop=["x"]))
+
+
+def test_abort_mid_generation_frees_blocks_and_reports(model, engine):
+    keep = engine.add_request([3, 4, 5], greedy(8))
+    gone = engine.add_request([9] * 20, greedy(50))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(gone)
+    finals = run_to_completion(engine)
+    assert finals[gone].outputs[0].finish_reason == "abort"
+    assert finals[keep].outputs[0].token_ids == hf_greedy(model, [3, 4, 5], 8)
+    assert_all_blocks_free(engine)
+
+
+def test_request_longer_than_the_cache_stops_at_its_length(model):
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=4, block_size=4))  # 16 slots in all
+    rid = engine.add_request([1, 2, 3], greedy(100))
+    out = run_to_completion(engine)[rid].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 16 - 3
+    assert_all_blocks_free(engine)
+
+
+def test_failed_forward_ends_only_that_step(model, monkeypatch):
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64))
+    rid = engine.add_request([1, 2, 3], greedy(4))
+    monkeypatch.setattr(engine.runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    outputs = engine.step()
+    assert outputs[0].request_id == rid and outputs[0].error == "RuntimeError: boom"
+    assert outputs[0].outputs[0].finish_reason == "abort"
+    monkeypatch.undo()
+    again = engine.add_request([1, 2, 3], greedy(4))
+    assert run_to_completion(engine)[again].outputs[0].token_ids == hf_greedy(model, [1, 2, 3], 4)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("arch", ["bloom", "mpt", "falcon"])
+def test_unsupported_architectures_refuse_to_run(arch):
+    import transformers as tf
+
+    config = {
+        "bloom": lambda: tf.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2),
+        "mpt": lambda: tf.MptConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2),
+        "falcon": lambda: tf.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, alibi=False),
+    }[arch]()
+    model = tf.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedArchitectureError, match=arch):
+        Engine(model, None, EngineConfig(num_kv_blocks=8))

@@ -1,0 +1,73 @@
+"""The PyTorch paged attention (CPU backend and kernel oracle) against dense attention per sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_backend.kernels import AttentionMetadata, paged_attention, write_kv_cache
+
+
+def dense_reference(q, k, v, scale, window=None, softcap=None):
+    """q [n, H, D] are the last n positions of k, v [L, KVH, D]."""
+    n, heads, _ = q.shape
+    seq_len, kv_heads, _ = k.shape
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = torch.arange(seq_len - n, seq_len)[:, None]
+    k_pos = torch.arange(seq_len)[None, :]
+    allowed = k_pos <= q_pos
+    if window:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 20.0), (4, 30.0)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_mixed_batch_matches_dense(window, softcap, heads, kv_heads):
+    torch.manual_seed(0)
+    block_size, num_blocks, dim = 4, 32, 16
+    # (context already cached, new tokens): decode, chunked prefill after context, fresh prefill
+    shapes = [(9, 1), (6, 5), (0, 7), (13, 1)]
+    key_cache = torch.randn(kv_heads, num_blocks * block_size, dim)  # garbage everywhere not written
+    value_cache = torch.randn_like(key_cache)
+    free = torch.randperm(num_blocks).tolist()  # shuffled, non-contiguous blocks
+    full_k, full_v, tables, slots, queries = [], [], [], [], []
+    for ctx, new in shapes:
+        length = ctx + new
+        blocks = [free.pop() for _ in range(-(-length // block_size))]
+        seq_slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(length)])
+        k, v = torch.randn(length, kv_heads, dim), torch.randn(length, kv_heads, dim)
+        write_kv_cache(k[:ctx], v[:ctx], key_cache, value_cache, seq_slots[:ctx])
+        full_k.append(k), full_v.append(v), tables.append(blocks), slots.append(seq_slots[ctx:])
+        queries.append(torch.randn(new, heads, dim))
+    new_k = torch.cat([k[ctx:] for k, (ctx, _) in zip(full_k, shapes)])
+    new_v = torch.cat([v[ctx:] for v, (ctx, _) in zip(full_v, shapes)])
+    slot_mapping = torch.cat(slots)
+    slot_mapping[1] = -1  # a skipped slot is not written...
+    write_kv_cache(new_k, new_v, key_cache, value_cache, slot_mapping)
+    write_kv_cache(new_k[1:2], new_v[1:2], key_cache, value_cache, torch.cat(slots)[1:2])  # ...until written
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = [0]
+    for _, new in shapes:
+        starts.append(starts[-1] + new)
+    lens = [c + n for c, n in shapes]
+    metadata = AttentionMetadata(slot_mapping, block_tables, torch.tensor(starts, dtype=torch.int32),
+                                 torch.tensor(lens, dtype=torch.int32), block_size, starts, lens,
+                                 max(n for _, n in shapes), max(lens))
+    out = paged_attention(torch.cat(queries), key_cache, value_cache, metadata, 0.25, window, softcap,
+                          new_key=new_k, new_value=new_v)
+    for i, (q, k, v) in enumerate(zip(queries, full_k, full_v)):
+        ref = dense_reference(q, k, v, 0.25, window, softcap)
+        torch.testing.assert_close(out[starts[i]:starts[i + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_write_skips_negative_slots():
+    cache_k, cache_v = torch.zeros(1, 8, 2), torch.zeros(1, 8, 2)
+    write_kv_cache(torch.ones(3, 1, 2), torch.ones(3, 1, 2), cache_k, cache_v, torch.tensor([2, -1, 5]))
+    assert cache_k[0, :, 0].tolist() == [0, 0, 1, 0, 0, 1, 0, 0]
