@@ -1,12 +1,20 @@
-"""BlockPool: the fixed set of KV blocks, a free list and a reference count per block.
+"""BlockPool: the fixed set of KV blocks, their reference counts and the prefix-cache index.
 
-Block ids index the paged cache tensors. A block is free when its reference count is zero; the
-free list is a deque so allocation and release are O(1) per block, with no per-step objects.
+A block is free when its reference count is zero. Free blocks wait in an LRU queue (an ordered
+dict, so a cache hit can take a block out of the middle in O(1)). A full block may carry a hash of
+its contents and stays findable by that hash after it is freed, until it is reused for other tokens:
+evicting in LRU order keeps the most recently used prefixes. Requests free their blocks tail first,
+so the tail of a sequence is evicted before its shared head.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from typing import NewType
+
+BlockHash = NewType("BlockHash", int)
+# (parent block's hash, this block's tokens, the request's cache salt for a first block)
+BlockKey = tuple[BlockHash | None, tuple[int, ...], str | None]
 
 
 class BlockPool:
@@ -15,34 +23,72 @@ class BlockPool:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Prefix cache: hash -> block, and each cached block's hash and key, compared on every hit.
+        self.cached: dict[BlockHash, int] = {}
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.block_key: list[BlockKey | None] = [None] * num_blocks
+
+    @property
+    def free_ids(self) -> list[int]:
+        return list(self.free_queue)
 
     @property
     def num_free(self) -> int:
-        return len(self.free_ids)
+        return len(self.free_queue)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self.free_ids)
+        return n <= len(self.free_queue)
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks, each with reference count 1."""
-        if n > len(self.free_ids):
-            raise MemoryError(f"asked for {n} KV blocks, {len(self.free_ids)} free")
-        ids = [self.free_ids.popleft() for _ in range(n)]
+        """Take `n` free blocks (least recently used first), each with reference count 1."""
+        if n > len(self.free_queue):
+            raise MemoryError(f"asked for {n} KV blocks, {len(self.free_queue)} free")
+        ids = [self.free_queue.popitem(last=False)[0] for _ in range(n)]
         for block_id in ids:
+            self.evict(block_id)
             self.ref_counts[block_id] = 1
         return ids
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; a block with none left returns to the free list."""
+        """Drop one reference to each block; a block with none left joins the end of the LRU queue."""
         for block_id in block_ids:
             count = self.ref_counts[block_id]
             if count <= 0:
                 raise RuntimeError(f"KV block {block_id} freed twice")
             self.ref_counts[block_id] = count - 1
             if count == 1:
-                self.free_ids.append(block_id)
+                self.free_queue[block_id] = None
+
+    # ------------------------------------------------------------ prefix cache
+
+    def lookup(self, block_hash: BlockHash, key: BlockKey) -> int | None:
+        """The cached block stored under `block_hash` with exactly this key, now referenced once more."""
+        block_id = self.cached.get(block_hash)
+        # Comparing the key means a hash collision can never serve another sequence's K/V.
+        if block_id is None or self.block_key[block_id] != key:
+            return None
+        if self.ref_counts[block_id] == 0:
+            del self.free_queue[block_id]
+        self.ref_counts[block_id] += 1
+        return block_id
+
+    def register(self, block_id: int, block_hash: BlockHash, key: BlockKey) -> None:
+        """Make a full block findable by its hash (the first block with a hash keeps it)."""
+        if block_hash in self.cached or self.block_hash[block_id] is not None:
+            return
+        self.cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+        self.block_key[block_id] = key
+
+    def evict(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            if self.cached.get(block_hash) == block_id:
+                del self.cached[block_hash]
+            self.block_hash[block_id] = None
+            self.block_key[block_id] = None

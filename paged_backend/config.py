@@ -21,6 +21,7 @@ class EngineConfig:
     dtype: torch.dtype | str | None = None
     device: str | torch.device | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's setting
+    enable_prefix_caching: bool = True  # share the K/V of identical prompt prefixes across requests
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -49,13 +49,13 @@ class Engine:
         param = next(model.parameters())
         num_blocks = self.choose_num_blocks(shape, param.dtype, param.device)
         self.cache = PagedCache(shape, num_blocks, self.config.block_size, param.dtype, param.device)
-        self.kv = KVCacheManager(num_blocks, self.config.block_size)
+        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv)
         self.runner = ModelRunner(model, self.cache)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_model_len = self.resolve_max_model_len(text_config)
         self.eos_token_ids = find_eos_ids(model, tokenizer)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, list[Request]] = {}  # user's id -> its samples
         self.pending_outputs: list[RequestOutput] = []
         self.ids = itertools.count()
         self.utilisation_samples: list[float] = []
@@ -84,30 +84,46 @@ class Engine:
         request_id: str | None = None,
         stream: bool = True,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a prompt (text or token ids); raise ValueError, leaving the engine untouched, if it is invalid."""
+        """Queue a prompt (text or token ids); raise ValueError, leaving the engine untouched, if it is invalid.
+
+        With `params.n > 1` the prompt is sampled n times; the samples share its cached blocks."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self.ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
-        request = Request(
+        metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        group: list[Request] = []
+        for index in range(params.n):
+            sample_params = params if params.n == 1 else params.for_sample(index)
+            internal_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            group.append(self.make_request(internal_id, text, token_ids, sample_params, metrics, stream, cache_salt))
+        for index, request in enumerate(group):
+            request.index, request.group, request.external_id = index, group, request_id
+            request.leader = group[0] if index else None
+            self.scheduler.add(request)
+        self.requests[request_id] = group
+        return request_id
+
+    def make_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+                     metrics: RequestMetrics, stream: bool, cache_salt: str | None) -> Request:
+        return Request(
             request_id=request_id,
             prompt=text,
             prompt_token_ids=token_ids,
             params=params,
             max_tokens=self.resolve_max_tokens(len(token_ids), params),
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids),
-            metrics=RequestMetrics(arrival_time=arrival_time or time.time()),
+            metrics=metrics,
             stream=stream,
             generator=self.make_generator(params.seed),
             detokenizer=self.make_detokenizer(token_ids, params),
             logprobs=[] if params.logprobs is not None else None,
+            cache_salt=cache_salt,
         )
-        self.requests[request_id] = request
-        self.scheduler.add(request)
-        return request_id
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -151,13 +167,15 @@ class Engine:
                                       params.skip_special_tokens)
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:
-        """Stop a request now and free its blocks; its final output comes from the next step()."""
-        request = self.requests.get(request_id)
-        if request is None or request.is_finished:
+        """Stop a request (all its samples) now and free its blocks; its final output comes from the next step()."""
+        group = self.requests.get(request_id)
+        if group is None:
             return
-        request.error = error
-        self.finish(request, "abort")
-        self.pending_outputs.append(self.make_output(request, []))
+        for request in group:
+            if not request.is_finished:
+                request.error = error
+                self.finish(request, "abort")
+        self.pending_outputs.append(self.make_output(group[-1], []))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending_outputs)
@@ -176,12 +194,13 @@ class Engine:
                 sampled = sample(logits, sampling_requests)
         except Exception as exc:  # a failed forward ends this step's requests, not the engine
             logger.exception("engine step failed")
-            for request in batch.requests:
-                self.abort_request(request.request_id, error=f"{type(exc).__name__}: {exc}")
+            for request_id in dict.fromkeys(r.external_id for r in batch.requests):
+                self.abort_request(request_id, error=f"{type(exc).__name__}: {exc}")
             outputs, self.pending_outputs = outputs + self.pending_outputs, []
             return outputs
         for request, n in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += n
+            self.kv.cache_full_blocks(request)
         self.record_utilisation()
         outputs.extend(self.append_tokens(sampling_requests, sampled))
         return outputs
@@ -197,7 +216,7 @@ class Engine:
             if request.logprobs is not None:
                 record_logprobs(request, sampled, i)
             self.check_stop(request, token)
-            if request.stream or request.is_finished:
+            if request.stream or request.group_finished():
                 outputs.append(self.make_output(request, [token]))
         return outputs
 
@@ -217,30 +236,25 @@ class Engine:
         request.finish_reason = reason
         request.metrics.finished_time = time.time()
         self.scheduler.finish(request)
-        del self.requests[request.request_id]
+        if request.group_finished():
+            del self.requests[request.external_id]
 
     def make_output(self, request: Request, delta_ids: list[int]) -> RequestOutput:
-        finished = request.is_finished
+        """The user-facing output after `request` changed. While samples of an n > 1 request are still
+        running, it carries only the changed sample; the final one carries every sample in index order."""
+        finished = request.group_finished()
         detok = request.detokenizer
-        completion = CompletionOutput(
-            index=0,
-            text=detok.output_text if detok else "",
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
-            logprobs=request.logprobs,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
+        samples = request.group if finished else [request]
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=request.external_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
+            outputs=[completion_of(r) for r in samples],
             finished=finished,
             metrics=request.metrics,
-            num_cached_tokens=request.num_cached_tokens,
+            num_cached_tokens=request.group[0].num_cached_tokens,
             error=request.error,
-            delta_text=detok.take_delta(finished) if detok else "",
+            delta_text=detok.take_delta(request.is_finished) if detok else "",
             delta_token_ids=delta_ids,
         )
 
@@ -262,7 +276,21 @@ class Engine:
             "kv_usage": self.kv.pool.usage,
             "kv_utilisation_mean": sum(samples) / len(samples) if samples else 1.0,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
+            "prefix_cache_hit_tokens": self.kv.hit_tokens,
         }
+
+
+def completion_of(request: Request) -> CompletionOutput:
+    return CompletionOutput(
+        index=request.index,
+        text=request.detokenizer.output_text if request.detokenizer else "",
+        token_ids=list(request.output_token_ids),
+        cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+        logprobs=request.logprobs,
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+    )
 
 
 def record_logprobs(request: Request, sampled: SamplerOutput, row: int) -> None:

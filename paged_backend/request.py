@@ -34,6 +34,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, once computed
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries from other tenants'
+    leader: Request | None = None  # for samples 1..n-1: wait until sample 0 has computed the prompt
+    index: int = 0  # which of the n samples this is
+    group: list[Request] = field(default_factory=list)  # all samples of the user's request, in index order
+    external_id: str = ""  # the id the user gave; samples of an n > 1 request share it
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
@@ -59,6 +65,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def group_finished(self) -> bool:
+        return all(r.is_finished for r in self.group)
+
+    def is_waiting_for_leader(self) -> bool:
+        """A later sample starts only once the first has cached the prompt, so it can share it."""
+        leader = self.leader
+        return leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens `[start, stop)` of prompt + output, without concatenating the whole sequence."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 
@@ -35,9 +35,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of sample `index` of an n > 1 request: n = 1 and a distinct derived seed."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
-        check(isinstance(self.n, int) and self.n == 1, "n", self.n, "must be 1 (n > 1 is not supported yet)")
+        check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, "n", self.n, "must be an int >= 1")
         check_number(self.temperature, "temperature", lambda x: x >= 0, "must be >= 0")
         check(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
               "must be an int >= 0, or -1 to disable")

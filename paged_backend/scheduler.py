@@ -2,7 +2,8 @@
 
 There is no prefill or decode phase. Every request has `num_computed_tokens`; each step gives
 running requests (oldest first) the tokens they lack under one token budget, then admits waiting
-requests in arrival order, slicing long prompts (chunked prefill). When blocks run out, the newest
+requests in arrival order, slicing long prompts (chunked prefill). A request admitted for the
+first time starts after its longest cached prefix. When blocks run out, the newest
 running request is preempted: its blocks are freed and it is recomputed later from its tokens.
 """
 
@@ -63,19 +64,36 @@ class Scheduler:
         return budget
 
     def schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-            request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, n):
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
+            request = self.waiting[i]
+            if request.is_waiting_for_leader():
+                i += 1
+                continue
+            if not self.admit(request, budget):
                 return
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = time.time()
+            del self.waiting[i]
             self.running.append(request)
             batch.requests.append(request)
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
             batch.num_new_tokens.append(n)
             budget -= n
+
+    def admit(self, request: Request, budget: int) -> bool:
+        """Take the request's cached prefix and blocks for its first chunk; False (nothing held) if full."""
+        if request.num_computed_tokens == 0:
+            hit = self.kv.acquire_cached_prefix(request)
+            if request.metrics.first_scheduled_time is None:
+                request.num_cached_tokens = hit
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.kv.allocate_slots(request, n):
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            return False
+        request.status = RequestStatus.RUNNING
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.time()
+        return True
 
     def preempt(self, request: Request) -> None:
         """Free the request's blocks and put it first in line; it will recompute its tokens."""

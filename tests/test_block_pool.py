@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from engine_helpers import assert_all_blocks_free
 from hypothesis import HealthCheck, given, settings
@@ -62,12 +64,15 @@ def test_any_sequence_frees_every_block(model, actions, num_blocks, budget):
 
 
 def check_pool_invariants(engine: Engine) -> None:
+    """Every block's reference count is the number of requests holding it (shared prefixes count once
+    per holder); a block is on the free list exactly when nobody holds it."""
     pool = engine.kv.pool
     assert all(c >= 0 for c in pool.ref_counts)
-    held = [b for r in engine.scheduler.running + list(engine.scheduler.waiting) for b in r.block_ids]
-    assert len(held) == len(set(held)), "a block is owned by two requests"
-    free = set(pool.free_ids)
-    assert len(free) == len(pool.free_ids), "a block is on the free list twice"
-    assert not free & set(held), "a block in use is on the free list"
-    assert len(free) + len(held) == pool.num_blocks
-    assert all(pool.ref_counts[b] == 1 for b in held)
+    holders = Counter(b for r in engine.scheduler.running + list(engine.scheduler.waiting) for b in r.block_ids)
+    for request in engine.scheduler.running + list(engine.scheduler.waiting):
+        assert len(set(request.block_ids)) == len(request.block_ids), "a request holds a block twice"
+    free = pool.free_ids
+    assert len(set(free)) == len(free), "a block is on the free list twice"
+    assert not set(free) & set(holders), "a block in use is on the free list"
+    assert len(free) + len(holders) == pool.num_blocks
+    assert all(pool.ref_counts[b] == n for b, n in holders.items())
