@@ -1,0 +1,101 @@
+"""create_app: the FastAPI application serving one AsyncEngine with OpenAI's API, /generate and metrics."""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from paged_backend import AsyncEngine
+
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, install_error_handlers
+from .legacy import generate
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .state import ServerState
+
+
+def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app for `aengine`; `model_name` is what clients must send as `model`; with `api_key` set,
+    every /v1 and /generate request needs `Authorization: Bearer <api_key>`."""
+    state = ServerState(aengine, model_name, ServerMetrics(aengine.engine), api_key)
+    app = FastAPI(title="paged-backend", docs_url=None, redoc_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(HTTPStatusCounter, metrics=state.metrics)
+    add_routes(app, state)
+    return app
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    authorised = [Depends(require_key(state))]
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.aengine.thread.is_alive() else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=authorised)
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card(state)]})
+
+    @app.post("/v1/completions", dependencies=authorised)
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(state, body, request)
+
+    @app.post("/v1/chat/completions", dependencies=authorised)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(state, body, request)
+
+    @app.post("/generate", dependencies=authorised)
+    async def legacy_generate(body: GenerateRequest, request: Request):
+        return await generate(state, body, request)
+
+
+def model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "paged-backend",
+            "max_model_len": state.engine.max_model_len}
+
+
+def require_key(state: ServerState):
+    async def check(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), state.api_key):
+            raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                           None, "invalid_api_key")
+    return check
+
+
+class HTTPStatusCounter:
+    """Counts responses by path and status code (a plain ASGI middleware, so streams are not buffered)."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def capture(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            self.metrics.record_http(scope["path"], status)

@@ -1,0 +1,43 @@
+"""`paged-backend serve`: its flags and the function that loads the model and runs the server."""
+
+from __future__ import annotations
+
+import argparse
+
+ENGINE_INT_FLAGS = ("block_size", "num_kv_blocks", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs",
+                    "max_model_len")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="hub id, folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /generate")
+    parser.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
+    engine = parser.add_argument_group("engine")
+    for name in ENGINE_INT_FLAGS:
+        engine.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    engine.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: the model's)")
+    engine.add_argument("--device", default=None, help="e.g. cpu, cuda (default: the model's)")
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    try:
+        import uvicorn
+    except ImportError as exc:
+        raise ImportError("`serve` needs the serve extra: pip install 'paged-backend[serve]'") from exc
+
+    from paged_backend import DEFAULT_MODEL, LLM, AsyncEngine
+
+    from .app import create_app
+
+    config = {name: getattr(args, name) for name in ENGINE_INT_FLAGS + ("dtype", "device")
+              if getattr(args, name) is not None}
+    llm = LLM(args.model, **config)
+    aengine = AsyncEngine(llm.engine)
+    name = args.served_model_name or args.model or DEFAULT_MODEL
+    try:
+        uvicorn.run(create_app(aengine, name, args.api_key), host=args.host, port=args.port)
+    finally:
+        aengine.shutdown()

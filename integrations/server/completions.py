@@ -1,0 +1,103 @@
+"""POST /v1/completions: text in, text out, for one prompt or many, n choices each, streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from paged_backend import RequestOutput
+
+from .errors import APIError, bad_request
+from .fanout import Job, collect_finals, merge_streams, new_id
+from .protocol import CompletionRequest
+from .responses import DONE, completion_logprobs, positions, sse, sse_error, usage
+from .sampling import check_prompt, seeded_copies, to_sampling_params
+from .state import ServerState
+
+Prompt = str | list[int]
+
+
+async def create_completion(state: ServerState, body: CompletionRequest, http_request: Request):
+    body.check_supported()
+    state.check_model(body.model)
+    params = to_sampling_params(body, body.max_tokens, body.logprobs)
+    prompts = [state.tokenize(p) for p in prompt_list(body.prompt)]
+    for _, ids in prompts:
+        check_prompt(state.engine, ids, params)
+    jobs = [Job(i * body.n + j, ids, p) for i, (_, ids) in enumerate(prompts)
+            for j, p in enumerate(seeded_copies(params, body.n))]
+    echoes = [echo_text(state, text, ids) if body.echo else "" for text, ids in prompts for _ in range(body.n)]
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    request_id = new_id("cmpl")
+    if body.stream:
+        events = stream_completion(state, body, jobs, echoes, prompt_tokens, request_id)
+        return StreamingResponse(events, media_type="text/event-stream")
+    finals = await collect_finals(http_request, state.aengine, jobs, request_id, state.metrics)
+    choices = [completion_choice(state, body, i, finals[i], echoes[i]) for i in range(len(jobs))]
+    completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals.values())
+    return JSONResponse(envelope(request_id, body.model, choices) | {"usage": usage(prompt_tokens, completion_tokens)})
+
+
+def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def echo_text(state: ServerState, text: str | None, ids: list[int]) -> str:
+    if text is not None:
+        return text
+    return state.tokenizer.decode(ids) if state.tokenizer is not None else ""
+
+
+def envelope(request_id: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices}
+
+
+def completion_choice(state: ServerState, body: CompletionRequest, index: int, output: RequestOutput,
+                      echo: str) -> dict[str, Any]:
+    completion = output.outputs[0]
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = completion_logprobs(state.tokenizer, positions(completion), body.logprobs, len(echo))
+    return {"index": index, "text": echo + completion.text, "logprobs": logprobs,
+            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+
+async def stream_completion(state: ServerState, body: CompletionRequest, jobs: list[Job], echoes: list[str],
+                            prompt_tokens: int, request_id: str) -> AsyncIterator[str]:
+    generated = [0] * len(jobs)
+    echo_pending = [bool(e) for e in echoes]
+    async for index, output in merge_streams(state.aengine, jobs, request_id, state.metrics):
+        if output.error:
+            yield sse_error(APIError(500, f"generation failed: {output.error}"))
+            return
+        generated[index] = len(output.outputs[0].token_ids)
+        text = (echoes[index] if echo_pending[index] else "") + output.delta_text
+        echo_pending[index] = False
+        if text or output.finished:
+            yield sse(envelope(request_id, body.model, [stream_choice(state, body, index, output, text)]))
+    if body.include_usage:
+        yield sse(envelope(request_id, body.model, []) | {"usage": usage(prompt_tokens, sum(generated))})
+    yield DONE
+
+
+def stream_choice(state: ServerState, body: CompletionRequest, index: int, output: RequestOutput,
+                  text: str) -> dict[str, Any]:
+    completion = output.outputs[0]
+    logprobs = None
+    if body.logprobs is not None:
+        pairs = positions(completion, len(output.delta_token_ids))
+        logprobs = completion_logprobs(state.tokenizer, pairs, body.logprobs)
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": completion.finish_reason if output.finished else None,
+            "stop_reason": completion.stop_reason if output.finished else None}

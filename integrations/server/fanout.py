@@ -1,0 +1,99 @@
+"""Run several engine requests for one API call (n choices, several prompts) and merge their streams.
+
+The engine takes n == 1 only, so n choices are n engine requests (with seeds seed + i). Each runs in
+its own task; cancelling the merged stream (the client went away) cancels every task, and each
+task's `AsyncEngine.generate` aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from paged_backend import AsyncEngine, RequestOutput, SamplingParams
+
+from .errors import APIError
+from .metrics import ServerMetrics
+
+DISCONNECT_POLL_S = 0.2
+
+
+@dataclass(slots=True)
+class Job:
+    """One engine request: the choice index it fills, its prompt token ids and its parameters."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def merge_streams(aengine: AsyncEngine, jobs: Sequence[Job], request_id: str,
+                        metrics: ServerMetrics) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (choice index, output) as any job's output changes, until every job has finished."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+    tasks = [asyncio.create_task(pump(aengine, job, f"{request_id}-{job.index}", queue)) for job in jobs]
+    unfinished = {job.index for job in jobs}
+    try:
+        while unfinished:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                unfinished.discard(index)
+                metrics.record_finished(item)
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        metrics.record_aborted(len(unfinished))
+
+
+async def pump(aengine: AsyncEngine, job: Job, request_id: str,
+               queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]]) -> None:
+    try:
+        async for output in aengine.generate(job.prompt_ids, job.params, request_id=request_id):
+            queue.put_nowait((job.index, output))
+    except ValueError as exc:  # validated before, so only a race (e.g. a reused id) lands here
+        queue.put_nowait((job.index, APIError(400, str(exc))))
+
+
+async def collect_finals(http_request: Request, aengine: AsyncEngine, jobs: Sequence[Job], request_id: str,
+                         metrics: ServerMetrics) -> dict[int, RequestOutput]:
+    """The final output of every job; if the client disconnects first, abort them all and give up."""
+    collector = asyncio.create_task(gather_finals(aengine, jobs, request_id, metrics))
+    watcher = asyncio.create_task(wait_for_disconnect(http_request))
+    try:
+        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not collector.done():
+            collector.cancel()
+    if collector.cancelled():  # nobody will read this answer; 499 is the usual "client closed request"
+        raise APIError(499, "the client disconnected before the answer was complete")
+    finals = collector.result()
+    failed = [out.error for out in finals.values() if out.error]
+    if failed:
+        raise APIError(500, f"generation failed: {failed[0]}")
+    return finals
+
+
+async def gather_finals(aengine: AsyncEngine, jobs: Sequence[Job], request_id: str,
+                        metrics: ServerMetrics) -> dict[int, RequestOutput]:
+    finals = {}
+    async for index, output in merge_streams(aengine, jobs, request_id, metrics):
+        if output.finished:
+            finals[index] = output
+    return finals
+
+
+async def wait_for_disconnect(http_request: Request) -> None:
+    while not await http_request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)

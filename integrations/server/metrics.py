@@ -1,0 +1,108 @@
+"""Prometheus metrics of one server: requests, tokens, latencies, and the engine's live state.
+
+Each app gets its own registry, so several servers (e.g. in one test process) never collide.
+Engine gauges are read at scrape time from `Engine.stats()` rather than pushed on every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from paged_backend import Engine, RequestOutput
+
+PREFIX = "paged_backend"
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+# The paths worth a label of their own; anything else is counted as "other" to bound cardinality.
+KNOWN_PATHS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/generate", "/health",
+                         "/metrics"})
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by path and status code",
+                                     ["path", "status"], registry=self.registry)
+        self.requests = Counter(f"{PREFIX}_requests", "Engine requests finished, by finish reason",
+                                ["finished_reason"], registry=self.registry)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=self.registry)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens of finished requests",
+                                         registry=self.registry)
+        self.cached_tokens = Counter(f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens served from the "
+                                     "prefix cache", registry=self.registry)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time from arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds", "Mean time between output tokens "
+                              "of a request", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Time from arrival to finish",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        # Plain totals for the hit-rate gauge (prometheus counters keep theirs private).
+        self.total_prompt_tokens = 0
+        self.total_cached_tokens = 0
+        self.registry.register(EngineCollector(engine, self))
+
+    def record_finished(self, output: RequestOutput) -> None:
+        completion = output.outputs[0]
+        reason = "error" if output.error else (completion.finish_reason or "abort")
+        self.requests.labels(reason).inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(len(completion.token_ids))
+        self.cached_tokens.inc(output.num_cached_tokens)
+        self.total_prompt_tokens += len(output.prompt_token_ids)
+        self.total_cached_tokens += output.num_cached_tokens
+        observe_latencies(self, output)
+
+    def record_aborted(self, count: int) -> None:
+        """Requests the server abandoned (the client went away); their engine output is never read."""
+        if count:
+            self.requests.labels("abort").inc(count)
+
+    def record_http(self, path: str, status: int) -> None:
+        self.http_requests.labels(path if path in KNOWN_PATHS else "other", str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def observe_latencies(metrics: ServerMetrics, output: RequestOutput) -> None:
+    m = output.metrics
+    if m.first_token_time is None:
+        return
+    metrics.ttft.observe(m.first_token_time - m.arrival_time)
+    num_tokens = len(output.outputs[0].token_ids)
+    if m.finished_time is not None:
+        metrics.e2e.observe(m.finished_time - m.arrival_time)
+        if num_tokens > 1:
+            metrics.tpot.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
+
+
+class EngineCollector(Collector):
+    """Gauges read from the engine when Prometheus scrapes."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self.engine.stats()
+        yield gauge("num_requests_running", "Requests in the running batch", stats["num_running"])
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled", stats["num_waiting"])
+        yield gauge("kv_cache_usage_ratio", "Fraction of KV blocks in use", stats["kv_usage"])
+        yield gauge("kv_cache_blocks_free", "Free KV blocks", stats["kv_blocks_free"])
+        yield gauge("num_preemptions", "Requests preempted so far", stats["num_preemptions"])
+        yield gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens",
+                    prefix_hit_rate(self.metrics))
+
+
+def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", documentation, value=float(value))
+
+
+def prefix_hit_rate(metrics: ServerMetrics) -> float:
+    queried = metrics.total_prompt_tokens
+    return metrics.total_cached_tokens / queried if queried else 0.0

@@ -1,0 +1,136 @@
+"""Request bodies of the OpenAI API (and vLLM's extra sampling fields), validated by pydantic.
+
+Unknown fields are refused (400) rather than ignored, so a client never believes an option took
+effect when it did not. Fields OpenAI defines but this server cannot honour are accepted by the
+schema and refused with a message naming them in `unsupported_fields`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import APIError, not_supported
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat share: OpenAI's sampling fields plus vLLM's extras."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    n: int = Field(1, ge=1, le=64)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the caller's own bookkeeping; it changes no output
+    # vLLM's extra sampling fields (sent with the OpenAI client's `extra_body`).
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise not_supported("logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise not_supported("best_of", "it must equal n (no server-side ranking)")
+        if self.suffix:
+            raise not_supported("suffix", "no fill-in-the-middle")
+        if self.echo and self.logprobs is not None:
+            raise not_supported("echo with logprobs", "the engine does not compute prompt logprobs")
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    # vLLM's chat extras.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.response_format is not None and self.response_format.type != "text":
+            raise not_supported(f"response_format {self.response_format.type}",
+                                "the engine has no guided (grammar-constrained) decoding to honour it")
+        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
+            raise not_supported("tool_choice", "forcing a tool call needs guided decoding, which the engine "
+                                "lacks; use 'auto' or 'none'")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class GenerateRequest(BaseModel):
+    """The older `/generate` body: a prompt, `stream`, and SamplingParams fields by their own names."""
+
+    model_config = ConfigDict(extra="allow")
+    prompt: str | list[int]
+    stream: bool = False
+    use_beam_search: bool = False

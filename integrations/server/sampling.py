@@ -1,0 +1,61 @@
+"""Turn a validated request into engine SamplingParams, and check it against the context length."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paged_backend import Engine, SamplingParams
+
+from .errors import APIError, bad_request
+from .protocol import SamplingFields
+
+
+def to_sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """One choice's parameters (n is fanned out by the server, so the engine always gets n=1)."""
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    return build_params(
+        temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty, seed=request.seed, max_tokens=max_tokens,
+        min_tokens=request.min_tokens, stop=stop, stop_token_ids=list(request.stop_token_ids or []),
+        ignore_eos=request.ignore_eos, logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+    )
+
+
+def build_params(**fields) -> SamplingParams:
+    """SamplingParams, with its ValueError (which names the field) turned into a 400."""
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as exc:
+        raise bad_request(str(exc), param=field_named_in(str(exc))) from None
+
+
+def field_named_in(message: str) -> str | None:
+    prefix = "SamplingParams."
+    if message.startswith(prefix):
+        return message[len(prefix):].split("=", 1)[0]
+    return None
+
+
+def seeded_copies(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The n choices of one prompt: the same parameters, each with its own seed (seed + i) when seeded."""
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+
+
+def check_prompt(engine: Engine, token_ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
+    """Refuse (400) a prompt that, with its max_tokens, does not fit the context, giving the numbers."""
+    limit = engine.max_model_len
+    wanted = len(token_ids) + (params.max_tokens or 1)
+    if wanted > limit:
+        asked = params.max_tokens if params.max_tokens is not None else 1
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                       f"{wanted} tokens ({len(token_ids)} in the {what}, {asked} in the completion). "
+                       "Please reduce the length of the prompt or of the completion.", "messages"
+                       if what == "messages" else "prompt", "context_length_exceeded")
+    try:
+        engine.validate(token_ids, params)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=field_named_in(str(exc))) from None
