@@ -1,5 +1,6 @@
 """paged-backend: a paged KV cache and continuous-batching engine for HuggingFace transformers."""
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSequence
 from .config import EngineConfig
 from .default_model import DEFAULT_MODEL
 from .async_engine import AsyncEngine
@@ -12,6 +13,9 @@ from .sampling_params import SamplingParams
 __all__ = [
     "DEFAULT_MODEL",
     "AsyncEngine",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSequence",
     "CompletionOutput",
     "Engine",
     "EngineConfig",

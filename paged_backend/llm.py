@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .attention import ATTENTION_NAME, register
+from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .config import EngineConfig
 from .engine import Engine, Prompt
 from .model_loader import load_model
@@ -51,6 +52,23 @@ class LLM:
         prompts = normalise_prompts(prompts)
         params = normalise_params(sampling_params, len(prompts))
         return self.run(prompts, params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search per prompt, with transformers' scoring and stopping rules; sequences best first."""
+        token_lists = []
+        for i, prompt in enumerate(normalise_prompts(prompts)):
+            try:
+                _, ids = self.engine.tokenize(prompt)
+                self.engine.validate(ids, SamplingParams(max_tokens=params.max_tokens))
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+            token_lists.append(ids)
+        outputs = beam_search(self.engine, token_lists, params)
+        if self.tokenizer is not None:
+            for output in outputs:
+                for sequence in output.sequences:
+                    sequence.text = self.tokenizer.decode(sequence.token_ids, skip_special_tokens=True)
+        return outputs
 
     def chat(
         self,
