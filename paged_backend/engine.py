@@ -59,6 +59,7 @@ class Engine:
         self.pending_outputs: list[RequestOutput] = []
         self.ids = itertools.count()
         self.utilisation_samples: list[float] = []
+        self.num_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
 
     def choose_num_blocks(self, shape: KVShape, dtype: torch.dtype, device: torch.device) -> int:
         if self.config.num_kv_blocks is not None:
@@ -201,6 +202,7 @@ class Engine:
         for request, n in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += n
             self.kv.cache_full_blocks(request)
+        self.num_computed_tokens += sum(batch.num_new_tokens)
         self.record_utilisation()
         outputs.extend(self.append_tokens(sampling_requests, sampled))
         return outputs
@@ -278,6 +280,7 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
             "prefix_cache_hit_tokens": self.kv.hit_tokens,
+            "num_computed_tokens": self.num_computed_tokens,
         }
 
 
