@@ -51,7 +51,8 @@ def test_bad_prompt_is_refused_while_others_run(model, engine, prompt, params, m
         (dict(top_k=-2), "top_k"),
         (dict(logprobs=-1), "logprobs"),
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-        (dict(n=2), "n"),
+        (dict(n=0), "n"),
+        (dict(n=True), "n"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):
