@@ -9,6 +9,10 @@ from .llm import LLM
 from .model_loader import UnsupportedArchitectureError
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
+from .integrations.pipeline import PagedTextGenerationPipeline, pipeline
+from .integrations.transformers_generate import disable, enable
+
+enable()  # model.generate(..., cache_implementation="paged") now runs on this engine; disable() undoes it
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -23,6 +27,10 @@ __all__ = [
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
+    "PagedTextGenerationPipeline",
     "SamplingParams",
     "UnsupportedArchitectureError",
+    "disable",
+    "enable",
+    "pipeline",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -20,7 +20,8 @@ from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .model_loader import check_architecture
-from .model_runner import ModelRunner
+from .distributed import agree_on_blocks
+from .model_runner import ModelRunner, StepInputs
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .paged_cache import KVShape, PagedCache, probe_kv_shape
 from .request import Request, RequestStatus
@@ -34,7 +35,8 @@ Prompt = str | Sequence[int]
 
 
 class Engine:
-    def __init__(self, model: PreTrainedModel, tokenizer=None, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer=None, config: EngineConfig | None = None,
+                 publish_step: Callable[[StepInputs], None] | None = None) -> None:
         self.config = config or EngineConfig()
         check_architecture(model)
         register()
@@ -47,11 +49,11 @@ class Engine:
         text_config = model.config.get_text_config()
         shape = probe_kv_shape(model, text_config.num_hidden_layers)
         param = next(model.parameters())
-        num_blocks = self.choose_num_blocks(shape, param.dtype, param.device)
+        num_blocks = agree_on_blocks(self.choose_num_blocks(shape, param.dtype, param.device), param.device)
         self.cache = PagedCache(shape, num_blocks, self.config.block_size, param.dtype, param.device)
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, publish_step)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_model_len = self.resolve_max_model_len(text_config)
         self.eos_token_ids = find_eos_ids(model, tokenizer)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from .attention import ATTENTION_NAME, register
 from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .config import EngineConfig
+from .distributed import TensorParallelGroup, broadcast_step, serve_steps
 from .engine import Engine, Prompt
 from .model_loader import load_model
 from .outputs import RequestOutput
@@ -24,12 +27,36 @@ class LLM:
     """`LLM(model)` where model is a hub id, a folder, a `.gguf` file, None (the default model) or a
     loaded `PreTrainedModel` (used as it is); extra keywords are EngineConfig fields."""
 
-    def __init__(self, model: Any = None, tokenizer: Any = None, **engine_config: Any) -> None:
+    def __init__(self, model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1,
+                 **engine_config: Any) -> None:
+        spawn_args = (model, tokenizer, dict(engine_config))
         load_kwargs = {k: engine_config.pop(k) for k in LOAD_KEYS if k in engine_config}
         config = EngineConfig(**engine_config)
         register()
+        self.tp_group = None
+        if tensor_parallel_size > 1:
+            self.tp_group = TensorParallelGroup.join(tensor_parallel_size, spawn_args)
+            load_kwargs["tp_plan"] = "auto"
+            if config.num_threads is None and not torch.cuda.is_available():
+                config.num_threads = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
         model, tokenizer = load_model(model, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
-        self.engine = Engine(model, tokenizer, config)
+        leader = self.tp_group is None or self.tp_group.rank == 0
+        self.engine = Engine(model, tokenizer, config, publish_step=None if self.tp_group is None or not leader
+                             else broadcast_step)
+        if not leader:
+            self.serve_as_worker()
+
+    def serve_as_worker(self) -> None:
+        """A rank other than 0 runs rank 0's steps until it closes; under torchrun the script ends there."""
+        serve_steps(self.engine.runner)
+        self.tp_group.close()
+        if self.tp_group.launched_by_torchrun:
+            raise SystemExit(0)
+
+    def close(self) -> None:
+        """Stop tensor-parallel workers (a no-op for one process)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     @property
     def model(self):

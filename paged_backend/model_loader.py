@@ -14,7 +14,14 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DistributedConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -141,6 +148,7 @@ def load_model(
     device: str | torch.device | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    tp_plan: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load (or adopt) a causal LM and its tokenizer, in eval mode, checked for support.
 
@@ -150,13 +158,16 @@ def load_model(
     when that source is a local folder without tokenizer files.
     """
     if isinstance(model, PreTrainedModel):
+        if tp_plan is not None:
+            raise ValueError("tensor parallelism shards weights while loading them: pass a hub id or a folder, "
+                             "not a loaded model")
         loaded = _adopt_model(model, dtype, device, attn_implementation)
         # Only a local folder counts: guessing hub ids would mean network access.
         source = Path(model.name_or_path) if model.name_or_path else None
         gguf_name = None
     else:
         source, gguf_name = _resolve_source(model)
-        loaded = _load_pretrained(source, gguf_name, dtype, device, attn_implementation, trust_remote_code)
+        loaded = _load_pretrained(source, gguf_name, dtype, device, attn_implementation, trust_remote_code, tp_plan)
     loaded.eval()
     check_architecture(loaded)
     return loaded, _load_tokenizer(tokenizer, source, gguf_name, trust_remote_code)
@@ -180,8 +191,10 @@ def _load_pretrained(
     device: str | torch.device | None,
     attn_implementation: str | None,
     trust_remote_code: bool,
+    tp_plan: str | None = None,
 ) -> PreTrainedModel:
-    """Check the config first (cheap), then load the weights straight onto the device."""
+    """Check the config first (cheap), then load the weights straight onto the device (or, with a
+    tensor-parallel plan, this process's shard of them)."""
     target = _resolve_device(device)
     extra: dict[str, object] = {"trust_remote_code": trust_remote_code}
     if gguf_name is not None:
@@ -190,9 +203,11 @@ def _load_pretrained(
     check_architecture(AutoConfig.from_pretrained(source, **extra))
     if attn_implementation is not None:
         extra["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(
-        source, dtype=_resolve_dtype(dtype, target), device_map=target, **extra
-    )
+    if tp_plan is not None:
+        extra["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
+    else:
+        extra["device_map"] = target
+    return AutoModelForCausalLM.from_pretrained(source, dtype=_resolve_dtype(dtype, target), **extra)
 
 
 def _adopt_model(

@@ -7,6 +7,7 @@ query offsets, and logits are computed only at the last position of requests tha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -28,15 +29,22 @@ class StepInputs(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: PagedCache) -> None:
+    def __init__(self, model: torch.nn.Module, cache: PagedCache,
+                 publish: Callable[[StepInputs], None] | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = cache.kv.device
+        self.publish = publish  # tensor parallelism: hands each step's inputs to the other ranks
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
         """Run one forward; return logits `[S, V]` for the requests that reach their last token.
         The caller holds `torch.inference_mode()` over this and the sampling that follows."""
         inputs = self.prepare_inputs(batch)
+        if self.publish is not None:
+            self.publish(inputs)
+        return self.forward(inputs), inputs.sampling_requests
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
         self.cache.metadata = inputs.metadata
         try:
             out = self.model(
@@ -49,7 +57,7 @@ class ModelRunner:
             )
         finally:
             self.cache.metadata = None
-        return out.logits[0], inputs.sampling_requests
+        return out.logits[0]
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         requests, counts = batch.requests, np.asarray(batch.num_new_tokens, dtype=np.int64)

@@ -20,6 +20,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         engine.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     engine.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: the model's)")
     engine.add_argument("--device", default=None, help="e.g. cpu, cuda (default: the model's)")
+    engine.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="shard the model over N processes (spawned here; rank 0 serves HTTP)")
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -34,10 +36,11 @@ def run_serve(args: argparse.Namespace) -> None:
 
     config = {name: getattr(args, name) for name in ENGINE_INT_FLAGS + ("dtype", "device")
               if getattr(args, name) is not None}
-    llm = LLM(args.model, **config)
+    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **config)
     aengine = AsyncEngine(llm.engine)
     name = args.served_model_name or args.model or DEFAULT_MODEL
     try:
         uvicorn.run(create_app(aengine, name, args.api_key), host=args.host, port=args.port)
     finally:
         aengine.shutdown()
+        llm.close()

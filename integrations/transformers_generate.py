@@ -1,0 +1,540 @@
+"""`model.generate(..., cache_implementation="paged")` on the paged engine, with ordinary `generate` outputs.
+
+`enable()` wraps `GenerationMixin.generate`: a call that asks for the paged cache (as a keyword, in the
+`generation_config` it passes, or in `model.generation_config`) runs on one `Engine` per model object;
+every other call goes to transformers unchanged. `disable()` restores the original method.
+
+The call is prepared with transformers' own helpers (generation config merge, special tokens, attention
+mask, `num_return_sequences` expansion, lengths, logits processors, stopping criteria), so options mean
+exactly what they mean in `generate`. Each row becomes one engine request (padding stripped). Rows whose
+call has logits processors (or asks for scores/logits) get them applied to their logits row inside the
+engine step, on a `[1, L]` view of the row as `generate` would see it (padding first); eos and length stop
+natively in the engine, any other stopping criterion is checked after each new token and aborts the row.
+The engine then only takes the argmax or samples from the processed scores. When sampling, each row gets
+its own seed drawn from torch's global generator, so `torch.manual_seed(s)` before the call makes it
+reproducible whatever else shares the engine's batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation import (
+    EosTokenCriteria,
+    GenerateDecoderOnlyOutput,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    PrefixConstrainedLogitsProcessor,
+    StoppingCriteriaList,
+)
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerationMixin
+
+from paged_backend.attention import ATTENTION_NAME
+from paged_backend.config import EngineConfig
+from paged_backend.engine import Engine
+from paged_backend.outputs import RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+PAGED = "paged"
+ORIGINAL_GENERATE = GenerationMixin.generate
+ENGINE_SLOT = "_paged_backend_engine"
+SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+# Rows kept in the engine at once when jobs arrive lazily (the pipeline); the engine's own
+# max_num_seqs still bounds how many run in one step.
+DEFAULT_MAX_ROWS = 1024
+
+
+# ---------------------------------------------------------------- the hook
+
+
+def enable() -> None:
+    """Route `generate(cache_implementation="paged")` to the paged engine (idempotent)."""
+    GenerationMixin.generate = generate
+
+
+def disable() -> None:
+    """Give `generate(cache_implementation="paged")` back to transformers' built-in route."""
+    GenerationMixin.generate = ORIGINAL_GENERATE
+
+
+def is_enabled() -> bool:
+    return GenerationMixin.generate is generate
+
+
+@functools.wraps(ORIGINAL_GENERATE)
+def generate(self, *args: Any, **kwargs: Any):
+    if not wants_paged(self, args, kwargs):
+        return ORIGINAL_GENERATE(self, *args, **kwargs)
+    return generate_paged(self, *args, **kwargs)
+
+
+def wants_paged(model: PreTrainedModel, args: tuple, kwargs: dict) -> bool:
+    if "cache_implementation" in kwargs:
+        return kwargs["cache_implementation"] == PAGED
+    config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    if config is not None and config.cache_implementation is not None:
+        return config.cache_implementation == PAGED
+    return getattr(model.generation_config, "cache_implementation", None) == PAGED
+
+
+@torch.no_grad()
+def generate_paged(model: PreTrainedModel, *args: Any, **kwargs: Any) -> torch.LongTensor | GenerateDecoderOnlyOutput:
+    """`generate` with the same arguments, run on the model's engine."""
+    job = prepare_job(model, *args, **kwargs)
+    return next(generator_for(model).run([job]))
+
+
+# ---------------------------------------------------------------- preparing a call
+
+
+@dataclass(eq=False)
+class GenerateJob:
+    """One `generate` call, prepared: its rows (expanded for num_return_sequences) and options."""
+
+    input_ids: torch.LongTensor  # [N, W] as given (padding included)
+    prompts: list[list[int]]  # per row, the real tokens only
+    views: torch.LongTensor  # [N, W + max_new]: padding first, then prompt, then new tokens (what processors see)
+    params: list[SamplingParams]
+    max_new_tokens: int
+    pad_token_id: int | None
+    processors: list[LogitsProcessorList]  # per row
+    criteria: StoppingCriteriaList  # those the engine does not check itself (not eos, not max length)
+    streamer: Any
+    return_dict: bool
+    output_scores: bool
+    output_logits: bool
+
+    @property
+    def needs_hook(self) -> bool:
+        return any(self.processors) or self.output_scores or self.output_logits
+
+
+def prepare_job(
+    model: PreTrainedModel,
+    inputs: torch.Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    prefix_allowed_tokens_fn: Callable | None = None,
+    synced_gpus: bool | None = None,
+    assistant_model: PreTrainedModel | None = None,
+    streamer: Any = None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
+    custom_generate: Any = None,
+    **kwargs: Any,
+) -> GenerateJob:
+    """Prepare a `generate` call (same arguments) with transformers' helpers, as `generate` itself does."""
+    refuse_arguments(prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, synced_gpus=synced_gpus,
+                     assistant_model=assistant_model, negative_prompt_ids=negative_prompt_ids,
+                     negative_prompt_attention_mask=negative_prompt_attention_mask, custom_generate=custom_generate)
+    tokenizer = kwargs.pop("tokenizer", None)
+    kwargs.pop("cache_implementation", None)
+    has_default_max_length, has_default_min_length = default_lengths(model, generation_config, kwargs)
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    refuse_config(config)
+    input_ids, input_name, model_kwargs = model._prepare_model_inputs(inputs, config.bos_token_id, model_kwargs)
+    if input_name != "input_ids":
+        raise NotImplementedError(f"{input_name} is not supported with cache_implementation='paged'; pass input_ids")
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    refuse_model_kwargs(model_kwargs)
+    model._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device,
+                                  batch_size=input_ids.shape[0])
+    if attention_mask is None:
+        attention_mask = model._prepare_attention_mask_for_generation(input_ids, config, {})
+    input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
+    attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())  # transformers' own batch-size rule lives in the streamer
+    width = input_ids.shape[1]
+    config = model._prepare_generated_length(config, has_default_max_length, has_default_min_length,
+                                             "input_ids", width, input_ids)
+    model._validate_generated_length(config, width, has_default_max_length)
+    criteria = model._get_stopping_criteria(config, stopping_criteria or StoppingCriteriaList(), tokenizer)
+    job = build_job(config, input_ids, attention_mask, criteria, streamer)
+    job.processors = [row_processors(model, config, job, i, logits_processor) for i in range(len(job.prompts))]
+    return job
+
+
+def default_lengths(model: PreTrainedModel, config: GenerationConfig | None, kwargs: dict) -> tuple[bool, bool]:
+    """Whether max/min length come from the global defaults (transformers adds them to the prompt length)."""
+    def is_default(name: str) -> bool:
+        return (kwargs.get(name) is None and (config is None or getattr(config, name) is None)
+                and getattr(model.generation_config, name) is None)
+    return is_default("max_length"), is_default("min_length")
+
+
+def row_processors(model: PreTrainedModel, config: GenerationConfig, job: GenerateJob, index: int,
+                   custom: LogitsProcessorList | None) -> LogitsProcessorList:
+    """transformers' processors for one row, built from that row alone: some take per-row state from the
+    batch they are built for (the padding length of each row for the repetition penalty)."""
+    width = job.input_ids.shape[1]
+    view = job.views[index : index + 1, :width]
+    mask = torch.arange(width, device=view.device)[None] >= width - len(job.prompts[index])
+    processors = model._get_logits_processor(config, width, view, None, custom or LogitsProcessorList(),
+                                             view.device, {"attention_mask": mask.long()})
+    refuse_processors(processors)
+    return processors
+
+
+def build_job(config: GenerationConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              criteria: StoppingCriteriaList, streamer: Any) -> GenerateJob:
+    max_new = config.max_length - input_ids.shape[1]
+    eos = config._eos_token_tensor
+    eos_ids = [] if eos is None else eos.flatten().tolist()
+    seeds = torch.randint(0, 2**62, (input_ids.shape[0],)).tolist() if config.do_sample else None
+    params = [SamplingParams(temperature=1.0 if config.do_sample else 0.0, max_tokens=max_new,
+                             stop_token_ids=eos_ids, ignore_eos=True, seed=seeds[i] if seeds else None)
+              for i in range(input_ids.shape[0])]
+    mask = attention_mask.bool().cpu()
+    rows = input_ids.cpu()
+    views = torch.empty(rows.shape[0], rows.shape[1] + max_new, dtype=torch.long)
+    for i in range(rows.shape[0]):
+        views[i, : rows.shape[1]] = torch.cat([rows[i][~mask[i]], rows[i][mask[i]]])
+    views = views.to(input_ids.device)  # processors combine it with logits on the model's device
+    pad = config._pad_token_tensor
+    return GenerateJob(
+        input_ids=input_ids,
+        prompts=[rows[i][mask[i]].tolist() for i in range(rows.shape[0])],
+        views=views,
+        params=params,
+        max_new_tokens=max_new,
+        pad_token_id=None if pad is None else int(pad),
+        processors=[],
+        criteria=StoppingCriteriaList(c for c in criteria if not is_native_criterion(c, config)),
+        streamer=streamer,
+        return_dict=bool(config.return_dict_in_generate),
+        output_scores=bool(config.return_dict_in_generate and config.output_scores),
+        output_logits=bool(config.return_dict_in_generate and config.output_logits),
+    )
+
+
+def is_native_criterion(criterion: Any, config: GenerationConfig) -> bool:
+    """Eos and the call's max length are checked by the engine itself (stop_token_ids, max_tokens)."""
+    if type(criterion) is MaxLengthCriteria:
+        return criterion.max_length == config.max_length
+    if type(criterion) is EosTokenCriteria:
+        return config._eos_token_tensor is not None and torch.equal(criterion.eos_token_id.cpu(),
+                                                                     config._eos_token_tensor.cpu())
+    return False
+
+
+def refuse_arguments(**arguments: Any) -> None:
+    for name, value in arguments.items():
+        if value not in (None, False):
+            raise NotImplementedError(f"{name} is not supported with cache_implementation='paged'")
+
+
+def refuse_config(config: GenerationConfig) -> None:
+    if config.num_beams is not None and config.num_beams > 1:
+        raise NotImplementedError("num_beams > 1 (beam search) is not supported with cache_implementation='paged' "
+                                  "yet; use num_beams=1 or drop cache_implementation='paged'")
+    mode = config.get_generation_mode()
+    if mode not in SUPPORTED_MODES:
+        raise NotImplementedError(f"generation mode {mode.value!r} is not supported with cache_implementation="
+                                  "'paged'; only greedy search and sampling are")
+    for name in ("output_attentions", "output_hidden_states", "token_healing", "watermarking_config"):
+        if getattr(config, name, None):
+            raise NotImplementedError(f"{name} is not supported with cache_implementation='paged'")
+    if config.guidance_scale not in (None, 1, 1.0):
+        raise NotImplementedError("guidance_scale is not supported with cache_implementation='paged'")
+
+
+def refuse_model_kwargs(model_kwargs: dict) -> None:
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None)
+    if extra:
+        raise NotImplementedError(f"{', '.join(extra)}: not supported with cache_implementation='paged' "
+                                  "(only input_ids and attention_mask reach the model)")
+
+
+def refuse_processors(processors: LogitsProcessorList) -> None:
+    for processor in processors:
+        if isinstance(processor, PrefixConstrainedLogitsProcessor):
+            # It identifies rows by their batch index, which a per-request processor call cannot give it.
+            raise NotImplementedError("prefix_allowed_tokens_fn is not supported with cache_implementation='paged'")
+
+
+# ---------------------------------------------------------------- one engine per model
+
+
+class EngineSlot:
+    """Holds a model's generator in the model's `__dict__`; a copy of the model starts empty, so copies
+    never share (or deep-copy) a KV cache."""
+
+    __slots__ = ("generator",)
+
+    def __init__(self) -> None:
+        self.generator: PagedGenerator | None = None
+
+    def __deepcopy__(self, memo: dict) -> EngineSlot:
+        return EngineSlot()
+
+    def __reduce__(self) -> tuple:
+        return (EngineSlot, ())
+
+
+def generator_for(model: PreTrainedModel, config: EngineConfig | None = None) -> PagedGenerator:
+    """The model's engine driver, built on first use and rebuilt only when `config` differs from the one it
+    was built with or the model moved to another device or dtype."""
+    slot = model.__dict__.setdefault(ENGINE_SLOT, EngineSlot())
+    current = slot.generator
+    if current is None or not current.fits(model, config):
+        slot.generator = None  # free the old cache before allocating the new one
+        slot.generator = PagedGenerator(Engine(model, None, config))
+    elif model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)  # switched away by the user since the engine was built
+    return slot.generator
+
+
+def engine_for(model: PreTrainedModel, config: EngineConfig | None = None) -> Engine:
+    """The engine `generate(cache_implementation="paged")` uses for `model` (see `generator_for`)."""
+    return generator_for(model, config).engine
+
+
+# ---------------------------------------------------------------- running jobs on the engine
+
+
+@dataclass(eq=False)
+class JobState:
+    job: GenerateJob
+    rows: list[Row] = field(default_factory=list)
+    streamed: int = 0  # columns already put to the streamer
+
+    @property
+    def finished(self) -> bool:
+        return all(row.done for row in self.rows)
+
+
+@dataclass(eq=False)
+class Row:
+    state: JobState
+    index: int
+    request_id: str
+    num_new: int = 0
+    done: bool = False
+    scores: list[torch.Tensor] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def job(self) -> GenerateJob:
+        return self.state.job
+
+    @property
+    def length(self) -> int:
+        return self.job.input_ids.shape[1] + self.num_new
+
+    def view(self) -> torch.LongTensor:
+        return self.job.views[self.index : self.index + 1, : self.length]
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """HF's processors on this row's logits `[V]`, as `generate` applies them to its batch row."""
+        raw = logits.float()[None]
+        if self.job.output_logits:
+            self.logits.append(raw.clone())
+        scores = self.job.processors[self.index](self.view(), raw.clone() if self.job.output_logits else raw)
+        if self.job.output_scores:
+            self.scores.append(scores.clone())
+        return scores[0]
+
+    def append(self, token: int) -> bool:
+        """Record a new token; return whether a stopping criterion the engine does not check ends the row."""
+        self.job.views[self.index, self.length] = token
+        self.num_new += 1
+        if not self.job.criteria:
+            return False
+        scores = tuple(self.scores) if self.job.output_scores else None
+        return bool(self.job.criteria(self.view(), scores).any())
+
+
+class HookedRunner:
+    """Wraps the engine's ModelRunner: the logits row of a request with a hook passes through it before
+    the engine samples, so HF processors shape the distribution the engine draws from."""
+
+    def __init__(self, runner: Any) -> None:
+        self.inner = runner
+        self.hooks: dict[str, Row] = {}
+        self.error: BaseException | None = None
+
+    def execute(self, batch: Any) -> tuple[torch.Tensor, list]:
+        logits, requests = self.inner.execute(batch)
+        rows = [(i, self.hooks[r.request_id]) for i, r in enumerate(requests) if r.request_id in self.hooks]
+        if not rows:
+            return logits, requests
+        try:
+            with torch.inference_mode():
+                logits = logits.float()
+                for i, row in rows:
+                    logits[i] = row.process(logits[i])
+        except BaseException as exc:  # the engine would turn it into a request error; keep the original
+            self.error = exc
+            raise
+        return logits, requests
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class PagedGenerator:
+    """Drives one engine for `generate` calls and pipelines: submits jobs, steps, routes outputs to rows.
+
+    One run at a time per engine (a lock), since the engine is not thread-safe."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.runner = HookedRunner(engine.runner)
+        engine.runner = self.runner
+        self.rows: dict[str, Row] = {}
+        self.lock = threading.RLock()  # a nested run on the same thread shares the engine
+        self.next_id = 0
+        param = next(engine.model.parameters())
+        self.placement = (param.device, param.dtype)
+
+    def fits(self, model: PreTrainedModel, config: EngineConfig | None) -> bool:
+        param = next(model.parameters())
+        same_config = config is None or config == self.engine.config
+        return self.engine.model is model and same_config and (param.device, param.dtype) == self.placement
+
+    def run(self, jobs: Iterable[GenerateJob], max_rows: int = DEFAULT_MAX_ROWS) -> Iterator[Any]:
+        """Run every job, pulling jobs lazily (up to `max_rows` rows in the engine at once); yield each
+        job's `generate` output, in job order."""
+        with self.lock:
+            active: deque[JobState] = deque()
+            pending = iter(jobs)
+            try:
+                while True:
+                    self.admit(pending, active, max_rows)
+                    if not active:
+                        return
+                    self.step()
+                    while active and active[0].finished:
+                        yield build_output(active.popleft())
+            finally:
+                self.abandon(active)
+
+    def admit(self, pending: Iterator[GenerateJob], active: deque[JobState], max_rows: int) -> None:
+        in_flight = sum(len(state.rows) for state in active)
+        while in_flight < max_rows:
+            job = next(pending, None)
+            if job is None:
+                return
+            active.append(self.submit(job))
+            in_flight += len(job.prompts)
+
+    def submit(self, job: GenerateJob) -> JobState:
+        for prompt, params in zip(job.prompts, job.params):
+            self.engine.validate(prompt, params)  # every row is checked before any is queued
+        state = JobState(job)
+        # Rows whose processors, criteria or streamer read the tokens so far need every token as it comes.
+        stream = job.needs_hook or bool(job.criteria) or job.streamer is not None
+        for i, (prompt, params) in enumerate(zip(job.prompts, job.params)):
+            row = Row(state, i, self.new_request_id())
+            self.engine.add_request(prompt, params, request_id=row.request_id, stream=stream)
+            state.rows.append(row)
+            self.rows[row.request_id] = row
+            if job.needs_hook:
+                self.runner.hooks[row.request_id] = row
+        return state
+
+    def new_request_id(self) -> str:
+        self.next_id += 1
+        return f"generate-{self.next_id}"
+
+    def step(self) -> None:
+        outputs = self.engine.step()
+        if self.runner.error is not None:
+            error, self.runner.error = self.runner.error, None
+            raise error
+        touched: dict[int, JobState] = {}
+        for output in outputs:
+            row = self.rows.get(output.request_id)
+            if row is not None:
+                self.receive(row, output)
+                touched[id(row.state)] = row.state
+        for state in touched.values():
+            stream_columns(state)
+
+    def receive(self, row: Row, output: RequestOutput) -> None:
+        if output.error is not None:
+            raise RuntimeError(f"the engine failed request {row.request_id}: {output.error}")
+        for token in output.outputs[0].token_ids[row.num_new :]:
+            if row.append(token):
+                self.release(row)
+                self.engine.abort_request(row.request_id)
+                return
+        if output.finished:
+            self.release(row)
+
+    def release(self, row: Row) -> None:
+        row.done = True
+        self.rows.pop(row.request_id, None)
+        self.runner.hooks.pop(row.request_id, None)
+
+    def abandon(self, active: deque[JobState]) -> None:
+        """After an exception or an abandoned iterator: free every row of this run still in the engine."""
+        for state in active:
+            for row in state.rows:
+                if not row.done:
+                    self.release(row)
+                    self.engine.abort_request(row.request_id)
+        while self.engine.has_unfinished_requests() and not self.rows:
+            self.engine.step()  # deliver the aborts' final outputs now, so the next run starts clean
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def stream_columns(state: JobState) -> None:
+    """Put token columns to the job's streamer as `generate` does: one `[N]` tensor per step, once every
+    row has its token for that step (pad for rows already finished)."""
+    job, rows = state.job, state.rows
+    if job.streamer is None:
+        return
+    while all(row.done or row.num_new > state.streamed for row in rows) and \
+            any(row.num_new > state.streamed for row in rows):
+        column = [row.job.views[row.index, row.job.input_ids.shape[1] + state.streamed].item()
+                  if row.num_new > state.streamed else pad_id(job) for row in rows]
+        job.streamer.put(torch.tensor(column, dtype=torch.long))
+        state.streamed += 1
+    if state.finished:
+        job.streamer.end()
+
+
+def pad_id(job: GenerateJob) -> int:
+    if job.pad_token_id is None:
+        raise ValueError("rows of this generate call stopped at different lengths and there is no pad_token_id "
+                         "to fill the shorter ones; pass pad_token_id=...")
+    return job.pad_token_id
+
+
+def build_output(state: JobState) -> torch.LongTensor | GenerateDecoderOnlyOutput:
+    """What `generate` returns: prompt rows as given, then new tokens, pad after each finished row."""
+    job, rows = state.job, state.rows
+    length = max(row.num_new for row in rows)
+    new = job.views[:, job.input_ids.shape[1] : job.input_ids.shape[1] + length].clone()
+    for row in rows:
+        if row.num_new < length:
+            new[row.index, row.num_new :] = pad_id(job)
+    sequences = torch.cat([job.input_ids, new], dim=1)
+    if not job.return_dict:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=stack_steps([row.scores for row in rows], length) if job.output_scores else None,
+        logits=stack_steps([row.logits for row in rows], length) if job.output_logits else None,
+    )
+
+
+def stack_steps(per_row: list[list[torch.Tensor]], length: int) -> tuple[torch.Tensor, ...]:
+    """Per-row `[1, V]` tensors to `generate`'s tuple of `[N, V]` per step. A row that finished early has
+    -inf there (`generate` computes throwaway values for its padding)."""
+    template = next(t for steps in per_row for t in steps)
+    filler = torch.full_like(template, float("-inf"))
+    return tuple(torch.cat([steps[t] if t < len(steps) else filler for steps in per_row]) for t in range(length))
