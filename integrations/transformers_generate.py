@@ -354,34 +354,6 @@ class Row:
         return bool(self.job.criteria(self.view(), scores).any())
 
 
-class HookedRunner:
-    """Wraps the engine's ModelRunner: the logits row of a request with a hook passes through it before
-    the engine samples, so HF processors shape the distribution the engine draws from."""
-
-    def __init__(self, runner: Any) -> None:
-        self.inner = runner
-        self.hooks: dict[str, Row] = {}
-        self.error: BaseException | None = None
-
-    def execute(self, batch: Any) -> tuple[torch.Tensor, list]:
-        logits, requests = self.inner.execute(batch)
-        rows = [(i, self.hooks[r.request_id]) for i, r in enumerate(requests) if r.request_id in self.hooks]
-        if not rows:
-            return logits, requests
-        try:
-            with torch.inference_mode():
-                logits = logits.float()
-                for i, row in rows:
-                    logits[i] = row.process(logits[i])
-        except BaseException as exc:  # the engine would turn it into a request error; keep the original
-            self.error = exc
-            raise
-        return logits, requests
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 class PagedGenerator:
     """Drives one engine for `generate` calls and pipelines: submits jobs, steps, routes outputs to rows.
 
@@ -389,8 +361,7 @@ class PagedGenerator:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.runner = HookedRunner(engine.runner)
-        engine.runner = self.runner
+        self.error: BaseException | None = None  # a processor's own exception, re-raised from step()
         self.rows: dict[str, Row] = {}
         self.lock = threading.RLock()  # a nested run on the same thread shares the engine
         self.next_id = 0
@@ -436,12 +407,24 @@ class PagedGenerator:
         stream = job.needs_hook or bool(job.criteria) or job.streamer is not None
         for i, (prompt, params) in enumerate(zip(job.prompts, job.params)):
             row = Row(state, i, self.new_request_id())
-            self.engine.add_request(prompt, params, request_id=row.request_id, stream=stream)
+            self.engine.add_request(prompt, params, request_id=row.request_id, stream=stream,
+                                    logits_processor=self.hook(row) if job.needs_hook else None)
             state.rows.append(row)
             self.rows[row.request_id] = row
-            if job.needs_hook:
-                self.runner.hooks[row.request_id] = row
         return state
+
+    def hook(self, row: Row) -> Callable[[torch.Tensor], torch.Tensor]:
+        """HF processors shape the row's distribution before the engine samples from it; the engine turns
+        a processor's failure into a request error, so the original exception is kept here too."""
+
+        def process(logits: torch.Tensor) -> torch.Tensor:
+            try:
+                return row.process(logits)
+            except BaseException as exc:
+                self.error = exc
+                raise
+
+        return process
 
     def new_request_id(self) -> str:
         self.next_id += 1
@@ -449,8 +432,8 @@ class PagedGenerator:
 
     def step(self) -> None:
         outputs = self.engine.step()
-        if self.runner.error is not None:
-            error, self.runner.error = self.runner.error, None
+        if self.error is not None:
+            error, self.error = self.error, None
             raise error
         touched: dict[int, JobState] = {}
         for output in outputs:
@@ -475,7 +458,6 @@ class PagedGenerator:
     def release(self, row: Row) -> None:
         row.done = True
         self.rows.pop(row.request_id, None)
-        self.runner.hooks.pop(row.request_id, None)
 
     def abandon(self, active: deque[JobState]) -> None:
         """After an exception or an abandoned iterator: free every row of this run still in the engine."""

@@ -88,10 +88,12 @@ class Engine:
         stream: bool = True,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); raise ValueError, leaving the engine untouched, if it is invalid.
 
-        With `params.n > 1` the prompt is sampled n times; the samples share its cached blocks."""
+        With `params.n > 1` the prompt is sampled n times; the samples share its cached blocks.
+        `logits_processor` maps this request's logits row `[V]` to a new row before sampling."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self.ids))
         if request_id in self.requests:
@@ -106,6 +108,7 @@ class Engine:
             group.append(self.make_request(internal_id, text, token_ids, sample_params, metrics, stream, cache_salt))
         for index, request in enumerate(group):
             request.index, request.group, request.external_id = index, group, request_id
+            request.logits_processor = logits_processor
             request.leader = group[0] if index else None
             self.scheduler.add(request)
         self.requests[request_id] = group

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,7 @@ class Request:
     index: int = 0  # which of the n samples this is
     group: list[Request] = field(default_factory=list)  # all samples of the user's request, in index order
     external_id: str = ""  # the id the user gave; samples of an n > 1 request share it
+    logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None  # row [V] -> row, before sampling
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None

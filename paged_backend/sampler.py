@@ -26,6 +26,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     """Pick one token per row of `logits [B, V]`; row i belongs to `requests[i]`."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any_wants_logprobs(requests) else None
+    apply_request_processors(logits, requests)
     apply_penalties(logits, requests)
     ban_stop_tokens_before_min(logits, requests)
     tokens = pick_tokens(logits, requests)
@@ -84,6 +85,13 @@ def filter_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor
         remove |= probs < min_p[:, None] * probs[:, :1]
     remove[:, 0] = False  # the most likely token always survives
     return logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+
+
+def apply_request_processors(logits: torch.Tensor, requests: list[Request]) -> None:
+    """User-supplied per-request processors (e.g. transformers' LogitsProcessors), in place."""
+    for i, request in enumerate(requests):
+        if request.logits_processor is not None:
+            logits[i] = request.logits_processor(logits[i])
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
