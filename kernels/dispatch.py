@@ -1,15 +1,65 @@
 """The one place that chooses an attention backend: it looks at the device of the tensors.
 
 Nothing else in the engine knows which backend runs. CUDA tensors go to the Triton kernels when
-Triton is importable; everything else goes to the PyTorch implementation.
+Triton is importable; everything else goes to the PyTorch implementation. The Triton modules are
+imported on first CUDA use only, so a CPU process never pays for (or depends on) Triton, and a
+test process can set TRITON_INTERPRET before they are first imported.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 
 from . import torch_attention
 from .metadata import AttentionMetadata
+
+# The Triton kernels' tiles hold a whole head (padded to a power of two) in registers; past 256
+# they would spill, so larger heads (none of the supported models has one) use PyTorch.
+TRITON_MAX_HEAD_DIM = 256
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS = ("torch", "triton")
+_forced: str | None = None  # set by use_backend()
+
+
+@functools.cache
+def triton_modules() -> tuple[ModuleType, ModuleType] | None:
+    """(attention, cache write) Triton modules, or None when Triton is not installed."""
+    try:
+        return (importlib.import_module(f"{__package__}.triton_attention"),
+                importlib.import_module(f"{__package__}.triton_cache_write"))
+    except ImportError:
+        return None
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Route every call to backend `name` inside the block, whatever the device: to compare the
+    backends on one GPU, or to run the Triton kernels through the interpreter on CPU tensors."""
+    global _forced
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
+    if name == "triton" and triton_modules() is None:
+        raise RuntimeError("the triton backend needs the `triton` package")
+    previous, _forced = _forced, name
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """'triton' for CUDA tensors Triton can serve, else 'torch' (unless use_backend() says otherwise)."""
+    if _forced is not None:
+        return _forced
+    if device.type != "cuda" or dtype not in TRITON_DTYPES or head_dim > TRITON_MAX_HEAD_DIM:
+        return "torch"
+    return "triton" if triton_modules() is not None else "torch"
 
 
 def write_kv_cache(
@@ -20,7 +70,10 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write the step's new K/V `[T, KVH, D]` into the paged caches `[KVH, num_slots, D]`."""
-    torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    if select_backend(key_cache.device, key_cache.dtype, key_cache.shape[-1]) == "triton":
+        triton_modules()[1].write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(
@@ -34,7 +87,16 @@ def paged_attention(
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of packed `query [T, H, D]` over the paged cache; returns `[T, H, D]`."""
+    """Attention of packed `query [T, H, D]` over the paged cache; returns `[T, H, D]`.
+
+    `new_key`/`new_value` are this step's K/V, already written to the cache: the PyTorch backend
+    reads them to skip a gather for sequences with no earlier context; the Triton kernel reads
+    everything from the cache in the same launch, so it has no use for them.
+    """
+    if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
+        return triton_modules()[0].paged_attention(
+            query, key_cache, value_cache, metadata, scale, sliding_window, softcap
+        )
     return torch_attention.paged_attention(
         query, key_cache, value_cache, metadata, scale, sliding_window, softcap, new_key, new_value
     )
