@@ -1,0 +1,344 @@
+"""ChatPaged: a LangChain chat model on the shared paged engine.
+
+Messages go through the model's chat template (or `chat_template`), tools too; calls run on
+the engine's continuous batch, so concurrent `ainvoke`s and a `batch` share forward passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models.base import LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import (
+    Runnable,
+    RunnableConfig,
+    RunnableMap,
+    RunnablePassthrough,
+)
+from langchain_core.runnables.config import get_config_list
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import (
+    convert_to_json_schema,
+    convert_to_openai_tool,
+)
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import ConfigDict
+
+from paged_backend import SamplingParams
+
+from .completion import Completion, openai_logprobs
+from .guided import Ask, adrive, choose_writer, drive
+from .messages import to_chat_dicts
+from .options import PagedOptions, merge_stops
+from .submit import astream_outputs, run_batch, stream_outputs
+from .tool_calls import (
+    OPEN,
+    ContentStreamer,
+    ParsedResponse,
+    parse_hermes,
+    parse_with_tokenizer,
+)
+
+JSON_INSTRUCTION = "Answer with one JSON object only, and nothing else."
+
+
+@dataclass(slots=True)
+class PreparedCall:
+    prompt_text: str  # the rendered conversation, up to the assistant's turn
+    prefix: str  # assistant text written for the model ("{" for a JSON answer)
+    tools: list[dict[str, Any]]
+    params: SamplingParams
+    timeout: float | None
+    guided: Callable[[], Generator[Ask, str, str]] | None  # writes a forced call or a schema-shaped answer
+
+
+class ChatPaged(PagedOptions, BaseChatModel):
+    """Chat model on paged_backend's continuous-batching engine.
+
+    `ChatPaged()` uses the default model; `ChatPaged(model=hf_model_or_path)` any supported one.
+    Construction is cheap: the engine is built, or shared, on the first call."""
+
+    # LangChain's base classes ignore unknown fields; an unknown option here is a mistake to report.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    chat_template: str | None = None
+    """A Jinja chat template to use instead of the tokenizer's (e.g. HERMES_TOOL_TEMPLATE)."""
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @property
+    def _llm_type(self) -> str:
+        return "paged-backend-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.resolved_model_name, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, "chat_template": self.chat_template}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        model = kwargs.get("model")
+        params = LangSmithParams(ls_provider="paged_backend", ls_model_type="chat",
+                                 ls_model_name=model if isinstance(model, str) else self.resolved_model_name,
+                                 ls_temperature=kwargs.get("temperature", self.temperature))
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stop or self.stop:
+            params["ls_stop"] = merge_stops(self.stop, stop)
+        return params
+
+    # ------------------------------------------------------------------ tools and structure
+
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+                   tool_choice: str | dict | bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Render `tools` through the chat template; tool_choice "any"/"required"/a name forces a call."""
+        return self.bind(tools=[convert_to_openai_tool(t) for t in tools], tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(self, schema: dict | type, *, include_raw: bool = False,
+                               method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+                               strict: bool | None = None, **kwargs: Any) -> Runnable:
+        """function_calling forces a call of a tool shaped like `schema`; json_schema writes the
+        object's keys and asks the model for each value; json_mode asks for JSON and writes its "{".
+        Decoding itself is not constrained: pydantic schemas are validated after generation, and a
+        mismatch raises, whatever `strict` says."""
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+        if kwargs:
+            raise NotImplementedError(f"unsupported with_structured_output options: {', '.join(kwargs)}")
+        response_format: dict[str, Any] = {"type": "json_object"}
+        if method == "json_schema":
+            response_format = {"type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}}
+        elif method != "json_mode":
+            raise ValueError(f"method must be function_calling, json_schema or json_mode, not {method!r}")
+        model = self.bind(response_format=response_format,
+                          ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        if not include_raw:
+            return model | parser
+        parsed = RunnablePassthrough.assign(parsed=lambda x: parser.invoke(x["raw"]), parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=model) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+
+    # ------------------------------------------------------------------ batching
+
+    def batch(self, inputs: list[LanguageModelInput], config: RunnableConfig | list[RunnableConfig] | None = None,
+              *, return_exceptions: bool = False, **kwargs: Any) -> list[AIMessage]:
+        """Every conversation in flight at once (the default thread pool feeds only cpu+4 at a time)."""
+        configs = get_config_list(config, len(inputs))
+        for c in configs:
+            c.setdefault("max_concurrency", max(1, len(inputs)))
+        return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
+
+    # ------------------------------------------------------------------ generation
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        call = self.prepare(messages, stop, kwargs)
+        if call.guided is not None:
+            return self.to_result(call, [self.write_call(call)])
+        return self.to_result(call, self.complete_all(call))
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        call = self.prepare(messages, stop, kwargs)
+        if call.guided is not None:
+            return self.to_result(call, [await self.awrite_call(call)])
+        return self.to_result(call, await self.acomplete_all(call))
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        # BaseChatModel fires on_llm_new_token for each chunk itself.
+        call = self.prepare(messages, stop, kwargs, streaming=True)
+        if call.guided is not None:  # the call is written in pieces: it arrives whole, in one chunk
+            yield self.to_final_chunk(call, self.write_call(call))
+            return
+        streamer = self.content_streamer(call)
+        for output in stream_outputs(self.async_engine, self.encode(call, call.prefix), call.params, call.timeout):
+            yield from self.to_chunks(call, Completion.of(output, call.prefix), streamer)
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        call = self.prepare(messages, stop, kwargs, streaming=True)
+        if call.guided is not None:
+            yield self.to_final_chunk(call, await self.awrite_call(call))
+            return
+        streamer = self.content_streamer(call)
+        ids = self.encode(call, call.prefix)
+        async for output in astream_outputs(self.async_engine, ids, call.params, call.timeout):
+            for chunk in self.to_chunks(call, Completion.of(output, call.prefix), streamer):
+                yield chunk
+
+    def write_call(self, call: PreparedCall) -> Completion:
+        """A forced tool call, written by guided_call with the model filling in the values."""
+        return drive(call.guided(), lambda text, stops: self.complete(call, text, stops), self.count_prompt(call))
+
+    async def awrite_call(self, call: PreparedCall) -> Completion:
+        return await adrive(call.guided(), lambda text, stops: self.acomplete(call, text, stops), self.count_prompt(call))
+
+    def complete(self, call: PreparedCall, written: str, stops: list[str]) -> Completion:
+        """Run the model on the prompt plus `written` (text put in its mouth) to the end."""
+        return self.complete_all(call, written, stops)[0]
+
+    async def acomplete(self, call: PreparedCall, written: str, stops: list[str]) -> Completion:
+        return (await self.acomplete_all(call, written, stops))[0]
+
+    def complete_all(self, call: PreparedCall, written: str | None = None, stops: list[str] = ()) -> list[Completion]:
+        """Every sample (n of them) of one request, to the end."""
+        written = call.prefix if written is None else written
+        params = with_stops(call.params, list(stops))
+        for _, output in run_batch(self.async_engine, [self.encode(call, written)], params, call.timeout):
+            if output.finished:
+                return [Completion.of(output, written, i) for i in range(len(output.outputs))]
+        raise AssertionError("the engine ended a request without a finished output")
+
+    async def acomplete_all(self, call: PreparedCall, written: str | None = None,
+                            stops: list[str] = ()) -> list[Completion]:
+        written = call.prefix if written is None else written
+        params = with_stops(call.params, list(stops))
+        async for output in astream_outputs(self.async_engine, self.encode(call, written), params, call.timeout):
+            if output.finished:
+                return [Completion.of(output, written, i) for i in range(len(output.outputs))]
+        raise AssertionError("the engine ended a request without a finished output")
+
+    # ------------------------------------------------------------------ prompt
+
+    @property
+    def tokenizer_(self) -> Any:
+        tokenizer = self.async_engine.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("ChatPaged needs a tokenizer with a chat template; pass tokenizer=...")
+        return tokenizer
+
+    def count_prompt(self, call: PreparedCall) -> int:
+        return len(self.encode(call, ""))
+
+    def encode(self, call: PreparedCall, written: str) -> list[int]:
+        return self.tokenizer_(call.prompt_text + written, add_special_tokens=False)["input_ids"]
+
+    def prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any],
+                streaming: bool = False) -> PreparedCall:
+        kwargs = dict(kwargs)
+        tools = kwargs.pop("tools", None) or []
+        tool_choice = kwargs.pop("tool_choice", None)
+        response_format = kwargs.pop("response_format", None)
+        timeout = self.call_timeout(kwargs)
+        conversation = to_chat_dicts(messages)
+        if response_format is not None:
+            conversation = add_json_instruction(conversation, response_format)
+        shown_tools = tools if tool_choice != "none" else []
+        prompt_text = self.render(conversation, shown_tools)
+        params = self.sampling_params(stop, kwargs, logprobs=self.top_logprobs or 0 if self.logprobs else None)
+        guided = choose_writer(shown_tools, tool_choice, response_format)
+        if params.n > 1 and (streaming or guided is not None):
+            raise NotImplementedError("n > 1 with streaming or with a forced tool call / JSON schema")
+        return PreparedCall(prompt_text=prompt_text, prefix="{" if response_format is not None else "",
+                            tools=shown_tools, params=params, timeout=timeout,
+                            guided=guided)
+
+    def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+        def apply(with_tools: list[dict[str, Any]] | None) -> str:
+            return self.tokenizer_.apply_chat_template(conversation, tools=with_tools, tokenize=False,
+                                                       add_generation_prompt=True, chat_template=self.chat_template)
+        text = apply(tools or None)
+        if tools and text == apply(None):
+            raise ValueError(f"the chat template of {self.resolved_model_name} does not render tools, so the model "
+                             "would never see them; pass chat_template= a template that does (for ChatML models: "
+                             "paged_backend.integrations.langchain.HERMES_TOOL_TEMPLATE)")
+        return text
+
+    # ------------------------------------------------------------------ outputs
+
+    def parse(self, call: PreparedCall, text: str) -> ParsedResponse:
+        if not call.tools:
+            return ParsedResponse(content=text)
+        if getattr(self.tokenizer_, "response_template", None) is not None:
+            return parse_with_tokenizer(self.tokenizer_, text, call.prompt_text, call.tools)
+        return parse_hermes(text)
+
+    def content_streamer(self, call: PreparedCall) -> ContentStreamer | None:
+        """With tools, only certain content streams; tool calls come parsed in the last chunk."""
+        if not call.tools:
+            return None
+        if getattr(self.tokenizer_, "response_template", None) is None:
+            return ContentStreamer()
+        return ContentStreamer(OPEN)  # transformers' parser runs on the whole text: hold everything back
+
+    def to_chunks(self, call: PreparedCall, done: Completion, streamer: ContentStreamer | None) -> Iterator[ChatGenerationChunk]:
+        delta = done.delta if streamer is None else streamer.feed(done.delta)
+        if done.finish_reason is None:
+            if delta:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            return
+        if streamer is None:
+            yield self.to_final_chunk(call, done, content=delta, parsed=ParsedResponse(content=""))
+            return
+        parsed = self.parse(call, done.text)
+        yield self.to_final_chunk(call, done, content=delta + streamer.finish(parsed.content), parsed=parsed)
+
+    def to_final_chunk(self, call: PreparedCall, done: Completion, content: str | None = None,
+                       parsed: ParsedResponse | None = None) -> ChatGenerationChunk:
+        parsed = parsed or self.parse(call, done.text)
+        calls = parsed.tool_calls + parsed.invalid_tool_calls
+        message = AIMessageChunk(content=parsed.content if content is None else content, usage_metadata=done.usage,
+                                 response_metadata=self.response_metadata(done), chunk_position="last",
+                                 tool_call_chunks=[tool_call_chunk(c, i) for i, c in enumerate(calls)])
+        return ChatGenerationChunk(message=message)
+
+    def to_result(self, call: PreparedCall, dones: list[Completion]) -> ChatResult:
+        """One ChatGeneration per sample (n > 1 gives several)."""
+        generations = []
+        for done in dones:
+            parsed = self.parse(call, done.text)
+            message = AIMessage(content=parsed.content, tool_calls=parsed.tool_calls,
+                                invalid_tool_calls=parsed.invalid_tool_calls, usage_metadata=done.usage,
+                                response_metadata=self.response_metadata(done))
+            generations.append(ChatGeneration(message=message))
+        return ChatResult(generations=generations, llm_output={"model_name": self.resolved_model_name})
+
+    def response_metadata(self, done: Completion) -> dict[str, Any]:
+        metadata = {"model_name": self.resolved_model_name, "finish_reason": done.finish_reason,
+                    "model_provider": "paged_backend"}
+        if done.logprobs is not None:
+            metadata["logprobs"] = {"content": openai_logprobs(self.tokenizer_, done.token_ids, done.logprobs)}
+        return metadata
+
+
+def with_stops(params: SamplingParams, stops: list[str]) -> SamplingParams:
+    if not stops:
+        return params
+    return dataclasses.replace(params, stop=merge_stops(params.stop, stops))
+
+
+def tool_call_chunk(call: dict[str, Any], index: int) -> dict[str, Any]:
+    args = call["args"] if isinstance(call["args"], str) else json.dumps(call["args"], ensure_ascii=False)
+    return {"type": "tool_call_chunk", "name": call["name"], "args": args, "id": call["id"], "index": index}
+
+
+def add_json_instruction(conversation: list[dict[str, Any]], response_format: dict[str, Any]) -> list[dict[str, Any]]:
+    """Ask for JSON in the system turn (after the caller's own system text, if any)."""
+    instruction = JSON_INSTRUCTION
+    if response_format.get("type") == "json_schema":
+        schema = response_format["json_schema"]["schema"]
+        instruction += " It must follow this JSON schema:\n" + json.dumps(schema, ensure_ascii=False)
+    elif response_format.get("type") != "json_object":
+        raise NotImplementedError(f"response_format type {response_format.get('type')!r}")
+    if conversation and conversation[0]["role"] == "system":
+        first = {**conversation[0], "content": conversation[0]["content"] + "\n\n" + instruction}
+        return [first, *conversation[1:]]
+    return [{"role": "system", "content": instruction}, *conversation]
+
+

@@ -1,0 +1,86 @@
+"""Options shared by PagedLLM and ChatPaged: which engine, how to sample, how to wait.
+
+Every constructor field can be overridden per call (`invoke(..., temperature=0)`); anything
+else a caller passes is refused by name rather than dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from paged_backend import AsyncEngine, SamplingParams
+
+from .engines import describe_model, get_async_engine
+
+# Fields copied one to one into SamplingParams.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "max_tokens", "min_tokens", "n")
+
+
+class PagedOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    model: Any = None
+    """None (the default model), a hub id, folder or .gguf path, a loaded PreTrainedModel, or a
+    ready paged_backend.LLM / Engine / AsyncEngine."""
+    tokenizer: Any = None
+    engine_config: dict[str, Any] = Field(default_factory=dict)
+    """EngineConfig fields plus dtype/device; adapters with equal settings share one engine."""
+    model_name: str | None = None
+    """Reported as model_name; defaults to the model's name or path."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 512
+    min_tokens: int = 0
+    n: int = 1
+    stop: list[str] | None = None
+    """Stop strings; a call's `stop` is added to these, and the text is cut before the match."""
+    timeout: float | None = None
+    """Seconds one engine request may take; past it the request is aborted and TimeoutError raised.
+    (A forced tool call is written in several requests, one per argument value.)"""
+    streaming: bool = False
+
+    _aengine: AsyncEngine | None = PrivateAttr(default=None)
+
+    @property
+    def async_engine(self) -> AsyncEngine:
+        """The shared engine, built on first use so that construction stays cheap."""
+        if self._aengine is None:
+            self._aengine = get_async_engine(self.model, self.tokenizer, self.engine_config)
+        return self._aengine
+
+    @property
+    def resolved_model_name(self) -> str:
+        return self.model_name or describe_model(self.model)
+
+    def sampling_params(self, stop: list[str] | None, overrides: dict[str, Any], **extra: Any) -> SamplingParams:
+        """Constructor fields, then the call's overrides; stop strings are the union of both."""
+        values = {name: overrides.pop(name, getattr(self, name)) for name in SAMPLING_FIELDS}
+        call_stop = overrides.pop("stop", None) or stop
+        overrides.pop("timeout", None)
+        refuse_unknown(overrides)
+        return SamplingParams(**values, stop=merge_stops(self.stop, call_stop), **extra)
+
+    def call_timeout(self, kwargs: dict[str, Any]) -> float | None:
+        return kwargs.get("timeout", self.timeout)
+
+
+def merge_stops(*groups: list[str] | None) -> list[str]:
+    merged: list[str] = []
+    for group in groups:
+        merged.extend(s for s in group or [] if s not in merged)
+    return merged
+
+
+def refuse_unknown(kwargs: dict[str, Any]) -> None:
+    if kwargs:
+        raise NotImplementedError(f"unsupported call options: {', '.join(sorted(kwargs))}")

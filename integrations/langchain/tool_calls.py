@@ -1,0 +1,140 @@
+"""Tool calls: rendering tools for the chat template, choosing the forced tool, parsing calls back.
+
+Models trained Hermes/Qwen style answer with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+A tokenizer that ships a `response_template` is parsed with transformers' own parser instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+
+# ChatML with tools rendered Hermes/Qwen style, for models whose own template ignores tools.
+# Without tools it renders what SmolLM2's template renders.
+HERMES_TOOL_TEMPLATE = r"""
+{%- if messages and messages[0]['role'] == 'system' %}
+    {%- set system = messages[0]['content'] %}{%- set rest = messages[1:] %}
+{%- else %}
+    {%- set system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' %}{%- set rest = messages %}
+{%- endif %}
+{{- '<|im_start|>system\n' + system }}
+{%- if tools %}
+    {{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments ' }}
+    {{- 'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": ' }}
+    {{- '<args-json-object>}\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- for message in rest %}
+    {%- if message['role'] == 'assistant' %}
+        {{- '<|im_start|>assistant\n' + (message['content'] or '') }}
+        {%- for call in message['tool_calls'] or [] %}
+            {%- set fn = call['function'] %}
+            {%- if message['content'] or not loop.first %}{{- '\n' }}{%- endif %}
+            {{- '<tool_call>\n{"name": "' + fn['name'] + '", "arguments": ' }}
+            {{- (fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson) + '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message['role'] == 'tool' %}
+        {%- if loop.first or rest[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}
+        {%- if loop.last or rest[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+
+@dataclass(slots=True)
+class ParsedResponse:
+    content: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # LangChain ToolCall dicts
+    invalid_tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def chosen_tool_name(tools: list[dict[str, Any]], tool_choice: Any) -> str | None:
+    """None: the model decides; "": some tool must be called; else the tool that must be called."""
+    if not tools or tool_choice in (None, "auto", "none", False):
+        return None
+    if isinstance(tool_choice, dict):
+        tool_choice = tool_choice.get("function", {}).get("name") or tool_choice.get("name")
+    if tool_choice in ("any", "required", True):
+        return tools[0]["function"]["name"] if len(tools) == 1 else ""
+    names = [t["function"]["name"] for t in tools]
+    if tool_choice not in names:
+        raise ValueError(f"tool_choice={tool_choice!r} names no bound tool; bound: {names}")
+    return tool_choice
+
+
+def parse_hermes(text: str) -> ParsedResponse:
+    """Split `<tool_call>` blocks out of the text; an unclosed last block counts (max_tokens cut it)."""
+    result = ParsedResponse(content=BLOCK.sub("", text).strip())
+    for body in BLOCK.findall(text):
+        add_call(result, body.strip())
+    return result
+
+
+def parse_with_tokenizer(tokenizer: Any, text: str, prompt_text: str, tools: list[dict[str, Any]]) -> ParsedResponse:
+    """Use the tokenizer's response_template parser (transformers' chat_parsing)."""
+    message = tokenizer.parse_response(text, prefix=prompt_text, tools=tools)
+    result = ParsedResponse(content=(message.get("content") or "").strip())
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call)
+        add_call(result, json.dumps({"name": function.get("name"), "arguments": function.get("arguments", {})}))
+    return result
+
+
+def add_call(result: ParsedResponse, body: str) -> None:
+    call_id = f"call_{uuid.uuid4().hex[:24]}"
+    try:
+        call = json.loads(body)
+        name, args = call["name"], call.get("arguments", call.get("parameters", {}))
+        args = json.loads(args) if isinstance(args, str) else args
+        if not isinstance(name, str) or not isinstance(args, dict):
+            raise TypeError("name must be a string and arguments an object")
+    except (ValueError, KeyError, TypeError) as exc:
+        result.invalid_tool_calls.append({"type": "invalid_tool_call", "name": None, "args": body,
+                                          "id": call_id, "error": f"{type(exc).__name__}: {exc}"})
+        return
+    result.tool_calls.append({"type": "tool_call", "name": name, "args": args, "id": call_id})
+
+
+class ContentStreamer:
+    """Releases streamed text that is certainly content: never a tool-call block, nor the start of
+    one, nor whitespace that parsing would strip. The rest comes from the final parse."""
+
+    def __init__(self, text: str = "") -> None:
+        self.text = text
+        self.released = ""
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        head = self.text.split(OPEN, 1)[0]
+        if head == self.text:  # no whole opening tag yet: hold back what may become one
+            head = head[:len(head) - partial_open(head)]
+        visible = head.strip()  # grows monotonically: head only grows until a tag appears
+        new = visible[len(self.released):]
+        self.released = visible
+        return new
+
+    def finish(self, content: str) -> str:
+        """The part of the final content not released yet."""
+        return content[len(self.released):] if content.startswith(self.released) else ""
+
+
+def partial_open(text: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of the opening tag."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:n]):
+            return n
+    return 0

@@ -1,0 +1,235 @@
+"""Tool calls for ChatPaged: parsing, forced (guided) calls, streaming, and LangChain's standard tests.
+
+The standard suite runs on the default weights with HERMES_TOOL_TEMPLATE, a ChatML template that
+renders tools Hermes/Qwen style (the default model's own template ignores them). Forced calls
+(tool_choice "any"/a name, and structured output) are written by the adapter with the model
+filling in each value, which is what makes a 135M model's calls parseable. Where the model's
+output is still not a usable call, the standard test is overridden and marked xfail with the
+reason: test_tool_choice and test_agent_loop.
+
+Skipped groups, and why (as in test_langchain_chat_standard.py): image, audio, video and PDF
+inputs, image and PDF tool messages, Anthropic-format inputs (ChatPaged is text only); json mode
+(schema-free JSON; json_schema is tested here); per-call model override (refused); the VCR
+stream-time benchmark (network models only).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.tools import tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from paged_backend.integrations.langchain import (
+    HERMES_TOOL_TEMPLATE,
+    ChatPaged,
+    get_async_engine,
+)
+from paged_backend.integrations.langchain.guided import guided_call
+from paged_backend.integrations.langchain.messages import to_chat_dicts
+from paged_backend.integrations.langchain.tool_calls import (
+    ContentStreamer,
+    chosen_tool_name,
+    parse_hermes,
+    parse_with_tokenizer,
+)
+from pydantic import BaseModel, Field
+
+pytestmark = pytest.mark.timeout(300)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather at a place.",
+           "parameters": {"type": "object", "properties": {"location": {"type": "string"}},
+                          "required": ["location"]}}}
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two ints.",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                      "required": ["a", "b"]}}}
+QWEN_RESPONSE_TEMPLATE = {  # transformers' Qwen2 response template, as a tokenizer would ship it
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True,
+                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"\s*(?:<\|im_end\|>)", "content": "text"},
+    },
+}
+
+
+@tool
+def get_weather(location: str) -> str:
+    """Get the weather at a location."""
+    return "It's sunny."
+
+
+# ---------------------------------------------------------------------- parsing, no model
+
+
+def test_parse_hermes_splits_calls_from_content() -> None:
+    text = 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n' \
+           '<tool_call>\n{"name": "get_weather", "arguments": "{\\"location\\": \\"Paris\\"}"}\n</tool_call>'
+    parsed = parse_hermes(text)
+    assert parsed.content == "Let me check."
+    assert [(c["name"], c["args"]) for c in parsed.tool_calls] == [("add", {"a": 1, "b": 2}),
+                                                                   ("get_weather", {"location": "Paris"})]
+    assert len({c["id"] for c in parsed.tool_calls}) == 2 and not parsed.invalid_tool_calls
+
+
+def test_parse_hermes_keeps_broken_calls_as_invalid() -> None:
+    parsed = parse_hermes('<tool_call>\n{"name": "add", "arguments": {"a": 1,\n</tool_call>')
+    assert parsed.tool_calls == [] and parsed.invalid_tool_calls[0]["error"].startswith("JSONDecodeError")
+    unclosed = parse_hermes('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}')
+    assert unclosed.tool_calls[0]["args"] == {"a": 1, "b": 2}
+
+
+def test_content_streamer_never_releases_a_tool_call() -> None:
+    streamer = ContentStreamer()
+    text = ' Sure <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> done'
+    released = "".join(streamer.feed(text[i:i + 3]) for i in range(0, len(text), 3))
+    parsed = parse_hermes(text)
+    assert released == "Sure"
+    assert released + streamer.finish(parsed.content) == parsed.content == "Sure  done"
+
+
+def run_writer(tools: list[dict[str, Any]], name: str, answers: list[str]) -> tuple[str, list[list[str]]]:
+    """Drive guided_call with canned model answers; return the call text and the stops it asked for."""
+    writer, stops = guided_call(tools, name), []
+    try:
+        _, ask_stops = next(writer)
+        for answer in answers:
+            stops.append(ask_stops)
+            _, ask_stops = writer.send(answer)
+    except StopIteration as end:
+        return end.value, stops
+    raise AssertionError("the writer asked for more values than given")
+
+
+def test_guided_call_asks_only_for_values() -> None:
+    text, stops = run_writer([ADD, WEATHER], "add", [" 1", "2"])
+    assert parse_hermes(text).tool_calls[0]["args"] == {"a": 1, "b": 2}
+    assert stops == [[",", "}", "\n"]] * 2
+    text, stops = run_writer([ADD, WEATHER], "", ["get_weather", 'Paris "centre"'])
+    assert parse_hermes(text).tool_calls[0]["args"] == {"location": 'Paris "centre"'} and stops[1] == ['"']
+    assert parse_hermes(run_writer([ADD], "", ["Hello"])[0]).invalid_tool_calls  # not a bound tool
+    no_args = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+    assert parse_hermes(run_writer([no_args], "ping", [])[0]).tool_calls[0]["args"] == {}
+
+
+def test_tool_choice_names_the_forced_tool() -> None:
+    assert chosen_tool_name([ADD], "any") == "add" and chosen_tool_name([ADD, WEATHER], "required") == ""
+    assert chosen_tool_name([ADD, WEATHER], {"type": "function", "function": {"name": "add"}}) == "add"
+    assert chosen_tool_name([ADD, WEATHER], None) is chosen_tool_name([ADD], "auto") is None
+    with pytest.raises(ValueError, match="names no bound tool"):
+        chosen_tool_name([ADD], "subtract")
+
+
+def test_messages_merge_same_roles_but_not_tool_results() -> None:
+    call = {"name": "add", "args": {"a": 1, "b": 2}, "id": "c1", "type": "tool_call"}
+    chat = to_chat_dicts([SystemMessage("a"), SystemMessage("b"), HumanMessage("q"), AIMessage("", tool_calls=[call]),
+                          ToolMessage("3", tool_call_id="c1"), ToolMessage("4", tool_call_id="c2")])
+    assert [m["role"] for m in chat] == ["system", "user", "assistant", "tool", "tool"]
+    assert chat[0]["content"] == "a\n\nb"
+    assert chat[2]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1, "b": 2}}
+
+
+def test_image_blocks_are_refused() -> None:
+    with pytest.raises(NotImplementedError, match="'image' content blocks"):
+        to_chat_dicts([HumanMessage([{"type": "image", "url": "http://x/y.png"}])])
+
+
+# ---------------------------------------------------------------------- on the default weights
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return get_async_engine().engine.tokenizer
+
+
+def test_tokenizer_response_parser_is_used_where_present(tokenizer: Any) -> None:
+    with_parser = copy.copy(tokenizer)
+    with_parser.response_template = QWEN_RESPONSE_TEMPLATE
+    text = 'Hi\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    parsed = parse_with_tokenizer(with_parser, text, "<|im_start|>assistant\n", [ADD])
+    assert parsed.content == "Hi" and parsed.tool_calls[0]["args"] == {"a": 1, "b": 2}
+
+
+def test_a_template_without_tools_is_refused_not_ignored() -> None:
+    with pytest.raises(ValueError, match="does not render tools"):
+        ChatPaged(max_tokens=2).bind_tools([get_weather]).invoke("Weather in Paris?")
+
+
+def test_tools_reach_the_prompt_and_a_forced_call_parses(tokenizer: Any) -> None:
+    model = ChatPaged(chat_template=HERMES_TOOL_TEMPLATE, temperature=0, max_tokens=24)
+    call = model.prepare([HumanMessage("What is the weather in Paris?")], None,
+                         {"tools": [convert_to_openai_tool(get_weather)], "tool_choice": "get_weather"})
+    assert '"name": "get_weather"' in call.prompt_text and "<tools>" in call.prompt_text
+    assert call.guided.args == ([convert_to_openai_tool(get_weather)], "get_weather")
+    message = model.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(message.tool_calls[0]["args"]["location"], str)
+
+
+def test_streamed_tool_call_matches_invoke() -> None:
+    model = ChatPaged(chat_template=HERMES_TOOL_TEMPLATE, temperature=0, max_tokens=24).bind_tools(
+        [get_weather], tool_choice="any")
+    invoked = model.invoke("What is the weather in Paris?")
+    chunks = list(model.stream("What is the weather in Paris?"))
+    full = chunks[0]
+    for chunk in chunks[1:]:
+        full += chunk
+    assert isinstance(full, AIMessageChunk) and chunks[-1].chunk_position == "last"
+    assert [c["args"] for c in full.tool_calls] == [c["args"] for c in invoked.tool_calls]
+    assert full.content == invoked.content
+    assert sum(1 for c in chunks if c.usage_metadata) == 1
+
+
+class Person(BaseModel):
+    """A person."""
+
+    name: str = Field(description="the person's name")
+    age: int = Field(description="the person's age in years")
+
+
+def test_structured_output_through_a_json_schema() -> None:
+    model = ChatPaged(chat_template=HERMES_TOOL_TEMPLATE, temperature=0, max_tokens=24)
+    structured = model.with_structured_output(Person.model_json_schema(), method="json_schema", include_raw=True)
+    result = structured.invoke("Alice is 30 years old. Extract the person.")
+    assert result["raw"].content.startswith("{")
+    assert result["parsing_error"] is None, result["raw"].content
+    assert set(result["parsed"]) == {"name", "age"}
+
+
+# ---------------------------------------------------------------------- the standard suite
+
+
+class TestChatPagedTools(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatPaged]:
+        return ChatPaged
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        # max_tokens may sit here: the integration suite never passes it (see the other file).
+        return {"chat_template": HERMES_TOOL_TEMPLATE, "temperature": 0, "max_tokens": 16}
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False
+
+    @pytest.mark.xfail(reason="with two tools and tool_choice='any' the 135M model names no bound tool (it writes "
+                              "'Hello'); choosing among the names needs constrained decoding the engine lacks")
+    def test_tool_choice(self, model: ChatPaged) -> None:
+        super().test_tool_choice(model)
+
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    @pytest.mark.xfail(reason="left to choose (tool_choice=None), the 135M model answers in prose instead of "
+                              "calling the weather tool")
+    def test_agent_loop(self, model: ChatPaged) -> None:
+        super().test_agent_loop(model)
