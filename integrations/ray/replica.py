@@ -1,0 +1,95 @@
+"""EngineReplica: one engine (LLM + AsyncEngine) living in its own Ray actor process.
+
+Each replica loads its own copy of the model by path, so replicas never share memory or a device.
+Requests reach it as plain Ray calls: `complete` returns the final output in one reply (the batch
+path), `generate` is a Ray streaming generator that yields every incremental output.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from paged_backend import LLM, AsyncEngine, RequestOutput, SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """What the client needs to validate requests without a model of its own."""
+
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    max_num_seqs: int
+    tokenizer: Any
+    hostname: str
+    pid: int
+    device: str
+
+
+class EngineReplica:
+    def __init__(self, model: str | None, tokenizer: str | None, engine_config: dict[str, Any]) -> None:
+        self.llm = LLM(model, tokenizer, **engine_config)
+        self.aengine = AsyncEngine(self.llm.engine)
+
+    def describe(self) -> ReplicaInfo:
+        engine = self.llm.engine
+        return ReplicaInfo(engine.max_model_len, engine.vocab_size, engine.config.block_size,
+                           engine.config.max_num_seqs, engine.tokenizer, socket.gethostname(), os.getpid(),
+                           str(engine.cache.kv.device))
+
+    @ray.method(num_returns="streaming")
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        async for output in self.aengine.generate(prompt, params, request_id):
+            yield output
+
+    async def complete(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestOutput:
+        final = None
+        async for output in self.aengine.generate(prompt, params, request_id):
+            final = output
+        return final
+
+    def abort(self, request_id: str) -> None:
+        self.aengine.abort(request_id)
+
+    def stats(self) -> dict[str, float]:
+        stats = self.llm.engine.stats()
+        # Needed to combine hit rates across replicas; Engine.stats reports only the ratio.
+        stats["prefix_cache_queried_tokens"] = self.llm.engine.kv.queried_tokens
+        return stats
+
+
+def launch_replicas(
+    model: str | os.PathLike | None = None,
+    num_replicas: int = 2,
+    tokenizer: str | os.PathLike | None = None,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    **engine_config: Any,
+) -> list[ActorHandle]:
+    """Start `num_replicas` EngineReplica actors, each loading `model` (a path, hub id or None for the
+    default model) itself; extra keywords are `LLM` / EngineConfig keywords. Returns at once: the
+    actors load in the background (`ray.get(r.describe.remote())` waits for one)."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if engine_config.get("tensor_parallel_size", 1) > 1:
+        raise NotImplementedError("tensor_parallel_size > 1 inside replicas: each replica would need its "
+                                  "ranks placed together (a Ray placement group), which launch_replicas "
+                                  "does not do yet")
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise TypeError("each replica loads the model itself: pass a path or hub id, not a loaded model")
+    if num_gpus == 0 and engine_config.get("num_threads") is None:
+        # Ray reserves whole CPUs per actor; more torch threads than that would fight the other replicas.
+        engine_config["num_threads"] = max(1, int(num_cpus))
+    actor = ray.remote(EngineReplica).options(num_cpus=num_cpus, num_gpus=num_gpus)
+    path = None if model is None else os.fspath(model)
+    tok = None if tokenizer is None else os.fspath(tokenizer)
+    return [actor.remote(path, tok, dict(engine_config)) for _ in range(num_replicas)]

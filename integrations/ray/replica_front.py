@@ -1,0 +1,64 @@
+"""ReplicaFront: the engine-shaped face of a set of replicas, for code written against one Engine.
+
+It tokenizes and validates requests on the client with the replicas' own tokenizer and limits (so a
+bad request is refused before it travels), and sums the replicas' stats. The OpenAI server reads
+exactly these members from `aengine.engine`: tokenizer, tokenize, validate, max_model_len, stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from paged_backend import Engine, SamplingParams
+
+from .replica import Prompt, ReplicaInfo
+from .router import Router
+
+STATS_TIMEOUT_S = 5.0
+SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions",
+          "prefix_cache_hit_tokens", "num_computed_tokens")
+
+
+class ReplicaFront:
+    def __init__(self, infos: Sequence[ReplicaInfo], replicas: Sequence[ActorHandle], router: Router) -> None:
+        check_same_model(infos)
+        first = infos[0]
+        self.tokenizer = first.tokenizer
+        self.max_model_len = first.max_model_len
+        self.vocab_size = first.vocab_size
+        self.replicas = replicas
+        self.router = router
+
+    # One Engine's own checks, so a replicated engine accepts and refuses exactly what one engine does.
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        return Engine.tokenize(self, prompt)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        Engine.validate(self, token_ids, params)
+
+    def stats(self) -> dict[str, Any]:
+        """The live replicas' stats summed (ratios weighted by blocks), plus each replica's own."""
+        live = [i for i, up in enumerate(self.router.alive) if up]
+        per_replica = dict(zip(live, ray.get([self.replicas[i].stats.remote() for i in live],
+                                             timeout=STATS_TIMEOUT_S)))
+        total = {key: sum(s[key] for s in per_replica.values()) for key in SUMMED}
+        blocks = total["kv_blocks_total"] or 1
+        total["kv_usage"] = sum(s["kv_usage"] * s["kv_blocks_total"] for s in per_replica.values()) / blocks
+        total["kv_utilisation_mean"] = (sum(s["kv_utilisation_mean"] for s in per_replica.values())
+                                        / max(1, len(per_replica)))
+        queried = sum(s["prefix_cache_queried_tokens"] for s in per_replica.values())
+        total["prefix_cache_hit_rate"] = total["prefix_cache_hit_tokens"] / queried if queried else 0.0
+        total["num_replicas_alive"] = len(live)
+        total["replicas"] = per_replica
+        return total
+
+
+def check_same_model(infos: Sequence[ReplicaInfo]) -> None:
+    limits = {(i.max_model_len, i.vocab_size, i.block_size) for i in infos}
+    if len(limits) > 1:
+        raise ValueError(f"replicas disagree on (max_model_len, vocab_size, block_size): {sorted(limits)}; "
+                         "every replica must serve the same model with the same engine settings")

@@ -1,0 +1,242 @@
+"""ReplicatedAsyncEngine: AsyncEngine's API over K engine replicas, each a Ray actor.
+
+Every request is tokenized and validated here, routed by the Router, and run on one replica. If that
+replica dies before the caller has seen any output, the request is run again on another live
+replica (the whole request: nothing of it was delivered, so nothing is repeated). If it dies after
+outputs were streamed, the request ends with a finished output whose `error` says so: replaying it
+elsewhere could change what was already shown. A request that gets no answer within
+`request_timeout_s` is aborted on its replica and ends the same way. Ray reports a dead actor to
+every pending call at once, so no request waits on a dead replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+
+from paged_backend import RequestOutput, SamplingParams
+
+from .background_loop import BackgroundLoop
+from .errors import NoLiveReplicaError, failed_output
+from .prefix_table import PrefixTable
+from .replica import Prompt, launch_replicas
+from .replica_front import ReplicaFront
+from .router import Router
+
+T = TypeVar("T")
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class ReplicatedAsyncEngine:
+    """`generate` (async) and `stream` (threads) as on AsyncEngine, over `replicas` (EngineReplica
+    actors, e.g. from `launch_replicas`, all serving the same model)."""
+
+    def __init__(self, replicas: Sequence[ActorHandle], prefix_aware: bool = False, balance_slack: int = 8,
+                 request_timeout_s: float | None = DEFAULT_TIMEOUT_S, max_attempts: int = 2,
+                 startup_timeout_s: float = DEFAULT_TIMEOUT_S, owns_replicas: bool = False) -> None:
+        if not replicas:
+            raise ValueError("a replicated engine needs at least one replica")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.replicas = list(replicas)
+        self.infos = ray.get([r.describe.remote() for r in self.replicas], timeout=startup_timeout_s)
+        prefixes = PrefixTable(self.infos[0].block_size) if prefix_aware else None
+        self.router = Router(len(self.replicas), prefixes, balance_slack)
+        self.engine = ReplicaFront(self.infos, self.replicas, self.router)
+        self.thread = ReplicaLiveness(self.router)
+        self.request_timeout_s = request_timeout_s
+        self.max_attempts = max_attempts
+        self.owns_replicas = owns_replicas
+        self.inflight: dict[str, int] = {}  # request id -> the replica running it
+        self.num_retries = 0
+        self.ids = itertools.count()
+        self.id_prefix = uuid.uuid4().hex[:8]  # several clients may share replicas: keep ids apart
+        self.background: BackgroundLoop | None = None
+
+    @classmethod
+    def launch(cls, model: str | None = None, num_replicas: int = 2, *, tokenizer: str | None = None,
+               num_cpus: float = 1, num_gpus: float = 0, prefix_aware: bool = False, balance_slack: int = 8,
+               request_timeout_s: float | None = DEFAULT_TIMEOUT_S, max_attempts: int = 2,
+               **engine_config: Any) -> ReplicatedAsyncEngine:
+        """Start `num_replicas` replicas of `model` (see `launch_replicas`) and a client owning them."""
+        replicas = launch_replicas(model, num_replicas, tokenizer, num_cpus, num_gpus, **engine_config)
+        try:
+            return cls(replicas, prefix_aware, balance_slack, request_timeout_s, max_attempts, owns_replicas=True)
+        except BaseException:
+            kill_all(replicas)
+            raise
+
+    # ------------------------------------------------------------ public API
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield this request's outputs as they change; the last one has `finished=True`."""
+        params, text, token_ids, request_id = self.prepare(prompt, params, request_id)
+        async with contextlib.aclosing(self.attempts(prompt, text, token_ids, params, request_id, True)) as outs:
+            async for output in outs:
+                yield output
+
+    async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> RequestOutput:
+        """The final output only, in one reply from the replica (cheaper than streaming every token)."""
+        params, text, token_ids, request_id = self.prepare(prompt, params, request_id)
+        final = None
+        async for output in self.attempts(prompt, text, token_ids, params, request_id, False):
+            final = output
+        return final
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[RequestOutput]:
+        """The same as `generate`, for plain threads."""
+        return self.loop().iterate(self.generate(prompt, params, request_id))
+
+    async def run_batch(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
+                        on_finished: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Every prompt's final output, in input order. Only about two engine batches per replica are
+        in flight at once, so a request's timeout starts when a replica can soon take it."""
+        window = asyncio.Semaphore(sum(2 * info.max_num_seqs for info in self.infos))
+
+        async def run_one(prompt: Prompt, p: SamplingParams) -> RequestOutput:
+            async with window:
+                output = await self.complete(prompt, p)
+            if on_finished is not None:
+                on_finished()
+            return output
+
+        return list(await asyncio.gather(*(run_one(prompt, p) for prompt, p in zip(prompts, params))))
+
+    def abort(self, request_id: str) -> None:
+        index = self.inflight.get(request_id)
+        if index is not None:
+            self.replicas[index].abort.remote(request_id)
+
+    def loop(self) -> BackgroundLoop:
+        if self.background is None:
+            self.background = BackgroundLoop()
+        return self.background
+
+    def shutdown(self) -> None:
+        """Stop the client's thread; kill the replicas if this client launched them."""
+        if self.background is not None:
+            self.background.close()
+            self.background = None
+        if self.owns_replicas:
+            kill_all(self.replicas)
+            for index in range(len(self.replicas)):
+                self.router.mark_dead(index, "shut down")
+
+    # ------------------------------------------------------------ one request
+
+    def prepare(self, prompt: Prompt, params: SamplingParams | None,
+                request_id: str | None) -> tuple[SamplingParams, str | None, list[int], str]:
+        params = params or SamplingParams()
+        text, token_ids = self.engine.tokenize(prompt)
+        self.engine.validate(token_ids, params)
+        if request_id is None:
+            request_id = f"{self.id_prefix}-{next(self.ids)}"
+        elif request_id in self.inflight:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return params, text, token_ids, request_id
+
+    async def attempts(self, prompt: Prompt, text: str | None, token_ids: list[int], params: SamplingParams,
+                       request_id: str, stream: bool) -> AsyncIterator[RequestOutput]:
+        """Run the request on up to `max_attempts` replicas in turn, until one answers."""
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
+        tried: list[int] = []
+        last: RequestOutput | None = None
+        error = "no attempt was made"
+        for attempt in range(self.max_attempts):
+            try:
+                index = self.router.choose(token_ids, exclude=tried)
+            except NoLiveReplicaError as exc:
+                error = str(exc) + (f"; before that: {error}" if tried else "")
+                break
+            tried.append(index)
+            self.num_retries += attempt > 0
+            self.inflight[request_id] = index
+            try:
+                run = self.run_on(index, prompt, params, request_id, stream, deadline)
+                async with contextlib.aclosing(run) as outputs:
+                    async for output in outputs:
+                        last = output
+                        yield output
+                return
+            except RayActorError as exc:
+                error = f"replica {index} failed: {first_line(exc)}"
+                if isinstance(exc, ActorDiedError):
+                    self.router.mark_dead(index, first_line(exc))
+                if last is not None:
+                    error += (f" after {len(last.outputs[0].token_ids)} tokens were streamed; not retried, "
+                              "since a rerun elsewhere could change what was already delivered")
+                    break
+            except TimeoutError:
+                error = (f"no answer from replica {index} within request_timeout_s={self.request_timeout_s}; "
+                         "the request was aborted")
+                break
+            except RayTaskError as exc:  # the replica raised; another would raise the same
+                error = f"replica {index} raised {exc.cause!r}"
+                break
+            finally:
+                self.router.release(index)
+                self.inflight.pop(request_id, None)
+        yield failed_output(request_id, text, token_ids, error, last)
+
+    async def run_on(self, index: int, prompt: Prompt, params: SamplingParams, request_id: str, stream: bool,
+                     deadline: float | None) -> AsyncIterator[RequestOutput]:
+        replica = self.replicas[index]
+        finished = False
+        try:
+            if not stream:
+                output = await wait_until(replica.complete.remote(prompt, params, request_id), deadline)
+                finished = True
+                yield output
+                return
+            refs = replica.generate.remote(prompt, params, request_id)
+            while not finished:
+                output = await wait_until(await wait_until(refs.__anext__(), deadline), deadline)
+                finished = output.finished
+                yield output
+        except ActorDiedError:
+            finished = True  # nothing left to abort
+            raise
+        finally:
+            if not finished:  # the caller stopped listening, or the deadline passed: free the blocks
+                replica.abort.remote(request_id)
+
+
+class ReplicaLiveness:
+    """The OpenAI server's health route asks `aengine.thread.is_alive()` (one engine's stepping
+    thread); for replicas the answer is whether any replica is still alive."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def is_alive(self) -> bool:
+        return self.router.num_alive() > 0
+
+
+async def wait_until(awaitable: Awaitable[T], deadline: float | None) -> T:
+    if deadline is None:
+        return await awaitable
+    return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+
+
+def first_line(exc: BaseException) -> str:
+    """Ray's first line says what happened, its last line why (e.g. "killed by `ray.kill`")."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+
+
+def kill_all(replicas: Sequence[ActorHandle]) -> None:
+    for replica in replicas:
+        with contextlib.suppress(Exception):
+            ray.kill(replica)

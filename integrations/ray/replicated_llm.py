@@ -1,0 +1,66 @@
+"""ReplicatedLLM: `LLM.generate` (many prompts -> outputs in input order) over K engine replicas."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from paged_backend import RequestOutput, SamplingParams
+from paged_backend.llm import normalise_params, normalise_prompts
+
+from .replica import Prompt
+from .replicated_engine import DEFAULT_TIMEOUT_S, ReplicatedAsyncEngine
+
+
+class ReplicatedLLM:
+    """`ReplicatedLLM(model, num_replicas)` starts that many EngineReplica actors on the running Ray
+    cluster (each loads `model` itself) and routes every prompt to one of them. Extra keywords are
+    LLM / EngineConfig keywords, given to every replica."""
+
+    def __init__(self, model: str | os.PathLike | None = None, num_replicas: int = 2, *,
+                 tokenizer: str | os.PathLike | None = None, num_cpus: float = 1, num_gpus: float = 0,
+                 prefix_aware: bool = False, balance_slack: int = 8,
+                 request_timeout_s: float | None = DEFAULT_TIMEOUT_S, max_attempts: int = 2,
+                 **engine_config: Any) -> None:
+        self.aengine = ReplicatedAsyncEngine.launch(
+            model, num_replicas, tokenizer=tokenizer, num_cpus=num_cpus, num_gpus=num_gpus,
+            prefix_aware=prefix_aware, balance_slack=balance_slack, request_timeout_s=request_timeout_s,
+            max_attempts=max_attempts, **engine_config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.aengine.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order. As with `LLM.generate`, every
+        prompt is validated first, so an invalid one raises ValueError (naming its index) and none runs.
+        A request whose replicas all failed comes back finished with `error` set."""
+        prompts = normalise_prompts(prompts)
+        params = normalise_params(sampling_params, len(prompts))
+        front = self.aengine.engine
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                front.validate(front.tokenize(prompt)[1], p)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        with tqdm(total=len(prompts), disable=not use_tqdm, desc="Generating", unit="req") as bar:
+            return self.aengine.loop().run(self.aengine.run_batch(prompts, params, lambda: bar.update(1)))
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """One request's outputs as they change, for plain threads (see ReplicatedAsyncEngine.generate)."""
+        return self.aengine.stream(prompt, params)
+
+    def stats(self) -> dict[str, Any]:
+        return self.aengine.engine.stats()
+
+    def shutdown(self) -> None:
+        """Kill the replicas and stop the client thread."""
+        self.aengine.shutdown()
