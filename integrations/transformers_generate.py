@@ -38,6 +38,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
 from paged_backend.attention import ATTENTION_NAME
+from paged_backend.integrations.beam_generate import generate_beams, wants_beams
 from paged_backend.config import EngineConfig
 from paged_backend.engine import Engine
 from paged_backend.outputs import RequestOutput
@@ -50,6 +51,10 @@ SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 # Rows kept in the engine at once when jobs arrive lazily (the pipeline); the engine's own
 # max_num_seqs still bounds how many run in one step.
 DEFAULT_MAX_ROWS = 1024
+# generate()'s own arguments, as opposed to generation options that go into the GenerationConfig.
+GENERATE_ARGUMENTS = ("inputs", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
+                      "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
+                      "custom_generate", "tokenizer", "cache_implementation", "attention_mask", "input_ids")
 
 
 # ---------------------------------------------------------------- the hook
@@ -88,6 +93,12 @@ def wants_paged(model: PreTrainedModel, args: tuple, kwargs: dict) -> bool:
 @torch.no_grad()
 def generate_paged(model: PreTrainedModel, *args: Any, **kwargs: Any) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """`generate` with the same arguments, run on the model's engine."""
+    generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    if wants_beams(model, generation_config, {k: v for k, v in kwargs.items() if k != "generation_config"
+                                              and k not in GENERATE_ARGUMENTS}):
+        generator = generator_for(model)
+        with generator.lock:
+            return generate_beams(model, generator.engine, *args, **kwargs)
     job = prepare_job(model, *args, **kwargs)
     return next(generator_for(model).run([job]))
 
@@ -235,8 +246,7 @@ def refuse_arguments(**arguments: Any) -> None:
 
 def refuse_config(config: GenerationConfig) -> None:
     if config.num_beams is not None and config.num_beams > 1:
-        raise NotImplementedError("num_beams > 1 (beam search) is not supported with cache_implementation='paged' "
-                                  "yet; use num_beams=1 or drop cache_implementation='paged'")
+        raise NotImplementedError("num_beams > 1 (beam search) runs through model.generate only, not here")
     mode = config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
         raise NotImplementedError(f"generation mode {mode.value!r} is not supported with cache_implementation="

@@ -25,6 +25,7 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     ignore_eos: bool = False
+    eos_token_ids: tuple[int, ...] | None = None  # None: the engine's (the model's generation config)
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
@@ -62,7 +63,7 @@ class PromptBeams:
 
 def beam_search(engine: Engine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
     states = [PromptBeams(prompt, [([], 0.0)]) for prompt in prompts]
-    eos = frozenset() if params.ignore_eos else engine.eos_token_ids
+    eos = frozenset() if params.ignore_eos else frozenset(params.eos_token_ids or engine.eos_token_ids)
     for step in range(params.max_tokens):
         live = [s for s in states if not s.done]
         if not live:

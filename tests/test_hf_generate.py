@@ -332,8 +332,25 @@ def test_engine_is_reused_and_rebuilt_only_when_needed(llama):
 # ---------------------------------------------------------------- refusals and errors
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("options", [
+    {"num_beams": 3},
+    {"num_beams": 3, "num_return_sequences": 2, "length_penalty": 0.5, "early_stopping": True},
+    {"num_beams": 2, "eos": True},
+])
+def test_beam_search_equals_generate(pairs, arch, options):
+    pair = pairs[arch]
+    options = dict(options)
+    if options.pop("eos", False):
+        options |= eos_options(pair)
+    expected, actual = pair.both(INPUT_IDS, attention_mask=MASK, max_new_tokens=8, do_sample=False, **options)
+    assert torch.equal(expected, actual)
+
+
 @pytest.mark.parametrize("options, name", [
-    ({"num_beams": 2}, "num_beams"),
+    ({"num_beams": 2, "repetition_penalty": 1.3}, "RepetitionPenaltyLogitsProcessor"),
+    ({"num_beams": 2, "return_dict_in_generate": True}, "return_dict_in_generate"),
+    ({"num_beams": 2, "do_sample": True}, "beam_sample"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
     ({"prefix_allowed_tokens_fn": lambda batch_id, ids: [1, 2]}, "prefix_allowed_tokens_fn"),
     ({"token_type_ids": torch.zeros_like(INPUT_IDS)}, "token_type_ids"),
