@@ -37,6 +37,7 @@ from transformers.generation import (
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
+from paged_backend.adapters import adapter_for
 from paged_backend.attention import ATTENTION_NAME
 from paged_backend.integrations.beam_generate import generate_beams, wants_beams
 from paged_backend.config import EngineConfig
@@ -299,7 +300,7 @@ def generator_for(model: PreTrainedModel, config: EngineConfig | None = None) ->
     if current is None or not current.fits(model, config):
         slot.generator = None  # free the old cache before allocating the new one
         slot.generator = PagedGenerator(Engine(model, None, config))
-    elif model.config._attn_implementation != ATTENTION_NAME:
+    elif adapter_for(model.config) is None and model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)  # switched away by the user since the engine was built
     return slot.generator
 

@@ -86,8 +86,12 @@ def paged_attention(
     softcap: float | None = None,
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed `query [T, H, D]` over the paged cache; returns `[T, H, D]`.
+
+    `alibi_slopes` `[H]` fp32 (BLOOM, MPT, Falcon-RW, Baichuan-13B) adds `slope * (key position -
+    query position)` to each head's logits, after any soft-capping and before the causal mask.
 
     `new_key`/`new_value` are this step's K/V, already written to the cache: the PyTorch backend
     reads them to skip a gather for sequences with no earlier context; the Triton kernel reads
@@ -95,8 +99,8 @@ def paged_attention(
     """
     if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
         return triton_modules()[0].paged_attention(
-            query, key_cache, value_cache, metadata, scale, sliding_window, softcap
+            query, key_cache, value_cache, metadata, scale, sliding_window, softcap, alibi_slopes=alibi_slopes
         )
     return torch_attention.paged_attention(
-        query, key_cache, value_cache, metadata, scale, sliding_window, softcap, new_key, new_value
+        query, key_cache, value_cache, metadata, scale, sliding_window, softcap, new_key, new_value, alibi_slopes
     )

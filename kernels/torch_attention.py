@@ -54,6 +54,17 @@ def causal_mask(
     return allowed
 
 
+def alibi_bias(
+    slopes: torch.Tensor, num_queries: int, seq_len: int, allowed: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive `[H, n, L]` mask: `slope * (key position - query position)` where allowed, else -inf.
+    Relative to the query, which softmax cannot tell from the models' absolute `slope * key_pos`."""
+    q_pos = torch.arange(seq_len - num_queries, seq_len, device=slopes.device)[:, None]
+    k_pos = torch.arange(seq_len, device=slopes.device)[None, :]
+    bias = slopes.float()[:, None, None] * (k_pos - q_pos).float()
+    return bias.masked_fill(~allowed, float("-inf")).to(dtype)
+
+
 def attend_one(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,13 +72,19 @@ def attend_one(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `q [H, n, D]` over `k, v [KVH, L, D]` whose last `n` positions are the queries."""
     n, seq_len = q.shape[1], k.shape[1]
     if softcap is not None:
-        return attend_softcapped(q, k, v, scale, causal_mask(n, seq_len, sliding_window, q.device), softcap)
+        return attend_softcapped(q, k, v, scale, causal_mask(n, seq_len, sliding_window, q.device), softcap,
+                                 alibi_slopes)
     window_matters = sliding_window is not None and seq_len > sliding_window
-    if n == 1 and not window_matters:
+    if alibi_slopes is not None:
+        mask = alibi_bias(alibi_slopes.to(q.device), n, seq_len, causal_mask(n, seq_len, sliding_window, q.device),
+                          q.dtype)
+        is_causal = False
+    elif n == 1 and not window_matters:
         mask, is_causal = None, False
     elif n == seq_len and not window_matters:
         mask, is_causal = None, True
@@ -81,7 +98,8 @@ def attend_one(
 
 
 def attend_softcapped(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor, softcap: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor, softcap: float,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager attention with tanh logit soft-capping (Gemma 2), which SDPA cannot express."""
     group = q.shape[0] // k.shape[0]
@@ -89,6 +107,8 @@ def attend_softcapped(
     v = v.repeat_interleave(group, dim=0)
     scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes.to(q.device), q.shape[1], k.shape[1], mask, torch.float32)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
@@ -103,11 +123,13 @@ def paged_attention(
     softcap: float | None = None,
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed `query [T, H, D]` over the paged cache; returns `[T, H, D]`.
 
     `new_key`/`new_value` `[T, KVH, D]` (optional) are this step's keys, already in the cache: a
-    sequence with no earlier context reads them directly and skips the gather.
+    sequence with no earlier context reads them directly and skips the gather. `alibi_slopes` `[H]`
+    (optional) adds `slope * (key position - query position)` to each head's logits.
     """
     out = torch.empty_like(query)
     starts = metadata.query_start_loc_host
@@ -121,5 +143,5 @@ def paged_attention(
             gathers = gathers or gather_indices(metadata)
             k = key_cache.index_select(1, gathers[i])
             v = value_cache.index_select(1, gathers[i])
-        out[s:e] = attend_one(q, k, v, scale, sliding_window, softcap).transpose(0, 1)
+        out[s:e] = attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes).transpose(0, 1)
     return out

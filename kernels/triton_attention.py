@@ -63,6 +63,51 @@ def paged_attention_kernel(
     HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
+    attend_query_block(
+        out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr,
+        scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
+        stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_c_h, stride_c_slot, stride_bt,
+        GROUP, GROUP_PAD, BLOCK_M, TILE_N, HEAD_PAD, NUM_SEGMENTS, USE_SOFTCAP, USE_WINDOW, False,
+    )
+
+
+# The ALiBi variant is a kernel of its own so the plain kernel's signature (and compiled binaries)
+# stay as they are; both inline the same program.
+@triton.jit(do_not_specialize=["num_seqs"])
+def paged_attention_alibi_kernel(
+    out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr,
+    scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_c_h, stride_c_slot, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+):
+    attend_query_block(
+        out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr,
+        scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
+        stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_c_h, stride_c_slot, stride_bt,
+        GROUP, GROUP_PAD, BLOCK_M, TILE_N, HEAD_PAD, NUM_SEGMENTS, USE_SOFTCAP, USE_WINDOW, True,
+    )
+
+
+@triton.jit
+def attend_query_block(
+    out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr,
+    scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_c_h, stride_c_slot, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
+):
+    """One program: one query block of one sequence against one KV head (one segment of its keys)."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,6 +133,8 @@ def paged_attention_kernel(
     q_offs = (q_start + q_local).to(tl.int64)[:, None] * stride_q_t + head.to(tl.int64)[:, None] * stride_q_h
     q = tl.load(q_ptr + q_offs + dims[None, :], mask=q_mask, other=0.0)
     q_pos = context_len + q_local  # absolute position of each row's query token
+    if USE_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
 
     # Keys this block can see: up to its last query's position, from the start of its window.
     kv_end = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
@@ -117,6 +164,10 @@ def paged_attention_kernel(
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         if USE_SOFTCAP:
             s = softcap * tanh(s / softcap)
+        if USE_ALIBI:
+            # Relative to the query (<= 0 on visible keys): softmax is shift-invariant per row, so this
+            # equals the models' absolute `slope * key_pos` and keeps the logits small.
+            s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
         allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -209,9 +260,11 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     config: LaunchConfig | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed `query [T, H, D]` over caches `[KVH, num_slots, D]`; returns `[T, H, D]`.
 
+    `alibi_slopes` `[H]` fp32 adds `slope * (key position - query position)` to each head's logits.
     `config` overrides the tile choice (tests use it to reach every kernel variant on small inputs).
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -231,13 +284,19 @@ def paged_attention(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
+    if alibi_slopes is not None and (alibi_slopes.shape != (num_heads,) or alibi_slopes.dtype != torch.float32):
+        raise ValueError(f"alibi_slopes must be fp32 of shape ({num_heads},), got {alibi_slopes.dtype} "
+                         f"{tuple(alibi_slopes.shape)}")
     segments = config.num_segments
     parts = allocate_partials(num_tokens, num_heads, segments, head_pad, query.device)
     block_q = config.block_m // group_pad
     grid = (num_tokens // block_q + metadata.num_seqs, num_kv_heads, segments)
-    paged_attention_kernel[grid](
+    kernel, alibi = paged_attention_kernel, ()
+    if alibi_slopes is not None:
+        kernel, alibi = paged_attention_alibi_kernel, (alibi_slopes.to(query.device).contiguous(),)
+    kernel[grid](
         out, query, key_cache, value_cache,
-        metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, *parts,
+        metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, *parts, *alibi,
         scale, softcap or 0.0, sliding_window or 0, metadata.num_seqs, metadata.block_size, num_heads, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), metadata.block_tables.stride(0),

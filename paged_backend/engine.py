@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from .adapters import install_adapters
 from .attention import ATTENTION_NAME, register
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -40,7 +41,8 @@ class Engine:
         self.config = config or EngineConfig()
         check_architecture(model)
         register()
-        if model.config._attn_implementation != ATTENTION_NAME:
+        # An architecture whose attention bypasses the attention interface gets its adapter instead.
+        if not install_adapters(model) and model.config._attn_implementation != ATTENTION_NAME:
             model.set_attn_implementation(ATTENTION_NAME)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)

@@ -1,15 +1,17 @@
 """Load a causal LM and its tokenizer for the paged engine, and vet its architecture.
 
 The engine swaps its paged attention in through transformers' attention
-interface (``ALL_ATTENTION_FUNCTIONS``), so it can only run decoder-only models
-whose attention module dispatches through that interface. ``SUPPORTED`` lists
-the ``config.model_type`` values checked against the installed transformers
-source; everything else is refused up front with a reason, rather than failing
-later with wrong outputs.
+interface (``ALL_ATTENTION_FUNCTIONS``), or, for an architecture whose attention
+bypasses it (BLOOM, MPT, Falcon, Baichuan), through that architecture's adapter
+in ``paged_backend.adapters``. ``SUPPORTED`` lists the ``config.model_type``
+values of both kinds; everything else is refused up front with a reason, rather
+than failing later with wrong outputs. Baichuan, published only as remote code,
+is loaded from a local folder without running that code.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -25,12 +27,15 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from paged_backend.adapters import ADAPTERS
+from paged_backend.adapters.baichuan import is_baichuan, load_baichuan
+from paged_backend.attention import ATTENTION_NAME
 from paged_backend.default_model import DEFAULT_MODEL, default_model_path
 
 # Each of these has a decoder-only *ForCausalLM whose attention module calls
 # ALL_ATTENTION_FUNCTIONS.get_interface (checked in transformers 5.24's
 # models/<name>/modeling_<name>.py).
-SUPPORTED: frozenset[str] = frozenset(
+INTERFACE_TYPES: frozenset[str] = frozenset(
     {
         "llama",
         "mistral",
@@ -58,13 +63,16 @@ SUPPORTED: frozenset[str] = frozenset(
     }
 )
 
+# Architectures whose attention bypasses the interface and runs through an adapter.
+ADAPTED_TYPES: frozenset[str] = frozenset(ADAPTERS)
+
+SUPPORTED: frozenset[str] = INTERFACE_TYPES | ADAPTED_TYPES
+
+# Model types users ask about that are refused, with the reason (an unlisted type gets a generic one).
 UNSUPPORTED_REASONS: dict[str, str] = {
-    "bloom": "it adds ALiBi position biases inside its own attention code, outside transformers' attention interface",
-    "mpt": "it adds ALiBi position biases inside its own attention code, outside transformers' attention interface",
-    "falcon": (
-        "its attention calls scaled_dot_product_attention directly (with optional ALiBi biases), "
-        "outside transformers' attention interface"
-    ),
+    "t5": "it is an encoder-decoder model; the paged engine runs decoder-only causal LMs",
+    "bart": "it is an encoder-decoder model; the paged engine runs decoder-only causal LMs",
+    "mamba": "it is a state-space model with no attention K/V to page",
 }
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
@@ -93,7 +101,7 @@ def check_architecture(model_or_config: PreTrainedModel | PretrainedConfig) -> N
     reason = UNSUPPORTED_REASONS.get(
         model_type,
         "the paged engine only runs decoder-only causal LMs whose attention goes through "
-        "transformers' attention interface",
+        "transformers' attention interface or has an adapter",
     )
     raise UnsupportedArchitectureError(
         f"Unsupported architecture {name} (model_type={model_type!r}): {reason}. "
@@ -196,11 +204,15 @@ def _load_pretrained(
     """Check the config first (cheap), then load the weights straight onto the device (or, with a
     tensor-parallel plan, this process's shard of them)."""
     target = _resolve_device(device)
+    if gguf_name is None and _is_baichuan_folder(source):
+        return _load_baichuan_folder(Path(source), dtype, target, attn_implementation, tp_plan)
     extra: dict[str, object] = {"trust_remote_code": trust_remote_code}
     if gguf_name is not None:
         extra["gguf_file"] = gguf_name
     # Refuse unsupported models before paying for their weights.
-    check_architecture(AutoConfig.from_pretrained(source, **extra))
+    config = AutoConfig.from_pretrained(source, **extra)
+    check_architecture(config)
+    attn_implementation = _attention_to_load(config, attn_implementation)
     if attn_implementation is not None:
         extra["attn_implementation"] = attn_implementation
     if tp_plan is not None:
@@ -208,6 +220,32 @@ def _load_pretrained(
     else:
         extra["device_map"] = target
     return AutoModelForCausalLM.from_pretrained(source, dtype=_resolve_dtype(dtype, target), **extra)
+
+
+def _is_baichuan_folder(source: str | Path) -> bool:
+    config_file = Path(source) / "config.json"
+    return isinstance(source, Path) and config_file.is_file() and is_baichuan(json.loads(config_file.read_text()))
+
+
+def _load_baichuan_folder(
+    folder: Path,
+    dtype: torch.dtype | str | None,
+    device: torch.device,
+    attn_implementation: str | None,
+    tp_plan: str | None,
+) -> PreTrainedModel:
+    """Baichuan without its remote code: the rotary form as a Llama (whose attention implementation
+    can be chosen), the ALiBi form as our adapter model (whose attention is the adapter's)."""
+    if tp_plan is not None:
+        raise NotImplementedError("tensor parallelism is not available for Baichuan checkpoints")
+    resolved = _resolve_dtype(dtype, device)
+    if resolved == "auto":
+        raw = json.loads((folder / "config.json").read_text())
+        resolved = getattr(torch, str(raw.get("torch_dtype") or raw.get("dtype") or "float32"))
+    model = load_baichuan(folder, resolved, device)
+    if attn_implementation is not None and model.config.model_type == "llama":
+        model.set_attn_implementation(attn_implementation)
+    return model
 
 
 def _adopt_model(
@@ -223,9 +261,19 @@ def _adopt_model(
         wanted = _resolve_dtype(dtype, model.device)
         if wanted != "auto" and wanted != model.dtype:
             model.to(wanted)
+    attn_implementation = _attention_to_load(model.config, attn_implementation)
     if attn_implementation is not None and attn_implementation != model.config._attn_implementation:
         model.set_attn_implementation(attn_implementation)
     return model
+
+
+def _attention_to_load(config: PretrainedConfig, attn_implementation: str | None) -> str | None:
+    """An adapted architecture keeps its own attention code (the adapter swaps the paged one in
+    inside the engine only): asking it for the paged interface function would break its own
+    forward (MPT's mask, Falcon's attention class table), so that request is dropped."""
+    if attn_implementation == ATTENTION_NAME and getattr(config, "model_type", None) in ADAPTED_TYPES:
+        return None
+    return attn_implementation
 
 
 def _same_device(wanted: torch.device, actual: torch.device) -> bool:
@@ -248,7 +296,16 @@ def _load_tokenizer(
         return AutoTokenizer.from_pretrained(source, gguf_file=gguf_name, trust_remote_code=trust_remote_code)
     if source is None or (isinstance(source, Path) and not _has_tokenizer_files(source)):
         return None
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        if not _is_baichuan_folder(source):
+            raise
+        raise ValueError(
+            f"{source}: Baichuan's tokenizer is remote code (a sentencepiece BaichuanTokenizer); its model loads "
+            "without that code, but the tokenizer needs trust_remote_code=True (which runs only the tokenizer's "
+            "code) or a tokenizer passed as tokenizer="
+        ) from exc
 
 
 def _has_tokenizer_files(folder: Path) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import assert_all_blocks_free, greedy, hf_greedy, run_to_completion
 from tiny_models import build
 
@@ -106,16 +107,29 @@ def test_failed_forward_ends_only_that_step(model, monkeypatch):
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("arch", ["bloom", "mpt", "falcon"])
-def test_unsupported_architectures_refuse_to_run(arch):
+def test_architecture_without_adapter_refuses_to_run():
+    """BLOOM, MPT and Falcon bypass the attention interface and now run through adapters
+    (tests/test_adapters.py); an architecture with neither is refused, by name."""
     import transformers as tf
 
-    config = {
-        "bloom": lambda: tf.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2),
-        "mpt": lambda: tf.MptConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2),
-        "falcon": lambda: tf.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                          num_attention_heads=2, alibi=False),
-    }[arch]()
-    model = tf.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(UnsupportedArchitectureError, match=arch):
+    class MadeUpConfig(tf.PretrainedConfig):
+        model_type = "made_up_alibi_lm"
+
+    class MadeUpForCausalLM(tf.PreTrainedModel):
+        config_class = MadeUpConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed = torch.nn.Embedding(8, 4)
+
+    with pytest.raises(UnsupportedArchitectureError, match="MadeUpForCausalLM.*made_up_alibi_lm"):
+        Engine(MadeUpForCausalLM(MadeUpConfig()), None, EngineConfig(num_kv_blocks=8))
+
+
+def test_encoder_decoder_refuses_to_run():
+    import transformers as tf
+
+    model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                                       num_heads=2))
+    with pytest.raises(UnsupportedArchitectureError, match="t5.*encoder-decoder"):
         Engine(model, None, EngineConfig(num_kv_blocks=8))
