@@ -270,10 +270,17 @@ class Engine:
     # ---------------------------------------------------------------- stats
 
     def record_utilisation(self) -> None:
+        """Tokens stored / slots allocated, counting a block shared by several requests once."""
         allocated = self.kv.slots_in_use()
-        if allocated:
-            stored = sum(r.num_computed_tokens for r in self.scheduler.running)
-            self.utilisation_samples.append(stored / allocated)
+        if not allocated:
+            return
+        bs = self.kv.block_size
+        filled: dict[int, int] = {}
+        for request in self.scheduler.running:
+            computed = request.num_computed_tokens
+            for i, block_id in enumerate(request.block_ids[: -(-computed // bs)]):
+                filled[block_id] = max(filled.get(block_id, 0), min(bs, computed - i * bs))
+        self.utilisation_samples.append(sum(filled.values()) / allocated)
 
     def stats(self) -> dict[str, float]:
         samples = self.utilisation_samples

@@ -1,0 +1,131 @@
+"""Smoke test of benchmarks/throughput.py on a tiny random model: every system runs, the report has its fields.
+
+Also checks the shared benchmark helpers (benchmarks/common.py) that the numbers rest on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import common
+import throughput
+from tiny_models import build
+
+SYSTEM_FIELDS = {"label", "useful_tokens", "tokens_per_s", "wall_s", "ttft_first_s", "ttft_median_s", "peak_rss_mb",
+                 "run_peak_rss_mb", "setup_s", "tokens_equal_sequential"}
+ENGINE_FIELDS = {"kv_utilisation_mean", "floor_s", "floor_cpu_s", "engine_over_floor", "engine_cpu_over_floor_cpu",
+                 "step_over_floor_median", "num_steps", "step_tokens", "step_s", "forward_s"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build("llama").save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def workload() -> common.Workload:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 9, 13, 7)]
+    return common.Workload(prompts, common.draw_max_tokens(4, 3, 8, seed=0), pad_token_id=0)
+
+
+def test_all_systems_report_their_fields(tiny_model_dir, workload, tmp_path):
+    options = throughput.Options(cb_num_blocks=4, floor_repeats=1)  # keep transformers CB off 60% of RAM
+    results = throughput.run_systems(workload, throughput.SYSTEMS, tiny_model_dir, options, isolate=False)
+    report = throughput.summarise(workload, results)
+
+    assert set(report["systems"]) == set(throughput.SYSTEMS)
+    for name, summary in report["systems"].items():
+        assert SYSTEM_FIELDS <= summary.keys(), name
+        assert summary["useful_tokens"] == sum(workload.max_tokens)
+        assert summary["tokens_per_s"] > 0 and summary["peak_rss_mb"] > 0
+        assert 0 <= summary["ttft_first_s"] <= summary["wall_s"]
+        # The tiny model has no near-ties, so every system must reproduce one-at-a-time generate exactly.
+        assert summary["tokens_equal_sequential"] == {"equal": 4, "of": 4, "first_mismatch": None}, name
+    for name, r in results.items():
+        assert [len(t) for t in r["tokens"]] == workload.max_tokens, name
+    engine = report["systems"]["engine"]
+    assert ENGINE_FIELDS <= engine.keys()
+    assert 0 < engine["kv_utilisation_mean"] <= 1 and engine["floor_s"] > 0
+    # Every prompt token and every output token but the last is fed through exactly one packed forward.
+    assert sum(engine["step_tokens"]) == sum(map(len, workload.prompt_token_ids)) + sum(workload.max_tokens) - 4
+    assert len(engine["step_s"]) == engine["num_steps"]
+    assert {t for t, _, _ in engine["floor_shape_s"]} == set(engine["step_tokens"])
+    assert report["systems"]["static"]["computed_tokens"] == 4 * max(workload.max_tokens)
+    assert set(report["ratios"]) == {"engine_vs_static", "engine_vs_hf_cb", "engine_vs_sequential"}
+    assert all(r["met"] in (True, False) for r in report["targets"])
+
+    path = common.write_results(report, "throughput", tmp_path / "out.json")
+    assert json.loads(path.read_text())["systems"]["engine"]["num_steps"] == engine["num_steps"]
+    assert "paged-backend engine" in throughput.format_report(report)
+
+
+def test_isolated_worker_returns_the_same_tokens(tiny_model_dir, workload):
+    options = throughput.Options(floor_repeats=1)
+    isolated = throughput.run_systems(workload, ["engine"], tiny_model_dir, options, isolate=True)["engine"]
+    in_process = throughput.run_systems(workload, ["engine"], tiny_model_dir, options, isolate=False)["engine"]
+    assert isolated["tokens"] == in_process["tokens"]
+    assert isolated["peak_rss_mb"] > 0
+
+
+def test_repeats_keep_each_systems_fastest_run(tiny_model_dir, workload):
+    results = throughput.run_systems(workload, ["static"], tiny_model_dir, throughput.Options(), isolate=False,
+                                     repeats=2)
+    static = results["static"]
+    assert len(static["wall_s_runs"]) == 2 and static["wall_s"] == min(static["wall_s_runs"])
+
+
+def test_unknown_system_is_refused(tiny_model_dir, workload):
+    with pytest.raises(ValueError, match="unknown systems"):
+        throughput.run_systems(workload, ["vllm"], tiny_model_dir, throughput.Options(), isolate=False)
+
+
+def test_compare_tokens_finds_first_mismatch():
+    result = throughput.compare_tokens([[1, 2, 3], [4, 5, 9]], [[1, 2, 3], [4, 5, 6]])
+    assert result == {"equal": 1, "of": 2, "first_mismatch": {"request": 1, "position": 2}}
+
+
+def test_max_tokens_are_seeded_and_in_range():
+    drawn = common.draw_max_tokens(32, 16, 128, seed=0)
+    assert drawn == common.draw_max_tokens(32, 16, 128, seed=0)
+    assert drawn != common.draw_max_tokens(32, 16, 128, seed=1)
+    assert all(16 <= n <= 128 for n in drawn)
+
+
+def test_prompts_come_from_the_data_env(tmp_path, monkeypatch):
+    rows = [{"question_id": i, "turns": [f"first {i}", f"second {i}"]} for i in range(3)]
+    (tmp_path / common.MT_BENCH_FILE).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    monkeypatch.setenv(common.DATA_ENV, str(tmp_path))
+    assert common.load_mt_bench_prompts(2) == ["first 0", "first 1"]
+    assert common.load_mt_bench_prompts(3, turn=1)[-1] == "second 2"
+    with pytest.raises(ValueError, match="holds 3 questions"):
+        common.load_mt_bench_prompts(4)
+
+
+def test_rss_sampler_sees_an_allocation():
+    with common.RSSSampler(interval_s=0.001) as rss:
+        before = common.current_rss_bytes()
+        block = torch.ones(64 * common.MiB // 4)  # 64 MiB, written so its pages are resident
+        time.sleep(0.05)  # the sampling thread, not the final reading at exit, has to see it
+        del block
+    assert rss.peak_bytes >= before + 48 * common.MiB
+    assert common.peak_rss_bytes() >= rss.peak_bytes
+
+
+def test_time_median_is_the_middle_timing():
+    delays = iter([0.0, 0.03, 0.001, 0.01])  # warm-up, then three timed calls
+
+    def call():
+        time.sleep(next(delays))
+
+    assert 0.009 <= common.time_median(call, repeats=3, warmup=1) < 0.03
