@@ -11,7 +11,6 @@ each setting, then the ratio, and checks both settings produce the same tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

@@ -78,7 +78,7 @@ class AsyncEngine:
         text, token_ids = self.engine.tokenize(prompt)
         self.engine.validate(token_ids, params)
         request_id = request_id if request_id is not None else f"async-{next(self.ids)}"
-        self.commands.put(("add", (request_id, text if text is not None else token_ids, params, sink)))
+        self.commands.put(("add", (request_id, text if text is not None else token_ids, token_ids, params, sink)))
         self.wakeup.set()
         return request_id
 
@@ -113,9 +113,9 @@ class AsyncEngine:
             else:
                 self.engine.abort_request(arg)
 
-    def add(self, request_id: str, prompt: Prompt, params: SamplingParams, sink: Sink) -> None:
+    def add(self, request_id: str, prompt: Prompt, token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
         try:
-            self.engine.add_request(prompt, params, request_id=request_id)
+            self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=token_ids)
         except ValueError as exc:  # e.g. a duplicate id: the caller gets a finished output with the error
             logger.warning("request %s refused: %s", request_id, exc)
             sink(refused_output(request_id, prompt, str(exc)))

@@ -25,7 +25,7 @@ from .distributed import agree_on_blocks
 from .model_runner import ModelRunner, StepInputs
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .paged_cache import KVShape, PagedCache, probe_kv_shape
-from .request import Request, RequestStatus
+from .request import Request
 from .sampler import SamplerOutput, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -91,16 +91,21 @@ class Engine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); raise ValueError, leaving the engine untouched, if it is invalid.
 
         With `params.n > 1` the prompt is sampled n times; the samples share its cached blocks.
-        `logits_processor` maps this request's logits row `[V]` to a new row before sampling."""
+        `logits_processor` maps this request's logits row `[V]` to a new row before sampling.
+        `prompt_token_ids`, when the caller has already tokenized a text prompt, saves doing it twice."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self.ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self.tokenize(prompt)
+        if prompt_token_ids is None:
+            text, token_ids = self.tokenize(prompt)
+        else:
+            text, token_ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         self.validate(token_ids, params)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         group: list[Request] = []

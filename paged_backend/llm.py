@@ -124,19 +124,24 @@ class LLM:
 
     def run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        token_ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                engine.validate(engine.tokenize(prompt)[1], p)
+                token_ids.append(engine.tokenize(prompt)[1])
+                engine.validate(token_ids[-1], p)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
-        ids = [engine.add_request(prompt, p, stream=False) for prompt, p in zip(prompts, params)]
+        ids = [engine.add_request(prompt, p, stream=False, prompt_token_ids=ids)
+               for prompt, p, ids in zip(prompts, params, token_ids)]
         index = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         with tqdm(total=len(ids), disable=not use_tqdm, desc="Generating", unit="req") as bar:
-            while any(r is None for r in results):
+            remaining = len(ids)
+            while remaining:
                 for output in engine.step():
                     if output.finished and output.request_id in index:
                         results[index[output.request_id]] = output
+                        remaining -= 1
                         bar.update(1)
         return results
 

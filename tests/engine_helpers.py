@@ -39,3 +39,22 @@ def assert_all_blocks_free(engine: Engine) -> None:
     pool = engine.kv.pool
     assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks leaked"
     assert all(count == 0 for count in pool.ref_counts)
+
+
+def check_against_hf(model, prompts: list[list[int]], refs: list[list[int]], config, max_new: int,
+                     late_from: int | None = None) -> Engine:
+    """Run `prompts` greedily through a new engine (those from `late_from` on joining after a few steps)
+    and assert each equals its HF reference, finishes on length, and every block comes back."""
+    engine = Engine(model, None, config)
+    late_from = len(prompts) if late_from is None else late_from
+    ids = [engine.add_request(p, greedy(max_new)) for p in prompts[:late_from]]
+    finals: dict[str, RequestOutput] = {}
+    for _ in range(3):  # a few steps with the first requests alone, then the rest join the running batch
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    ids += [engine.add_request(p, greedy(max_new)) for p in prompts[late_from:]]
+    finals.update(run_to_completion(engine))
+    for i, rid in enumerate(ids):
+        assert finals[rid].outputs[0].token_ids == refs[i], f"request {i} differs"
+        assert finals[rid].outputs[0].finish_reason == "length"
+    assert_all_blocks_free(engine)
+    return engine

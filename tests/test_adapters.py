@@ -8,13 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from engine_helpers import (
-    assert_all_blocks_free,
-    greedy,
-    hf_greedy,
-    mixed_prompts,
-    run_to_completion,
-)
+from engine_helpers import assert_all_blocks_free, check_against_hf, greedy, hf_greedy, mixed_prompts
 
 from paged_backend import Engine, EngineConfig
 from paged_backend.adapters import ADAPTERS, install_adapters, registry
@@ -63,18 +57,7 @@ def arch_case(request):
 
 
 def check_engine(model, prompts, refs, config: EngineConfig, late_from: int | None = None) -> Engine:
-    engine = Engine(model, None, config)
-    late_from = len(prompts) if late_from is None else late_from
-    ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts[:late_from]]
-    finals = {}
-    for _ in range(3):
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
-    ids += [engine.add_request(p, greedy(MAX_NEW)) for p in prompts[late_from:]]
-    finals.update(run_to_completion(engine))
-    for i, rid in enumerate(ids):
-        assert finals[rid].outputs[0].token_ids == refs[i], f"request {i} differs"
-    assert_all_blocks_free(engine)
-    return engine
+    return check_against_hf(model, prompts, refs, config, MAX_NEW, late_from)
 
 
 def test_plain_batch_runs_through_the_adapter(arch_case, monkeypatch):

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from engine_helpers import assert_all_blocks_free, greedy, hf_greedy, mixed_prompts, run_to_completion
+from engine_helpers import check_against_hf, greedy, hf_greedy, mixed_prompts
 from tiny_models import CONFIGS, build
 
 from paged_backend import Engine, EngineConfig
@@ -25,19 +25,7 @@ def arch_case(request):
 
 
 def check_engine(model, prompts, refs, config: EngineConfig, late_from: int | None = None) -> Engine:
-    engine = Engine(model, None, config)
-    late_from = len(prompts) if late_from is None else late_from
-    ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts[:late_from]]
-    finals = {}
-    for _ in range(3):  # a few steps with the first requests alone, then the rest join the running batch
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
-    ids += [engine.add_request(p, greedy(MAX_NEW)) for p in prompts[late_from:]]
-    finals.update(run_to_completion(engine))
-    for i, rid in enumerate(ids):
-        assert finals[rid].outputs[0].token_ids == refs[i], f"request {i} differs"
-        assert finals[rid].outputs[0].finish_reason == "length"
-    assert_all_blocks_free(engine)
-    return engine
+    return check_against_hf(model, prompts, refs, config, MAX_NEW, late_from)
 
 
 def test_plain_batch(arch_case):
