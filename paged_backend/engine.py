@@ -188,7 +188,7 @@ class Engine:
             if not request.is_finished:
                 request.error = error
                 self.finish(request, "abort")
-        self.pending_outputs.append(self.make_output(group[-1], []))
+        self.pending_outputs.append(self.make_output(group[-1], group, []))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending_outputs)
@@ -231,7 +231,7 @@ class Engine:
                 record_logprobs(request, sampled, i)
             self.check_stop(request, token)
             if request.stream or request.group_finished():
-                outputs.append(self.make_output(request, [token]))
+                outputs.extend(self.outputs_after(request, [token]))
         return outputs
 
     def check_stop(self, request: Request, token: int) -> None:
@@ -253,12 +253,22 @@ class Engine:
         if request.group_finished():
             del self.requests[request.external_id]
 
-    def make_output(self, request: Request, delta_ids: list[int]) -> RequestOutput:
-        """The user-facing output after `request` changed. While samples of an n > 1 request are still
-        running, it carries only the changed sample; the final one carries every sample in index order."""
-        finished = request.group_finished()
+    def outputs_after(self, request: Request, delta_ids: list[int]) -> list[RequestOutput]:
+        """The user-facing outputs after `request` changed. For n > 1, every delta is attributable: an
+        output carries either the one sample that changed (with its delta) or, last of all, every sample
+        in index order (finished, no delta of its own)."""
+        if len(request.group) == 1 or not request.group_finished():
+            return [self.make_output(request, [request], delta_ids)]
+        final = self.make_output(request, request.group, [])
+        if not request.stream:
+            return [final]
+        return [self.make_output(request, [request], delta_ids, finished=False), final]
+
+    def make_output(self, request: Request, samples: list[Request], delta_ids: list[int],
+                    finished: bool | None = None) -> RequestOutput:
+        finished = request.group_finished() if finished is None else finished
         detok = request.detokenizer
-        samples = request.group if finished else [request]
+        delta = detok.take_delta(request.is_finished) if detok and (delta_ids or len(samples) == 1) else ""
         return RequestOutput(
             request_id=request.external_id,
             prompt=request.prompt,
@@ -268,7 +278,7 @@ class Engine:
             metrics=request.metrics,
             num_cached_tokens=request.group[0].num_cached_tokens,
             error=request.error,
-            delta_text=detok.take_delta(request.is_finished) if detok else "",
+            delta_text=delta,
             delta_token_ids=delta_ids,
         )
 

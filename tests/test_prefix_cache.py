@@ -156,3 +156,20 @@ def test_multi_turn_reuses_turn_one_context(default_llm):
         assert shared >= len(out1.prompt_token_ids) + len(out1.outputs[0].token_ids) - 1
         out2 = default_llm.generate([prompt2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
         assert out2.num_cached_tokens >= (shared // bs) * bs
+
+
+def test_streamed_samples_have_attributable_deltas(model):
+    """With n > 1 each streamed output carries one sample and its delta; the last one carries all."""
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128))
+    prompt = mixed_prompts(1, seed=5)[0]
+    rid = engine.add_request(prompt, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=5, ignore_eos=True))
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == rid]
+    *running, final = outputs
+    for out in running:
+        assert not out.finished and len(out.outputs) == 1
+        streamed[out.outputs[0].index] += out.delta_token_ids
+    assert final.finished and [c.index for c in final.outputs] == [0, 1, 2] and final.delta_token_ids == []
+    assert all(streamed[c.index] == c.token_ids for c in final.outputs)
