@@ -16,7 +16,7 @@ from .errors import APIError
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import ChatCompletionRequest
 from .responses import DONE, chat_logprobs, positions, sse, sse_error, usage
-from .sampling import check_prompt, seeded_copies, to_sampling_params
+from .sampling import check_prompt, with_choices, to_sampling_params
 from .state import ServerState
 from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
 
@@ -29,13 +29,13 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                              body.chat_template_kwargs)
     params = to_sampling_params(body, body.output_limit, logprobs_wanted(body))
     check_prompt(state.engine, prompt_ids, params, "messages")
-    jobs = [Job(i, prompt_ids, p) for i, p in enumerate(seeded_copies(params, body.n))]
+    jobs = [Job(0, prompt_ids, with_choices(params, body.n))]
     request_id = new_id("chatcmpl")
     if body.stream:
         events = stream_chat(state, body, jobs, len(prompt_ids), request_id)
         return StreamingResponse(events, media_type="text/event-stream")
     finals = await collect_finals(http_request, state.aengine, jobs, request_id, state.metrics)
-    choices = [chat_choice(state, body, i, finals[i]) for i in range(len(jobs))]
+    choices = [chat_choice(state, body, i, finals[i]) for i in range(body.n)]
     completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals.values())
     response = envelope(request_id, body.model, "chat.completion", choices)
     return JSONResponse(response | {"usage": usage(len(prompt_ids), completion_tokens)})
@@ -75,10 +75,10 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: lis
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse(envelope(request_id, body.model, "chat.completion.chunk", [choice]))
 
-    streamers = [ToolCallStreamer() if body.uses_tools else None for _ in jobs]
-    generated = [0] * len(jobs)
-    for job in jobs:
-        yield chunk(job.index, {"role": "assistant", "content": ""})
+    streamers = [ToolCallStreamer() if body.uses_tools else None for _ in range(body.n)]
+    generated = [0] * body.n
+    for index in range(body.n):
+        yield chunk(index, {"role": "assistant", "content": ""})
     async for index, output in merge_streams(state.aengine, jobs, request_id, state.metrics):
         if output.error:
             yield sse_error(APIError(500, f"generation failed: {output.error}"))

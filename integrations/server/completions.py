@@ -15,7 +15,7 @@ from .errors import APIError, bad_request
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import CompletionRequest
 from .responses import DONE, completion_logprobs, positions, sse, sse_error, usage
-from .sampling import check_prompt, seeded_copies, to_sampling_params
+from .sampling import check_prompt, with_choices, to_sampling_params
 from .state import ServerState
 
 Prompt = str | list[int]
@@ -28,8 +28,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, http_re
     prompts = [state.tokenize(p) for p in prompt_list(body.prompt)]
     for _, ids in prompts:
         check_prompt(state.engine, ids, params)
-    jobs = [Job(i * body.n + j, ids, p) for i, (_, ids) in enumerate(prompts)
-            for j, p in enumerate(seeded_copies(params, body.n))]
+    jobs = [Job(i * body.n, ids, with_choices(params, body.n)) for i, (_, ids) in enumerate(prompts)]
     echoes = [echo_text(state, text, ids) if body.echo else "" for text, ids in prompts for _ in range(body.n)]
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     request_id = new_id("cmpl")
@@ -37,7 +36,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, http_re
         events = stream_completion(state, body, jobs, echoes, prompt_tokens, request_id)
         return StreamingResponse(events, media_type="text/event-stream")
     finals = await collect_finals(http_request, state.aengine, jobs, request_id, state.metrics)
-    choices = [completion_choice(state, body, i, finals[i], echoes[i]) for i in range(len(jobs))]
+    choices = [completion_choice(state, body, i, finals[i], echoes[i]) for i in range(len(echoes))]
     completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals.values())
     return JSONResponse(envelope(request_id, body.model, choices) | {"usage": usage(prompt_tokens, completion_tokens)})
 
@@ -75,7 +74,7 @@ def completion_choice(state: ServerState, body: CompletionRequest, index: int, o
 
 async def stream_completion(state: ServerState, body: CompletionRequest, jobs: list[Job], echoes: list[str],
                             prompt_tokens: int, request_id: str) -> AsyncIterator[str]:
-    generated = [0] * len(jobs)
+    generated = [0] * len(echoes)
     echo_pending = [bool(e) for e in echoes]
     async for index, output in merge_streams(state.aengine, jobs, request_id, state.metrics):
         if output.error:

@@ -1,13 +1,16 @@
-"""Run several engine requests for one API call (n choices, several prompts) and merge their streams.
+"""Run the engine requests of one API call (one per prompt, its n choices as the request's samples)
+and merge their streams into one stream per choice.
 
-The engine takes n == 1 only, so n choices are n engine requests (with seeds seed + i). Each runs in
-its own task; cancelling the merged stream (the client went away) cancels every task, and each
-task's `AsyncEngine.generate` aborts its request, which frees its KV blocks.
+A prompt's n choices are one engine request with `n` samples (seeds seed + i), so they share the
+prompt's KV blocks. Each request runs in its own task; cancelling the merged stream (the client went
+away) cancels every task, and each task's `AsyncEngine.generate` aborts its request, which frees its
+KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -24,11 +27,16 @@ DISCONNECT_POLL_S = 0.2
 
 @dataclass(slots=True)
 class Job:
-    """One engine request: the choice index it fills, its prompt token ids and its parameters."""
+    """One engine request: the index of its first choice, its prompt token ids and its parameters;
+    it fills choices `index .. index + params.n - 1`."""
 
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+
+    @property
+    def choices(self) -> range:
+        return range(self.index, self.index + self.params.n)
 
 
 def new_id(prefix: str) -> str:
@@ -40,7 +48,7 @@ async def merge_streams(aengine: AsyncEngine, jobs: Sequence[Job], request_id: s
     """Yield (choice index, output) as any job's output changes, until every job has finished."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
     tasks = [asyncio.create_task(pump(aengine, job, f"{request_id}-{job.index}", queue)) for job in jobs]
-    unfinished = {job.index for job in jobs}
+    unfinished = {choice for job in jobs for choice in job.choices}
     try:
         while unfinished:
             index, item = await queue.get()
@@ -58,11 +66,32 @@ async def merge_streams(aengine: AsyncEngine, jobs: Sequence[Job], request_id: s
 
 async def pump(aengine: AsyncEngine, job: Job, request_id: str,
                queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]]) -> None:
+    reported: set[int] = set()  # samples whose finished output has been passed on
     try:
         async for output in aengine.generate(job.prompt_ids, job.params, request_id=request_id):
-            queue.put_nowait((job.index, output))
+            for sample, choice_output in split_samples(output, job.params.n, reported):
+                queue.put_nowait((job.index + sample, choice_output))
     except ValueError as exc:  # validated before, so only a race (e.g. a reused id) lands here
         queue.put_nowait((job.index, APIError(400, str(exc))))
+
+
+def split_samples(output: RequestOutput, n: int, reported: set[int]) -> list[tuple[int, RequestOutput]]:
+    """(sample index, an output that looks like an n = 1 request's) for each sample the output touches.
+
+    With n > 1 the engine streams one sample per output, that sample's delta included, and ends with an
+    output holding every sample and no delta: that one only finishes the samples not yet reported
+    finished (all of them when the request was aborted)."""
+    if n == 1:
+        return [(0, output)]
+    if output.finished:
+        last = [s for s in output.outputs if s.index not in reported]
+        reported.update(s.index for s in last)
+        return [(s.index, dataclasses.replace(output, outputs=[s])) for s in last]
+    sample = output.outputs[0]
+    done = sample.finish_reason is not None
+    if done:
+        reported.add(sample.index)
+    return [(sample.index, dataclasses.replace(output, finished=done))]
 
 
 async def collect_finals(http_request: Request, aengine: AsyncEngine, jobs: Sequence[Job], request_id: str,

@@ -18,7 +18,7 @@ from paged_backend import SamplingParams
 from .errors import APIError, bad_request, not_supported
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import GenerateRequest
-from .sampling import build_params, check_prompt, seeded_copies
+from .sampling import build_params, check_prompt, with_choices
 from .state import ServerState
 
 PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -38,7 +38,7 @@ async def generate(state: ServerState, body: GenerateRequest, http_request: Requ
     text, ids = state.tokenize(body.prompt)
     check_prompt(state.engine, ids, params)
     prompt_text = text if text is not None else state.tokenizer.decode(ids)
-    jobs = [Job(i, ids, p) for i, p in enumerate(seeded_copies(params, n))]
+    jobs = [Job(0, ids, with_choices(params, n))]
     request_id = new_id("generate")
     if body.stream:
         return StreamingResponse(stream_texts(state, jobs, prompt_text, request_id), media_type="application/json")
@@ -47,7 +47,7 @@ async def generate(state: ServerState, body: GenerateRequest, http_request: Requ
 
 
 async def stream_texts(state: ServerState, jobs: list[Job], prompt_text: str, request_id: str) -> AsyncIterator[bytes]:
-    texts = [prompt_text] * len(jobs)
+    texts = [prompt_text] * sum(len(job.choices) for job in jobs)
     async for index, output in merge_streams(state.aengine, jobs, request_id, state.metrics):
         if output.error:
             yield (json.dumps(APIError(500, f"generation failed: {output.error}").body()) + "\0").encode()

@@ -11,7 +11,7 @@ from .protocol import SamplingFields
 
 
 def to_sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """One choice's parameters (n is fanned out by the server, so the engine always gets n=1)."""
+    """One choice's parameters; `with_choices` sets n."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     return build_params(
         temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
@@ -38,11 +38,9 @@ def field_named_in(message: str) -> str | None:
     return None
 
 
-def seeded_copies(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The n choices of one prompt: the same parameters, each with its own seed (seed + i) when seeded."""
-    if params.seed is None:
-        return [params] * n
-    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+def with_choices(params: SamplingParams, n: int) -> SamplingParams:
+    """The n choices of one prompt as one engine request with n samples (sample i is seeded seed + i)."""
+    return dataclasses.replace(params, n=n)
 
 
 def check_prompt(engine: Engine, token_ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
