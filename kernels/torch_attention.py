@@ -73,28 +73,42 @@ def attend_one(
     sliding_window: int | None,
     softcap: float | None,
     alibi_slopes: torch.Tensor | None = None,
+    masks: dict | None = None,
 ) -> torch.Tensor:
-    """Attention of `q [H, n, D]` over `k, v [KVH, L, D]` whose last `n` positions are the queries."""
+    """Attention of `q [H, n, D]` over `k, v [KVH, L, D]` whose last `n` positions are the queries.
+    `masks` memoises a step's masks by shape (and ALiBi slopes), so every layer reuses them."""
     n, seq_len = q.shape[1], k.shape[1]
+    masks = {} if masks is None else masks
+    slopes_key = None if alibi_slopes is None else (q.dtype, tuple(alibi_slopes.tolist()))
     if softcap is not None:
-        return attend_softcapped(q, k, v, scale, causal_mask(n, seq_len, sliding_window, q.device), softcap,
-                                 alibi_slopes)
+        allowed = memo(masks, ("causal", n, seq_len, sliding_window), lambda: causal_mask(n, seq_len, sliding_window,
+                                                                                          q.device))
+        return attend_softcapped(q, k, v, scale, allowed, softcap, alibi_slopes)
     window_matters = sliding_window is not None and seq_len > sliding_window
     if alibi_slopes is not None:
-        mask = alibi_bias(alibi_slopes.to(q.device), n, seq_len, causal_mask(n, seq_len, sliding_window, q.device),
-                          q.dtype)
+        mask = memo(masks, ("alibi", n, seq_len, sliding_window, slopes_key), lambda: alibi_bias(
+            alibi_slopes.to(q.device), n, seq_len, causal_mask(n, seq_len, sliding_window, q.device), q.dtype))
         is_causal = False
     elif n == 1 and not window_matters:
         mask, is_causal = None, False
     elif n == seq_len and not window_matters:
         mask, is_causal = None, True
     else:
-        mask, is_causal = causal_mask(n, seq_len, sliding_window, q.device), False
+        mask = memo(masks, ("causal", n, seq_len, sliding_window), lambda: causal_mask(n, seq_len, sliding_window,
+                                                                                       q.device))
+        is_causal = False
     out = F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[0] != k.shape[0],
     )
     return out[0]
+
+
+def memo(cache: dict, key: tuple, build) -> torch.Tensor:
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = build()
+    return value
 
 
 def attend_softcapped(
@@ -134,6 +148,9 @@ def paged_attention(
     out = torch.empty_like(query)
     starts = metadata.query_start_loc_host
     gathers = None
+    # Masks depend on the step's shapes (and the ALiBi slopes, the same in every layer of the models that
+    # use them), not on the layer, so one set serves the whole forward.
+    masks = metadata.derived.setdefault("torch_masks", {})
     for i, seq_len in enumerate(metadata.seq_lens_host):
         s, e = starts[i], starts[i + 1]
         q = query[s:e].transpose(0, 1)
@@ -143,5 +160,5 @@ def paged_attention(
             gathers = gathers or gather_indices(metadata)
             k = key_cache.index_select(1, gathers[i])
             v = value_cache.index_select(1, gathers[i])
-        out[s:e] = attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes).transpose(0, 1)
+        out[s:e] = attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes, masks).transpose(0, 1)
     return out
