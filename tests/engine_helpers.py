@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from paged_backend import Engine, RequestOutput, SamplingParams
@@ -58,3 +60,20 @@ def check_against_hf(model, prompts: list[list[int]], refs: list[list[int]], con
         assert finals[rid].outputs[0].finish_reason == "length"
     assert_all_blocks_free(engine)
     return engine
+
+
+@contextlib.contextmanager
+def peak_in_flight(engine: Engine):
+    """Records, before every engine step, the most requests the engine held at once."""
+    peaks = [0]
+    original = engine.step
+
+    def step():
+        peaks[0] = max(peaks[0], len(engine.requests))
+        return original()
+
+    engine.step = step
+    try:
+        yield peaks
+    finally:
+        del engine.step

@@ -4,26 +4,13 @@ the models write it (absolute `slope * key_pos`), and the Triton kernel against 
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
 import pytest
 import torch
 
-# Same set-up as test_kernels.py, for the same reason: TRITON_INTERPRET is read when each
-# @triton.jit decorator runs, so it is set before triton.language or a kernel module is imported.
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "triton.language" in sys.modules:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(sys.modules["triton.language"].standard.max, InterpretedFunction):
-            importlib.reload(sys.modules["triton.language.standard"])
-            importlib.reload(sys.modules["triton.language"])
-    for name in ("paged_backend.kernels.triton_attention", "paged_backend.kernels.triton_cache_write"):
-        if name in sys.modules:
-            importlib.reload(sys.modules[name])
+import triton_interpret  # noqa: F401,E402  (must precede every Triton kernel import)
 
 from paged_backend.kernels import (
     AttentionMetadata,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from engine_helpers import peak_in_flight as record_peak
 from langchain_core.messages import AIMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
@@ -89,17 +90,8 @@ class TestChatPagedIntegration(ChatModelIntegrationTests):
 @pytest.fixture()
 def peak_in_flight() -> Any:
     """Records, before every engine step, how many requests the shared engine holds."""
-    engine = ChatPaged().async_engine.engine
-    peaks = [0]
-    original = engine.step
-
-    def step():
-        peaks[0] = max(peaks[0], len(engine.requests))
-        return original()
-
-    engine.step = step
-    yield peaks
-    del engine.step
+    with record_peak(ChatPaged().async_engine.engine) as peaks:
+        yield peaks
 
 
 def test_batch_has_every_conversation_in_flight(peak_in_flight: list[int]) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from engine_helpers import peak_in_flight as record_peak
 from langchain_core.callbacks import BaseCallbackHandler
 from paged_backend.integrations.langchain import ChatPaged, PagedLLM, get_async_engine
 from paged_backend.integrations.langchain.engines import build_key
@@ -25,18 +26,9 @@ def aengine() -> AsyncEngine:
 
 @pytest.fixture()
 def peak_in_flight(aengine: AsyncEngine) -> Iterator[list[int]]:
-    """Records, after every engine step, how many requests the engine holds."""
-    engine = aengine.engine
-    peaks = [0]
-    original = engine.step
-
-    def step():
-        peaks[0] = max(peaks[0], len(engine.requests))
-        return original()
-
-    engine.step = step
-    yield peaks
-    del engine.step
+    """Records, before every engine step, how many requests the engine holds."""
+    with record_peak(aengine.engine) as peaks:
+        yield peaks
 
 
 class TokenCounter(BaseCallbackHandler):
