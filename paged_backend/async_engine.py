@@ -86,6 +86,10 @@ class AsyncEngine:
         self.commands.put(("abort", request_id))
         self.wakeup.set()
 
+    def is_alive(self) -> bool:
+        """Whether the engine thread is still stepping (what the server's /health reports)."""
+        return self.thread.is_alive()
+
     def shutdown(self) -> None:
         self.stopped.set()
         self.wakeup.set()

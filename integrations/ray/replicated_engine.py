@@ -52,7 +52,6 @@ class ReplicatedAsyncEngine:
         prefixes = PrefixTable(self.infos[0].block_size) if prefix_aware else None
         self.router = Router(len(self.replicas), prefixes, balance_slack)
         self.engine = ReplicaFront(self.infos, self.replicas, self.router)
-        self.thread = ReplicaLiveness(self.router)
         self.request_timeout_s = request_timeout_s
         self.max_attempts = max_attempts
         self.owns_replicas = owns_replicas
@@ -123,6 +122,10 @@ class ReplicatedAsyncEngine:
         if self.background is None:
             self.background = BackgroundLoop()
         return self.background
+
+    def is_alive(self) -> bool:
+        """Whether any replica can still take requests (what the server's /health reports)."""
+        return self.router.num_alive() > 0
 
     def shutdown(self) -> None:
         """Stop the client's thread; kill the replicas if this client launched them."""
@@ -211,17 +214,6 @@ class ReplicatedAsyncEngine:
         finally:
             if not finished:  # the caller stopped listening, or the deadline passed: free the blocks
                 replica.abort.remote(request_id)
-
-
-class ReplicaLiveness:
-    """The OpenAI server's health route asks `aengine.thread.is_alive()` (one engine's stepping
-    thread); for replicas the answer is whether any replica is still alive."""
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-
-    def is_alive(self) -> bool:
-        return self.router.num_alive() > 0
 
 
 async def wait_until(awaitable: Awaitable[T], deadline: float | None) -> T:

@@ -36,7 +36,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if state.aengine.thread.is_alive() else 503)
+        return Response(status_code=200 if state.aengine.is_alive() else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
