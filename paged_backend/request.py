@@ -22,6 +22,15 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(slots=True)
+class PenaltyState:
+    """What the penalties need of a request's history, kept up to date incrementally by the sampler."""
+
+    seen: torch.Tensor  # [V] bool: in the prompt or the output
+    counts: torch.Tensor  # [V] float: occurrences in the output
+    synced: int  # output tokens already counted
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
@@ -42,6 +51,7 @@ class Request:
     group: list[Request] = field(default_factory=list)  # all samples of the user's request, in index order
     external_id: str = ""  # the id the user gave; samples of an n > 1 request share it
     logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None  # row [V] -> row, before sampling
+    penalty_state: PenaltyState | None = None  # built on first use by the sampler
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .request import Request
+from .request import PenaltyState, Request
 
 
 class SamplerOutput(NamedTuple):
@@ -99,15 +99,35 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     penalties (output only), in place, for the rows that ask for them."""
     for i, request in enumerate(requests):
         p = request.params
+        if p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty):
+            continue
+        state = sync_penalty_state(request, logits.shape[-1], logits.device)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(request.prompt_token_ids + request.output_token_ids, device=logits.device).unique()
-            row = logits[i, seen]
-            logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
-            ids = torch.tensor(request.output_token_ids, device=logits.device)
-            counts = torch.zeros(logits.shape[-1], device=logits.device).index_add_(
-                0, ids, torch.ones(len(ids), device=logits.device))
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            row = logits[i]
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i] = torch.where(state.seen, penalised, row)
+        if p.presence_penalty or p.frequency_penalty:
+            logits[i] -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0).float()
+
+
+def sync_penalty_state(request: Request, vocab: int, device: torch.device) -> PenaltyState:
+    """The request's seen-token mask and output-token counts, brought up to date with only the tokens
+    added since the last step (rebuilding them from the whole history each step would be quadratic)."""
+    state = request.penalty_state
+    if state is None or state.counts.shape[0] != vocab:
+        state = request.penalty_state = PenaltyState(
+            seen=torch.zeros(vocab, dtype=torch.bool, device=device),
+            counts=torch.zeros(vocab, device=device),
+            synced=0,
+        )
+        state.seen[torch.tensor(request.prompt_token_ids, dtype=torch.long, device=device)] = True
+    new = request.output_token_ids[state.synced:]
+    if new:
+        ids = torch.tensor(new, dtype=torch.long, device=device)
+        state.seen[ids] = True
+        state.counts.index_add_(0, ids, torch.ones(len(new), device=device))
+        state.synced = len(request.output_token_ids)
+    return state
 
 
 def ban_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request]) -> None:
