@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import os
 import socket
-import threading
+import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read when ray is first imported
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -178,6 +178,25 @@ async def test_leaving_a_stream_early_aborts_the_request_on_its_replica(replicat
     assert aengine.engine.stats()["num_running"] == 0
 
 
+def test_a_replica_streams_at_most_a_window_ahead_of_its_consumer(replicated):
+    from paged_backend.integrations.ray.replica import STREAM_WINDOW
+
+    replica = replicated.aengine.replicas[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4 * STREAM_WINDOW, ignore_eos=True)
+    refs = replica.generate.remote("a slow reader", params, "window-test")
+    first = ray.get(next(refs))
+    for _ in range(200):  # the engine finishes the request whatever the consumer does...
+        if ray.get(replica.stats.remote())["num_running"] == 0:
+            break
+        time.sleep(0.05)
+    # ...but the replica's generator waits for the consumer instead of parking every output in the store.
+    done, _ = ray.wait([refs.completed()], timeout=1.0)
+    assert not done
+    rest = [ray.get(ref) for ref in refs]
+    assert len(rest) == 4 * STREAM_WINDOW - 1 and rest[-1].finished
+    assert first.outputs[0].token_ids + [t for o in rest for t in o.delta_token_ids] == rest[-1].outputs[0].token_ids
+
+
 async def test_prefix_aware_routing_lands_a_shared_system_prompt_where_it_is_cached(replicated):
     client = ReplicatedAsyncEngine(replicated.aengine.replicas, prefix_aware=True, request_timeout_s=60)
     systems = ["You are terse. " * 4, "You are verbose! " * 4]  # 60 and 68 bytes: 3 and 4 full blocks
@@ -236,11 +255,9 @@ async def test_a_killed_replica_has_its_requests_retried_or_failed_clearly(repli
     streamed = []
     async for output in victim_stream:
         streamed.append(output)
-        if len(streamed) == 3:
+        if len(streamed) == 3:  # pause the stream (the replica stays a window ahead) while the batch runs on
             victim = client.inflight[output.request_id]
-            killer = threading.Thread(target=ray.kill, args=(client.replicas[victim],))
-            killer.start()
-    killer.join()
+            await asyncio.to_thread(kill_and_wait, client.replicas[victim])
     outputs = await asyncio.wait_for(batch, 60)
     # The batch: every request whose replica died before answering was rerun on the survivor.
     assert client.num_retries > 0 and client.router.alive.count(True) == 1
@@ -254,3 +271,15 @@ async def test_a_killed_replica_has_its_requests_retried_or_failed_clearly(repli
     ray.kill(client.replicas[1 - victim])
     lost = await asyncio.wait_for(client.complete(PROMPTS[0], GREEDY), 30)
     assert lost.finished and lost.error.startswith("no live replica left") and "ray.kill" in lost.error
+
+
+def kill_and_wait(replica) -> None:
+    """Kill an actor and return once Ray reports it dead, so nothing it still had in hand can finish."""
+    ray.kill(replica)
+    for _ in range(600):
+        try:
+            ray.get(replica.stats.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed replica still answers")

@@ -2,7 +2,8 @@
 
 Each replica loads its own copy of the model by path, so replicas never share memory or a device.
 Requests reach it as plain Ray calls: `complete` returns the final output in one reply (the batch
-path), `generate` is a Ray streaming generator that yields every incremental output.
+path), `generate` is a Ray streaming generator that yields every incremental output, at most
+`STREAM_WINDOW` outputs ahead of its consumer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from ray.actor import ActorHandle
 from paged_backend import LLM, AsyncEngine, RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int]
+
+# Streamed outputs a replica may produce ahead of its consumer. Each output carries the tokens so far, so
+# an unbounded lead would park a whole generation, quadratically, in the object store of a slow client.
+STREAM_WINDOW = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +51,7 @@ class EngineReplica:
                            engine.config.max_num_seqs, engine.tokenizer, socket.gethostname(), os.getpid(),
                            str(engine.cache.kv.device))
 
-    @ray.method(num_returns="streaming")
+    @ray.method(num_returns="streaming", _generator_backpressure_num_objects=STREAM_WINDOW)
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         async for output in self.aengine.generate(prompt, params, request_id):
             yield output
