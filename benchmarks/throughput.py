@@ -74,6 +74,7 @@ class Options:
 
     cb_num_blocks: int | None = None  # transformers CB cache size; None keeps its default (60% of free RAM)
     floor_repeats: int = 3  # timings per distinct packed-forward shape when measuring the floor
+    block_size: int | None = None  # the engine's KV block size; None keeps EngineConfig's default
 
 
 # ------------------------------------------------------------------ shared pieces of the systems
@@ -234,7 +235,7 @@ def serve_hf_cb(manager, workload: Workload) -> list:
 
 def run_engine(source: str, workload: Workload, options: Options) -> dict[str, Any]:
     """This engine at its default EngineConfig; then the dense-forward floor of the steps it ran."""
-    engine, setup_s = timed(lambda: make_engine(source))
+    engine, setup_s = timed(lambda: make_engine(source, options.block_size))
     steps = record_steps(engine)
     with RunMeter() as meter:
         outs = serve_engine(engine, workload, meter.start_epoch)
@@ -243,7 +244,7 @@ def run_engine(source: str, workload: Workload, options: Options) -> dict[str, A
     result = system_result([list(o.outputs[0].token_ids) for o in outs],
                            [o.metrics.first_token_time - meter.start_epoch for o in outs], setup_s, meter,
                            kv_utilisation_mean=stats["kv_utilisation_mean"], num_preemptions=stats["num_preemptions"],
-                           kv_cache_mb=engine.cache.kv.nbytes / MB,
+                           kv_cache_mb=engine.cache.kv.nbytes / MB, block_size=engine.config.block_size,
                            num_steps=len(steps), step_tokens=[t for t, _, _ in steps],
                            step_s=[round(s, 4) for _, _, s in steps], forward_s=sum(s for _, _, s in steps))
     floor = measure_floor(engine.model, [(t, k) for t, k, _ in steps], options.floor_repeats)
@@ -255,7 +256,7 @@ def run_engine(source: str, workload: Workload, options: Options) -> dict[str, A
     return result
 
 
-def make_engine(source: str):
+def make_engine(source: str, block_size: int | None = None):
     from paged_backend import Engine, EngineConfig
     from paged_backend.model_loader import load_model
 
@@ -266,7 +267,7 @@ def make_engine(source: str):
     while warm.has_unfinished_requests():
         warm.step()
     del warm
-    return Engine(model, tokenizer, EngineConfig())
+    return Engine(model, tokenizer, EngineConfig() if block_size is None else EngineConfig(block_size=block_size))
 
 
 def engine_greedy(max_tokens: int):
@@ -375,6 +376,8 @@ def run_worker_process(system: str, model_source: str, workload_path: Path, tmp:
             "--workload", str(workload_path), "--out", str(out), "--floor-repeats", str(options.floor_repeats)]
     if options.cb_num_blocks is not None:
         args += ["--cb-num-blocks", str(options.cb_num_blocks)]
+    if options.block_size is not None:
+        args += ["--block-size", str(options.block_size)]
     return run_json_subprocess(args, out)
 
 
@@ -505,6 +508,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model folder (default: the default model)")
     p.add_argument("--cb-num-blocks", type=int, default=None,
                    help="transformers CB cache blocks (default: its own sizing, 60%% of free RAM)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="the engine's KV block size (default: EngineConfig's, 16); smaller blocks waste less")
     p.add_argument("--floor-repeats", type=int, default=3, help="timings per packed-forward shape for the floor")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per system, taking turns; each system reports its fastest (default 1)")
@@ -523,7 +528,7 @@ def run_worker(args: argparse.Namespace, options: Options) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    options = Options(cb_num_blocks=args.cb_num_blocks, floor_repeats=args.floor_repeats)
+    options = Options(cb_num_blocks=args.cb_num_blocks, floor_repeats=args.floor_repeats, block_size=args.block_size)
     if args.worker:
         run_worker(args, options)
         return {}

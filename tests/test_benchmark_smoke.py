@@ -71,10 +71,11 @@ def test_all_systems_report_their_fields(tiny_model_dir, workload, tmp_path):
 
 
 def test_isolated_worker_returns_the_same_tokens(tiny_model_dir, workload):
-    options = throughput.Options(floor_repeats=1)
+    options = throughput.Options(floor_repeats=1, block_size=8)  # a non-default block size reaches the worker
     isolated = throughput.run_systems(workload, ["engine"], tiny_model_dir, options, isolate=True)["engine"]
     in_process = throughput.run_systems(workload, ["engine"], tiny_model_dir, options, isolate=False)["engine"]
     assert isolated["tokens"] == in_process["tokens"]
+    assert isolated["block_size"] == in_process["block_size"] == 8
     assert isolated["peak_rss_mb"] > 0
 
 
