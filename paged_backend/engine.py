@@ -95,7 +95,9 @@ class Engine:
     ) -> str:
         """Queue a prompt (text or token ids); raise ValueError, leaving the engine untouched, if it is invalid.
 
-        With `params.n > 1` the prompt is sampled n times; the samples share its cached blocks.
+        With `params.n > 1` the prompt is sampled n times; the samples share its cached blocks. With
+        `params.best_of > n` it is sampled best_of times and only the n samples with the best mean token
+        logprob are returned, in one final output (which samples win is known only at the end).
         `logits_processor` maps this request's logits row `[V]` to a new row before sampling.
         `prompt_token_ids`, when the caller has already tokenized a text prompt, saves doing it twice."""
         params = params or SamplingParams()
@@ -109,12 +111,16 @@ class Engine:
         self.validate(token_ids, params)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         group: list[Request] = []
-        for index in range(params.n):
-            sample_params = params if params.n == 1 else params.for_sample(index)
-            internal_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            group.append(self.make_request(internal_id, text, token_ids, sample_params, metrics, stream, cache_salt))
+        samples = params.num_samples
+        keep_best = params.n if samples > params.n else None
+        for index in range(samples):
+            sample_params = params if samples == 1 else params.for_sample(index)
+            internal_id = request_id if samples == 1 else f"{request_id}#{index}"
+            group.append(self.make_request(internal_id, text, token_ids, sample_params, metrics,
+                                           stream and keep_best is None, cache_salt))
         for index, request in enumerate(group):
             request.index, request.group, request.external_id = index, group, request_id
+            request.keep_best = keep_best
             request.logits_processor = logits_processor
             request.leader = group[0] if index else None
             self.scheduler.add(request)
@@ -229,6 +235,8 @@ class Engine:
                 request.metrics.first_token_time = now
             if request.logprobs is not None:
                 record_logprobs(request, sampled, i)
+            elif request.keep_best is not None:
+                request.cumulative_logprob += sampled.logprobs[i]
             self.check_stop(request, token)
             if request.stream or request.group_finished():
                 outputs.extend(self.outputs_after(request, [token]))
@@ -273,7 +281,7 @@ class Engine:
             request_id=request.external_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion_of(r) for r in samples],
+            outputs=completions_of(samples),
             finished=finished,
             metrics=request.metrics,
             num_cached_tokens=request.group[0].num_cached_tokens,
@@ -313,9 +321,18 @@ class Engine:
         }
 
 
-def completion_of(request: Request) -> CompletionOutput:
+def completions_of(samples: list[Request]) -> list[CompletionOutput]:
+    """The completions an output carries; a best_of group keeps its best samples, best first, indexed 0..n-1."""
+    keep = samples[0].keep_best
+    if keep is None or len(samples) == 1:
+        return [completion_of(r) for r in samples]
+    best = sorted(samples, key=lambda r: -r.mean_logprob)[:keep]  # stable: ties keep the lower index
+    return [completion_of(r, index=i) for i, r in enumerate(best)]
+
+
+def completion_of(request: Request, index: int | None = None) -> CompletionOutput:
     return CompletionOutput(
-        index=request.index,
+        index=request.index if index is None else index,
         text=request.detokenizer.output_text if request.detokenizer else "",
         token_ids=list(request.output_token_ids),
         cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,

@@ -47,7 +47,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, once computed
     cache_salt: str | None = None  # isolates this request's prefix-cache entries from other tenants'
     leader: Request | None = None  # for samples 1..n-1: wait until sample 0 has computed the prompt
-    index: int = 0  # which of the n samples this is
+    index: int = 0  # which of the n (or best_of) samples this is
+    keep_best: int | None = None  # best_of > n: the group returns only its keep_best best-scoring samples
     group: list[Request] = field(default_factory=list)  # all samples of the user's request, in index order
     external_id: str = ""  # the id the user gave; samples of an n > 1 request share it
     logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None  # row [V] -> row, before sampling
@@ -80,6 +81,16 @@ class Request:
 
     def group_finished(self) -> bool:
         return all(r.is_finished for r in self.group)
+
+    @property
+    def wants_logprob(self) -> bool:
+        """Whether the sampler must report this request's chosen-token logprobs (asked for, or to rank it)."""
+        return self.logprobs is not None or self.keep_best is not None
+
+    @property
+    def mean_logprob(self) -> float:
+        """The score best_of ranks samples by: log probability per generated token."""
+        return self.cumulative_logprob / max(1, len(self.output_token_ids))
 
     def is_waiting_for_leader(self) -> bool:
         """A later sample starts only once the first has cached the prompt, so it can share it."""

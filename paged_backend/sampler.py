@@ -36,7 +36,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
 
 
 def any_wants_logprobs(requests: list[Request]) -> bool:
-    return any(r.params.logprobs is not None for r in requests)
+    return any(r.wants_logprob for r in requests)
 
 
 def pick_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

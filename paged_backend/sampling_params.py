@@ -9,6 +9,7 @@ from typing import Callable
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # sample this many (>= n) and return the n with the best mean token logprob
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -32,17 +33,25 @@ class SamplingParams:
         self.validate()
 
     @property
+    def num_samples(self) -> int:
+        """How many samples the engine runs: best_of when set, else n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def for_sample(self, index: int) -> SamplingParams:
-        """The params of sample `index` of an n > 1 request: n = 1 and a distinct derived seed."""
+        """The params of sample `index` of a multi-sample request: one sample, a distinct derived seed."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        return replace(self, n=1, best_of=None, seed=seed)
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
         check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, "n", self.n, "must be an int >= 1")
+        check(self.best_of is None or (isinstance(self.best_of, int) and not isinstance(self.best_of, bool)
+                                       and self.best_of >= self.n), "best_of", self.best_of,
+              f"must be an int >= n ({self.n}) or None")
         check_number(self.temperature, "temperature", lambda x: x >= 0, "must be >= 0")
         check(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
               "must be an int >= 0, or -1 to disable")

@@ -107,6 +107,15 @@ def test_n_samples_give_n_generations_per_prompt() -> None:
     assert 4 <= result.llm_output["token_usage"]["completion_tokens"] <= 12  # 1 to 3 tokens per sample
 
 
+def test_best_of_keeps_the_best_sample_per_prompt() -> None:
+    every = PagedLLM(n=3, temperature=1.0, seed=8, max_tokens=6, logprobs=0).generate(["Once upon a time"])
+    scores = [sum(g.generation_info["logprobs"]["token_logprobs"]) / len(g.generation_info["logprobs"]["token_logprobs"])
+              for g in every.generations[0]]
+    assert scores.index(max(scores)) != 0  # so keeping the first sample would fail
+    best = PagedLLM(best_of=3, temperature=1.0, seed=8, max_tokens=6).generate(["Once upon a time"])
+    assert [g.text for g in best.generations[0]] == [every.generations[0][scores.index(max(scores))].text]
+
+
 async def test_32_concurrent_ainvokes_share_the_engine(peak_in_flight: list[int]) -> None:
     llm = PagedLLM(temperature=0, max_tokens=4, engine_config={})
     texts = await asyncio.gather(*(llm.ainvoke(f"Item {i}:") for i in range(32)))
@@ -125,6 +134,8 @@ def test_bad_options_are_refused() -> None:
         PagedLLM(max_tokens=1).invoke(PROMPT, frobnicate=True)
     with pytest.raises(NotImplementedError, match="n > 1"):
         list(PagedLLM(n=2, max_tokens=1).stream(PROMPT))
+    with pytest.raises(NotImplementedError, match="best_of > 1"):
+        list(PagedLLM(best_of=2, max_tokens=1).stream(PROMPT))
     with pytest.raises(ValueError):
         PagedLLM(max_tokens=1, colour="red")
     with pytest.raises(ValueError, match="prompt 1"):

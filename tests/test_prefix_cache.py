@@ -173,3 +173,38 @@ def test_streamed_samples_have_attributable_deltas(model):
         streamed[out.outputs[0].index] += out.delta_token_ids
     assert final.finished and [c.index for c in final.outputs] == [0, 1, 2] and final.delta_token_ids == []
     assert all(streamed[c.index] == c.token_ids for c in final.outputs)
+
+
+def test_best_of_returns_the_n_samples_with_the_best_mean_logprob(model):
+    """best_of=5, n=2: the two of the five seeded samples (as n=5 gives them) that score best per token."""
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128))
+    prompt = mixed_prompts(1, seed=5)[0]
+    sampling = {"temperature": 1.0, "seed": 3, "ignore_eos": True, "stop_token_ids": [7]}  # lengths differ
+    every = engine.add_request(prompt, SamplingParams(n=5, max_tokens=12, logprobs=0, **sampling))
+    candidates = run_to_completion(engine)[every].outputs
+    ranked = sorted(candidates, key=lambda c: -c.cumulative_logprob / len(c.token_ids))
+    assert len({round(c.cumulative_logprob / len(c.token_ids), 6) for c in candidates}) == 5  # no ties to hide order
+    assert [c.index for c in ranked[:2]] != [0, 1]  # so returning the first n samples would fail
+
+    best = engine.add_request(prompt, SamplingParams(n=2, best_of=5, max_tokens=12, **sampling))
+    outputs = []
+    while engine.has_unfinished_requests():  # asked to stream, it still sends only the final output
+        outputs += [o for o in engine.step() if o.request_id == best]
+    [final] = outputs
+    assert final.finished and [c.index for c in final.outputs] == [0, 1]
+    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in ranked[:2]]
+    assert [c.text for c in final.outputs] == [c.text for c in ranked[:2]]
+    assert final.outputs[0].cumulative_logprob is None  # logprobs were not asked for
+    assert_all_blocks_free(engine)
+
+
+def test_best_of_is_checked_and_aborts_cleanly(model):
+    with pytest.raises(ValueError, match=r"best_of=2: must be an int >= n \(3\)"):
+        SamplingParams(n=3, best_of=2)
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128))
+    rid = engine.add_request([5, 6, 7], SamplingParams(best_of=3, temperature=1.0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort_request(rid)
+    [final] = [o for o in engine.step() if o.request_id == rid]
+    assert final.finished and len(final.outputs) == 1 and final.outputs[0].finish_reason == "abort"
+    assert_all_blocks_free(engine)

@@ -240,6 +240,20 @@ def test_n_choices_use_derived_seeds(real: Served) -> None:
     assert streamed == texts
 
 
+def test_best_of_returns_the_choice_with_the_best_logprob_per_token(real: Served) -> None:
+    client = real.client()
+    args = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 8}
+    candidates = client.completions.create(n=3, logprobs=0, **args).choices
+    scores = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in candidates]
+    assert scores.index(max(scores)) != 0  # so returning the first sample would fail
+    best = client.completions.create(n=1, best_of=3, **args)
+    assert [c.text for c in best.choices] == [candidates[scores.index(max(scores))].text]
+    for bad in ({"n": 2, "best_of": 1}, {"best_of": 2, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(**args | bad)
+        assert error.value.body["param"] == "best_of"
+
+
 def test_chat_logprobs(real: Served) -> None:
     reply = real.client().chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Hi!"}], logprobs=True, top_logprobs=3,

@@ -243,8 +243,8 @@ class ChatPaged(PagedOptions, BaseChatModel):
         prompt_text = self.render(conversation, shown_tools)
         params = self.sampling_params(stop, kwargs, logprobs=self.top_logprobs or 0 if self.logprobs else None)
         guided = choose_writer(shown_tools, tool_choice, response_format)
-        if params.n > 1 and (streaming or guided is not None):
-            raise NotImplementedError("n > 1 with streaming or with a forced tool call / JSON schema")
+        if params.num_samples > 1 and (streaming or guided is not None):
+            raise NotImplementedError("n > 1 or best_of > 1 with streaming or with a forced tool call / JSON schema")
         return PreparedCall(prompt_text=prompt_text, prefix="{" if response_format is not None else "",
                             tools=shown_tools, params=params, timeout=timeout,
                             guided=guided)

@@ -102,8 +102,8 @@ class PagedLLM(PagedOptions, BaseLLM):
 
     def stream_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
         params = self.sampling_params(stop, kwargs, logprobs=self.logprobs)
-        if params.n > 1:  # the samples' deltas interleave; one stream cannot carry them apart
-            raise NotImplementedError("streaming with n > 1")
+        if params.num_samples > 1:  # samples' deltas interleave, and best_of's winners are known only at the end
+            raise NotImplementedError("streaming with n > 1 or best_of > 1")
         return params
 
     def to_chunk(self, output: RequestOutput) -> GenerationChunk | None:

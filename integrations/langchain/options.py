@@ -16,7 +16,7 @@ from .engines import describe_model, get_async_engine
 
 # Fields copied one to one into SamplingParams.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed", "max_tokens", "min_tokens", "n")
+                   "frequency_penalty", "seed", "max_tokens", "min_tokens", "n", "best_of")
 
 
 class PagedOptions(BaseModel):
@@ -42,6 +42,8 @@ class PagedOptions(BaseModel):
     max_tokens: int | None = 512
     min_tokens: int = 0
     n: int = 1
+    best_of: int | None = None
+    """Sample this many and keep the n with the best log probability per token (not with streaming)."""
     stop: list[str] | None = None
     """Stop strings; a call's `stop` is added to these, and the text is cut before the match."""
     timeout: float | None = None

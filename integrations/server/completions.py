@@ -28,7 +28,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, http_re
     prompts = [state.tokenize(p) for p in prompt_list(body.prompt)]
     for _, ids in prompts:
         check_prompt(state.engine, ids, params)
-    jobs = [Job(i * body.n, ids, with_choices(params, body.n)) for i, (_, ids) in enumerate(prompts)]
+    jobs = [Job(i * body.n, ids, with_choices(params, body.n, body.best_of)) for i, (_, ids) in enumerate(prompts)]
     echoes = [echo_text(state, text, ids) if body.echo else "" for text, ids in prompts for _ in range(body.n)]
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     request_id = new_id("cmpl")

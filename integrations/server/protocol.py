@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import APIError, not_supported
+from .errors import APIError, bad_request, not_supported
 
 
 class StreamOptions(BaseModel):
@@ -61,13 +61,16 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=64)
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of is not None and self.best_of != self.n:
-            raise not_supported("best_of", "it must equal n (no server-side ranking)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise bad_request(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise bad_request("best_of > n cannot be streamed: the best samples are known only at the end",
+                              "best_of")
         if self.suffix:
             raise not_supported("suffix", "no fill-in-the-middle")
         if self.echo and self.logprobs is not None:

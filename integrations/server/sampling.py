@@ -38,9 +38,10 @@ def field_named_in(message: str) -> str | None:
     return None
 
 
-def with_choices(params: SamplingParams, n: int) -> SamplingParams:
-    """The n choices of one prompt as one engine request with n samples (sample i is seeded seed + i)."""
-    return dataclasses.replace(params, n=n)
+def with_choices(params: SamplingParams, n: int, best_of: int | None = None) -> SamplingParams:
+    """The n choices of one prompt as one engine request with n samples (sample i is seeded seed + i);
+    with best_of, the engine samples best_of times and keeps the n best."""
+    return dataclasses.replace(params, n=n, best_of=best_of)
 
 
 def check_prompt(engine: Engine, token_ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
