@@ -424,11 +424,11 @@ class PagedGenerator:
             self.rows[row.request_id] = row
         return state
 
-    def hook(self, row: Row) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(self, row: Row) -> Callable[[list[int], torch.Tensor], torch.Tensor]:
         """HF processors shape the row's distribution before the engine samples from it; the engine turns
         a processor's failure into a request error, so the original exception is kept here too."""
 
-        def process(logits: torch.Tensor) -> torch.Tensor:
+        def process(_output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:  # the row keeps its own ids
             try:
                 return row.process(logits)
             except BaseException as exc:

@@ -18,6 +18,7 @@ from typing import Any
 
 from .engine import Engine, Prompt
 from .outputs import RequestOutput
+from .request import LogitsProcessor
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,12 +41,14 @@ class AsyncEngine:
     # ------------------------------------------------------------ public API
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as they change; the last one has `finished=True`."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        request_id = self.submit(prompt, params, request_id, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+        request_id = self.submit(prompt, params, request_id, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
+                                 logits_processor)
         finished = False
         try:
             while not finished:
@@ -57,11 +60,12 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> Iterator[RequestOutput]:
         """The same as `generate`, for plain threads."""
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        request_id = self.submit(prompt, params, request_id, outputs.put)
+        request_id = self.submit(prompt, params, request_id, outputs.put, logits_processor)
         finished = False
         try:
             while not finished:
@@ -72,13 +76,16 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, sink: Sink) -> str:
-        """Validate in the caller's thread (a bad request raises here), then queue it for the engine."""
+    def submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, sink: Sink,
+               logits_processor: LogitsProcessor | None = None) -> str:
+        """Validate in the caller's thread (a bad request raises here), then queue it for the engine.
+        `logits_processor` runs on the engine thread (see `Engine.add_request`)."""
         params = params or SamplingParams()
         text, token_ids = self.engine.tokenize(prompt)
         self.engine.validate(token_ids, params)
         request_id = request_id if request_id is not None else f"async-{next(self.ids)}"
-        self.commands.put(("add", (request_id, text if text is not None else token_ids, token_ids, params, sink)))
+        self.commands.put(("add", (request_id, text if text is not None else token_ids, token_ids, params, sink,
+                                   logits_processor)))
         self.wakeup.set()
         return request_id
 
@@ -117,9 +124,11 @@ class AsyncEngine:
             else:
                 self.engine.abort_request(arg)
 
-    def add(self, request_id: str, prompt: Prompt, token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
+    def add(self, request_id: str, prompt: Prompt, token_ids: list[int], params: SamplingParams, sink: Sink,
+            logits_processor: LogitsProcessor | None) -> None:
         try:
-            self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=token_ids)
+            self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=token_ids,
+                                    logits_processor=logits_processor)
         except ValueError as exc:  # e.g. a duplicate id: the caller gets a finished output with the error
             logger.warning("request %s refused: %s", request_id, exc)
             sink(refused_output(request_id, prompt, str(exc)))

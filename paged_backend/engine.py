@@ -25,7 +25,7 @@ from .distributed import agree_on_blocks
 from .model_runner import ModelRunner, StepInputs
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .paged_cache import KVShape, PagedCache, probe_kv_shape
-from .request import Request
+from .request import LogitsProcessor, Request
 from .sampler import SamplerOutput, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -90,7 +90,7 @@ class Engine:
         stream: bool = True,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
-        logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        logits_processor: LogitsProcessor | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); raise ValueError, leaving the engine untouched, if it is invalid.
@@ -98,7 +98,8 @@ class Engine:
         With `params.n > 1` the prompt is sampled n times; the samples share its cached blocks. With
         `params.best_of > n` it is sampled best_of times and only the n samples with the best mean token
         logprob are returned, in one final output (which samples win is known only at the end).
-        `logits_processor` maps this request's logits row `[V]` to a new row before sampling.
+        `logits_processor(output_token_ids, row)` maps this request's logits row `[V]` to the row it is
+        sampled from (vLLM's form; every sample of an n > 1 request is passed its own output ids).
         `prompt_token_ids`, when the caller has already tokenized a text prompt, saves doing it twice."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self.ids))

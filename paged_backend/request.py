@@ -15,6 +15,9 @@ from .sampling_params import SamplingParams
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
 
+# vLLM's form: the request's output token ids so far and its logits row [V], returning the row to sample from.
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -51,7 +54,7 @@ class Request:
     keep_best: int | None = None  # best_of > n: the group returns only its keep_best best-scoring samples
     group: list[Request] = field(default_factory=list)  # all samples of the user's request, in index order
     external_id: str = ""  # the id the user gave; samples of an n > 1 request share it
-    logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None  # row [V] -> row, before sampling
+    logits_processor: LogitsProcessor | None = None  # (output ids, row [V]) -> row, before sampling
     penalty_state: PenaltyState | None = None  # built on first use by the sampler
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None

@@ -91,7 +91,7 @@ def apply_request_processors(logits: torch.Tensor, requests: list[Request]) -> N
     """User-supplied per-request processors (e.g. transformers' LogitsProcessors), in place."""
     for i, request in enumerate(requests):
         if request.logits_processor is not None:
-            logits[i] = request.logits_processor(logits[i])
+            logits[i] = request.logits_processor(request.output_token_ids, logits[i])
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -79,3 +79,18 @@ async def test_bad_request_raises_for_its_caller_only(model, aengine):
         async for _ in aengine.generate([], greedy(3)):
             pass
     assert await good == hf_greedy(model, [4, 5, 6], 6)
+
+
+async def test_a_logits_processor_reaches_the_engine(model, aengine):
+    """generate() and stream() hand their processor to the engine thread, which calls it per step."""
+    prompt = [3, 4, 5, 6]
+    free = hf_greedy(model, prompt, 4)
+
+    def ban_first(output_ids, row):
+        row[free[0]] = float("-inf")
+        return row
+
+    async_tokens = [o async for o in aengine.generate(prompt, greedy(4), logits_processor=ban_first)][-1]
+    thread_tokens = list(aengine.stream(prompt, greedy(4), logits_processor=ban_first))[-1]
+    for output in (async_tokens, thread_tokens):
+        assert free[0] not in output.outputs[0].token_ids and len(output.outputs[0].token_ids) == 4

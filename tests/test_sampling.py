@@ -136,19 +136,24 @@ def test_per_request_logits_processor(model, engine):
     ref = hf_greedy(model, PROMPT, 6)
     banned = ref[0]
 
-    def ban(row: torch.Tensor) -> torch.Tensor:
+    def ban(output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
+        seen.append(list(output_ids))
         row[banned] = float("-inf")
         return row
+
+    seen: list[list[int]] = []
 
     rid = engine.add_request(PROMPT, greedy(6), logits_processor=ban)
     plain = engine.add_request(PROMPT, greedy(6))  # its neighbour is not affected
     finals = run_to_completion(engine)
-    assert banned not in finals[rid].outputs[0].token_ids
+    tokens = finals[rid].outputs[0].token_ids
+    assert banned not in tokens
+    assert seen == [tokens[:i] for i in range(6)]  # each call saw the request's output so far
     assert finals[plain].outputs[0].token_ids == ref
 
 
 def test_failing_logits_processor_fails_only_its_step(model, engine):
-    rid = engine.add_request(PROMPT, greedy(4), logits_processor=lambda row: 1 / 0)
+    rid = engine.add_request(PROMPT, greedy(4), logits_processor=lambda ids, row: 1 / 0)
     out = run_to_completion(engine)[rid]
     assert out.outputs[0].finish_reason == "abort" and "ZeroDivisionError" in out.error
     assert run_one(engine, PROMPT, greedy(4)).token_ids == hf_greedy(model, PROMPT, 4)
