@@ -6,9 +6,8 @@ the engine's continuous batch, so concurrent `ainvoke`s and a `batch` share forw
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,8 +37,17 @@ from pydantic import ConfigDict
 
 from paged_backend import SamplingParams
 
+from ..guided_json import (
+    Ask,
+    Writer,
+    add_json_instruction,
+    choose_writer,
+    value_params,
+    value_processor,
+    vocab_for,
+)
 from .completion import Completion, openai_logprobs
-from .guided import Ask, adrive, choose_writer, drive
+from .guided import adrive, drive
 from .messages import to_chat_dicts
 from .options import PagedOptions, merge_stops
 from .submit import astream_outputs, run_batch, stream_outputs
@@ -51,8 +59,6 @@ from .tool_calls import (
     parse_with_tokenizer,
 )
 
-JSON_INSTRUCTION = "Answer with one JSON object only, and nothing else."
-
 
 @dataclass(slots=True)
 class PreparedCall:
@@ -61,7 +67,7 @@ class PreparedCall:
     tools: list[dict[str, Any]]
     params: SamplingParams
     timeout: float | None
-    guided: Callable[[], Generator[Ask, str, str]] | None  # writes a forced call or a schema-shaped answer
+    guided: Callable[[], Writer] | None  # writes a forced call or a schema-shaped answer
 
 
 class ChatPaged(PagedOptions, BaseChatModel):
@@ -184,32 +190,36 @@ class ChatPaged(PagedOptions, BaseChatModel):
 
     def write_call(self, call: PreparedCall) -> Completion:
         """A forced tool call, written by guided_call with the model filling in the values."""
-        return drive(call.guided(), lambda text, stops: self.complete(call, text, stops), self.count_prompt(call))
+        return drive(call.guided(), lambda ask: self.complete(call, ask), self.count_prompt(call))
 
     async def awrite_call(self, call: PreparedCall) -> Completion:
-        return await adrive(call.guided(), lambda text, stops: self.acomplete(call, text, stops), self.count_prompt(call))
+        return await adrive(call.guided(), lambda ask: self.acomplete(call, ask), self.count_prompt(call))
 
-    def complete(self, call: PreparedCall, written: str, stops: list[str]) -> Completion:
-        """Run the model on the prompt plus `written` (text put in its mouth) to the end."""
-        return self.complete_all(call, written, stops)[0]
+    def complete(self, call: PreparedCall, ask: Ask) -> Completion:
+        """One guided value: the model continues the prompt plus `ask.text` (text put in its mouth)."""
+        return self.complete_all(call, ask.text, value_params(ask, call.params), self.processor(ask))[0]
 
-    async def acomplete(self, call: PreparedCall, written: str, stops: list[str]) -> Completion:
-        return (await self.acomplete_all(call, written, stops))[0]
+    async def acomplete(self, call: PreparedCall, ask: Ask) -> Completion:
+        return (await self.acomplete_all(call, ask.text, value_params(ask, call.params), self.processor(ask)))[0]
 
-    def complete_all(self, call: PreparedCall, written: str | None = None, stops: list[str] = ()) -> list[Completion]:
+    def processor(self, ask: Ask):
+        return None if ask.rule is None else value_processor(ask.rule, vocab_for(self.tokenizer_))
+
+    def complete_all(self, call: PreparedCall, written: str | None = None, params: SamplingParams | None = None,
+                     processor=None) -> list[Completion]:
         """Every sample (n of them) of one request, to the end."""
         written = call.prefix if written is None else written
-        params = with_stops(call.params, list(stops))
-        for _, output in run_batch(self.async_engine, [self.encode(call, written)], params, call.timeout):
+        ids = self.encode(call, written)
+        for _, output in run_batch(self.async_engine, [ids], params or call.params, call.timeout, processor):
             if output.finished:
                 return [Completion.of(output, written, i) for i in range(len(output.outputs))]
         raise AssertionError("the engine ended a request without a finished output")
 
     async def acomplete_all(self, call: PreparedCall, written: str | None = None,
-                            stops: list[str] = ()) -> list[Completion]:
+                            params: SamplingParams | None = None, processor=None) -> list[Completion]:
         written = call.prefix if written is None else written
-        params = with_stops(call.params, list(stops))
-        async for output in astream_outputs(self.async_engine, self.encode(call, written), params, call.timeout):
+        ids = self.encode(call, written)
+        async for output in astream_outputs(self.async_engine, ids, params or call.params, call.timeout, processor):
             if output.finished:
                 return [Completion.of(output, written, i) for i in range(len(output.outputs))]
         raise AssertionError("the engine ended a request without a finished output")
@@ -238,7 +248,10 @@ class ChatPaged(PagedOptions, BaseChatModel):
         timeout = self.call_timeout(kwargs)
         conversation = to_chat_dicts(messages)
         if response_format is not None:
-            conversation = add_json_instruction(conversation, response_format)
+            if response_format.get("type") not in ("json_object", "json_schema"):
+                raise NotImplementedError(f"response_format type {response_format.get('type')!r}")
+            schema = response_format["json_schema"]["schema"] if response_format["type"] == "json_schema" else None
+            conversation = add_json_instruction(conversation, schema)
         shown_tools = tools if tool_choice != "none" else []
         prompt_text = self.render(conversation, shown_tools)
         params = self.sampling_params(stop, kwargs, logprobs=self.top_logprobs or 0 if self.logprobs else None)
@@ -317,28 +330,6 @@ class ChatPaged(PagedOptions, BaseChatModel):
         return metadata
 
 
-def with_stops(params: SamplingParams, stops: list[str]) -> SamplingParams:
-    if not stops:
-        return params
-    return dataclasses.replace(params, stop=merge_stops(params.stop, stops))
-
-
 def tool_call_chunk(call: dict[str, Any], index: int) -> dict[str, Any]:
     args = call["args"] if isinstance(call["args"], str) else json.dumps(call["args"], ensure_ascii=False)
     return {"type": "tool_call_chunk", "name": call["name"], "args": args, "id": call["id"], "index": index}
-
-
-def add_json_instruction(conversation: list[dict[str, Any]], response_format: dict[str, Any]) -> list[dict[str, Any]]:
-    """Ask for JSON in the system turn (after the caller's own system text, if any)."""
-    instruction = JSON_INSTRUCTION
-    if response_format.get("type") == "json_schema":
-        schema = response_format["json_schema"]["schema"]
-        instruction += " It must follow this JSON schema:\n" + json.dumps(schema, ensure_ascii=False)
-    elif response_format.get("type") != "json_object":
-        raise NotImplementedError(f"response_format type {response_format.get('type')!r}")
-    if conversation and conversation[0]["role"] == "system":
-        first = {**conversation[0], "content": conversation[0]["content"] + "\n\n" + instruction}
-        return [first, *conversation[1:]]
-    return [{"role": "system", "content": instruction}, *conversation]
-
-

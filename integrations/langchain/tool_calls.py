@@ -12,7 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from ..guided_json import CLOSE, OPEN
+
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 
 # ChatML with tools rendered Hermes/Qwen style, for models whose own template ignores tools.
@@ -60,20 +61,6 @@ class ParsedResponse:
     content: str
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # LangChain ToolCall dicts
     invalid_tool_calls: list[dict[str, Any]] = field(default_factory=list)
-
-
-def chosen_tool_name(tools: list[dict[str, Any]], tool_choice: Any) -> str | None:
-    """None: the model decides; "": some tool must be called; else the tool that must be called."""
-    if not tools or tool_choice in (None, "auto", "none", False):
-        return None
-    if isinstance(tool_choice, dict):
-        tool_choice = tool_choice.get("function", {}).get("name") or tool_choice.get("name")
-    if tool_choice in ("any", "required", True):
-        return tools[0]["function"]["name"] if len(tools) == 1 else ""
-    names = [t["function"]["name"] for t in tools]
-    if tool_choice not in names:
-        raise ValueError(f"tool_choice={tool_choice!r} names no bound tool; bound: {names}")
-    return tool_choice
 
 
 def parse_hermes(text: str) -> ParsedResponse:

@@ -1,0 +1,368 @@
+"""Guided JSON: the adapter writes a schema's JSON structure and the model fills in only the values,
+each under a rule that keeps it a valid JSON value of the schema's type.
+
+A writer is a generator: it yields an `Ask` (the assistant text so far, the stop strings that end the
+value, and the rule its tokens must follow, or None for a free string), is sent back what the model
+wrote, and finally returns the whole text. An adapter runs each Ask as one engine request on the prompt
+plus the text so far (prefix caching makes each a short prefill), with `value_processor(rule)` as the
+request's logits processor. Numbers are held to JSON's number grammar token by token; booleans, enums
+and the choice between another array item and "]" are held to their literal options; strings end at
+their closing quote and are re-escaped. So the result always parses and has the schema's shape.
+
+Supported: object (every property, in schema order), array (at least one item), string, enum, const,
+integer, number, boolean, null, a type or anyOf with one non-null choice, and local `$ref`s (pydantic's
+`$defs`). Anything else raises `UnsupportedSchema` naming the keyword, rather than guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, NamedTuple
+
+import torch
+
+from paged_backend import SamplingParams
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"  # Hermes/Qwen tool-call tags, as the chat templates render them
+NUMBER_STOPS = [",", "}", "]", "\n"]
+STRING_STOPS = ['"']
+NUMBER_TOKENS_MAX = 24
+JSON_INSTRUCTION = "Answer with one JSON object only, and nothing else."
+
+# JSON numbers, whole and as prefixes that can still become one ("1.e5" cannot; "1.", "-" and "1e" can).
+NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+NUMBER_PREFIX = re.compile(r"-?(?:(?:0|[1-9]\d*)(?:\.\d*|(?:\.\d+)?[eE][+-]?\d*)?)?")
+INTEGER = re.compile(r"-?(?:0|[1-9]\d*)")
+INTEGER_PREFIX = re.compile(r"-?(?:0|[1-9]\d*)?")
+# A token that may take part in a number: optional leading space, number characters, then perhaps a delimiter.
+NUMBER_TOKEN = re.compile(r"\s*[-+.0-9eE]*(?:[,}\]\n].*)?", re.DOTALL)
+DELIMITER = re.compile(r"[,}\]\n]")
+
+
+class UnsupportedSchema(ValueError):
+    """A JSON-schema feature guided writing cannot hold the model to."""
+
+
+@dataclass(frozen=True, slots=True)
+class NumberRule:
+    integer: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceRule:
+    options: tuple[str, ...]
+
+
+Rule = NumberRule | ChoiceRule
+
+
+class Ask(NamedTuple):
+    text: str  # the assistant text so far: the model continues from here
+    stops: list[str]  # strings that end the value (cut off, not part of it)
+    rule: Rule | None = None  # what the value's tokens must follow; None: a free string up to its quote
+
+
+Writer = Generator[Ask, str, str]
+
+
+# ------------------------------------------------------------------ writers
+
+
+def write_value(text: str, schema: dict[str, Any], root: dict[str, Any] | None = None) -> Writer:
+    """Append a JSON value following `schema` to `text`, asking the model for each leaf value."""
+    root = schema if root is None else root
+    schema = resolve(schema, root)
+    if "const" in schema:
+        return text + json.dumps(schema["const"], ensure_ascii=False)
+    if "enum" in schema:
+        return (yield from write_choice(text, [json.dumps(v, ensure_ascii=False) for v in schema["enum"]]))
+    kind = schema_type(schema)
+    if kind == "object":
+        return (yield from write_object(text, schema, root))
+    if kind == "array":
+        return (yield from write_array(text, schema, root))
+    if kind == "string":
+        return text + json.dumps((yield Ask(text + '"', STRING_STOPS)), ensure_ascii=False)
+    if kind in ("integer", "number"):
+        raw = yield Ask(text, NUMBER_STOPS, NumberRule(integer=kind == "integer"))
+        return text + repair_number(raw, kind == "integer")
+    if kind == "boolean":
+        return (yield from write_choice(text, ["true", "false"]))
+    if kind == "null":
+        return text + "null"
+    raise UnsupportedSchema(f"a value of type {kind!r}")
+
+
+def write_object(text: str, schema: dict[str, Any], root: dict[str, Any]) -> Writer:
+    properties = schema.get("properties") or {}
+    if not properties and isinstance(schema.get("additionalProperties"), dict):
+        raise UnsupportedSchema("an object with additionalProperties (a free-form mapping)")
+    text += "{"
+    for i, (key, prop) in enumerate(properties.items()):
+        text = yield from write_value(text + (", " if i else "") + json.dumps(key, ensure_ascii=False) + ": ", prop,
+                                      root)
+    return text + "}"
+
+
+def write_array(text: str, schema: dict[str, Any], root: dict[str, Any]) -> Writer:
+    """Items until the model picks "]" over ",": at least one (and minItems), at most maxItems."""
+    items = schema.get("items")
+    if not isinstance(items, dict):
+        raise UnsupportedSchema("an array without one 'items' schema (tuple or free-form arrays)")
+    low, high = max(1, schema.get("minItems", 0)), schema.get("maxItems")
+    if high == 0:
+        return text + "[]"
+    text += "["
+    count = 0
+    while True:
+        text = yield from write_value(text, items, root)
+        count += 1
+        if count < low:
+            text += ", "
+            continue
+        if high is not None and count >= high:
+            return text + "]"
+        text = yield from write_choice(text, [",", "]"])
+        if text.endswith("]"):
+            return text
+        text += " "
+
+
+def write_choice(text: str, options: Sequence[str]) -> Writer:
+    if len(options) == 1:
+        return text + options[0]
+    raw = yield Ask(text, [], ChoiceRule(tuple(options)))
+    return text + resolve_choice(raw, options)
+
+
+def write_tool_call(tools: list[dict[str, Any]], name: str) -> Writer:
+    """A Hermes tool call of the named tool (or, for "", of the bound tool the model picks)."""
+    names = [t["function"]["name"] for t in tools]
+    head = OPEN + '\n{"name": '
+    if name == "":
+        text = yield from write_choice(head, [json.dumps(n, ensure_ascii=False) for n in names])
+        name = json.loads(text[len(head):])
+    else:
+        text = head + json.dumps(name, ensure_ascii=False)
+    schema = next(t for t in tools if t["function"]["name"] == name)["function"].get("parameters") or {}
+    text = yield from write_value(text + ', "arguments": ', {"type": "object", **schema})
+    return text + "}\n" + CLOSE
+
+
+def add_json_instruction(messages: list[dict[str, Any]], schema: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Ask for JSON (following `schema`, if given) in the system turn, after the caller's own system text.
+    The writers hold the model to the shape; seeing the schema helps it choose sensible values."""
+    instruction = JSON_INSTRUCTION
+    if schema is not None:
+        instruction += " It must follow this JSON schema:\n" + json.dumps(schema, ensure_ascii=False)
+    if not messages or messages[0].get("role") != "system":
+        return [{"role": "system", "content": instruction}, *messages]
+    content = messages[0].get("content")
+    if isinstance(content, list):  # OpenAI content parts
+        content = [*content, {"type": "text", "text": "\n\n" + instruction}]
+    else:
+        content = (content or "") + "\n\n" + instruction
+    return [{**messages[0], "content": content}, *messages[1:]]
+
+
+def chosen_tool_name(tools: list[dict[str, Any]], tool_choice: Any) -> str | None:
+    """None: the model decides; "": some tool must be called; else the tool that must be called."""
+    if not tools or tool_choice in (None, "auto", "none", False):
+        return None
+    if isinstance(tool_choice, dict):
+        tool_choice = tool_choice.get("function", {}).get("name") or tool_choice.get("name")
+    if tool_choice in ("any", "required", True):
+        return tools[0]["function"]["name"] if len(tools) == 1 else ""
+    names = [t["function"]["name"] for t in tools]
+    if tool_choice not in names:
+        raise ValueError(f"tool_choice={tool_choice!r} names no bound tool; bound: {names}")
+    return tool_choice
+
+
+def choose_writer(tools: list[dict[str, Any]], tool_choice: Any,
+                  response_format: dict[str, Any] | None) -> Callable[[], Writer] | None:
+    """The writer for a forced tool call (OpenAI `tools`/`tool_choice`), or for an answer that must follow
+    a `json_schema` response format; None when the model writes freely. A schema the writers cannot
+    follow raises UnsupportedSchema here, before any request runs."""
+    name = chosen_tool_name(tools, tool_choice)
+    if name is not None:
+        for candidate in [name] if name else [t["function"]["name"] for t in tools]:
+            check_writer(write_tool_call(tools, candidate))
+        return partial(write_tool_call, tools, name)
+    if response_format is not None and response_format.get("type") == "json_schema":
+        schema = response_format["json_schema"]["schema"]
+        check_writer(write_value("", schema))
+        return partial(write_value, "", schema)
+    return None
+
+
+def check_writer(writer: Writer) -> None:
+    """Raise UnsupportedSchema now, before any request runs, for what the writer could not follow."""
+    try:
+        ask = next(writer)
+        while True:  # feed each ask a canned valid answer to walk the whole schema
+            ask = writer.send(canned_answer(ask))
+    except StopIteration:
+        return
+
+
+def canned_answer(ask: Ask) -> str:
+    if isinstance(ask.rule, NumberRule):
+        return "0"
+    if isinstance(ask.rule, ChoiceRule):
+        return ask.rule.options[-1]  # "]" for arrays, so the walk ends
+    return ""
+
+
+# ------------------------------------------------------------------ schema helpers
+
+
+def resolve(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    """Follow local $refs and the one-branch wrappers pydantic writes (allOf [ref], anyOf [T, null])."""
+    for _ in range(32):
+        if "$ref" in schema:
+            schema = {**lookup(schema["$ref"], root), **{k: v for k, v in schema.items() if k != "$ref"}}
+        elif "allOf" in schema:
+            if len(schema["allOf"]) != 1:
+                raise UnsupportedSchema("allOf with several schemas")
+            schema = {**{k: v for k, v in schema.items() if k != "allOf"}, **schema["allOf"][0]}
+        elif "anyOf" in schema or "oneOf" in schema:
+            key = "anyOf" if "anyOf" in schema else "oneOf"
+            branches = [b for b in schema[key] if b.get("type") != "null"]
+            if len(branches) != 1:
+                raise UnsupportedSchema(f"{key} with several non-null choices")
+            schema = {**{k: v for k, v in schema.items() if k != key}, **branches[0]}
+        else:
+            return schema
+    raise UnsupportedSchema("a $ref chain deeper than 32 (a recursive schema)")
+
+
+def lookup(ref: str, root: dict[str, Any]) -> dict[str, Any]:
+    if not ref.startswith("#/"):
+        raise UnsupportedSchema(f"the non-local $ref {ref!r}")
+    node: Any = root
+    for part in ref[2:].split("/"):
+        if not isinstance(node, dict) or part not in node:
+            raise UnsupportedSchema(f"the $ref {ref!r}, which names nothing in the schema")
+        node = node[part]
+    return node
+
+
+def schema_type(schema: dict[str, Any]) -> str:
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kinds = [k for k in kind if k != "null"]
+        if len(kinds) != 1:
+            raise UnsupportedSchema(f"type {kind!r} (several non-null types)")
+        return kinds[0]
+    if kind is None:
+        if "properties" in schema:
+            return "object"
+        raise UnsupportedSchema("a schema without a type")
+    return kind
+
+
+# ------------------------------------------------------------------ what the model wrote, made valid
+
+
+def repair_number(raw: str, integer: bool) -> str:
+    """The longest valid number the model's text starts with. The logits rule lets only valid prefixes
+    through, so this only trims a number that max_tokens cut short (e.g. "1." -> "1")."""
+    found = (INTEGER if integer else NUMBER).match(raw.strip())
+    return found.group(0) if found else "0"
+
+
+def resolve_choice(raw: str, options: Sequence[str]) -> str:
+    """The option the model wrote, or the first it had started (if max_tokens cut it short)."""
+    if raw in options:
+        return raw
+    return next((o for o in options if o.startswith(raw)), options[0])
+
+
+# ------------------------------------------------------------------ rules as logits processors
+
+
+class TokenVocab:
+    """Each token's text, looked up both ways; built once per tokenizer (a few hundred ms)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        self.by_text: dict[str, list[int]] = {}
+        for i, text in enumerate(self.texts):
+            self.by_text.setdefault(text, []).append(i)
+        self.number_tokens = [(i, t) for i, t in enumerate(self.texts) if t and NUMBER_TOKEN.fullmatch(t)]
+        eos = tokenizer.eos_token_id
+        self.eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+_vocabs: dict[int, TokenVocab] = {}
+
+
+def vocab_for(tokenizer: Any) -> TokenVocab:
+    vocab = _vocabs.get(id(tokenizer))
+    if vocab is None or vocab.tokenizer is not tokenizer:
+        vocab = _vocabs[id(tokenizer)] = TokenVocab(tokenizer)
+    return vocab
+
+
+def value_processor(rule: Rule, vocab: TokenVocab) -> Callable[[list[int], torch.Tensor], torch.Tensor]:
+    """The engine logits processor that keeps a value's tokens inside `rule`."""
+    allowed_ids = allowed_number_ids if isinstance(rule, NumberRule) else allowed_choice_ids
+
+    def process(output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
+        size = row.shape[-1]  # the model's vocabulary may be smaller or larger than the tokenizer's
+        allowed = [i for i in allowed_ids(rule, vocab, vocab.decode(output_ids)) if i < size]
+        if not allowed:  # nothing fits (a tokenizer quirk): leave the model free rather than stall
+            return row
+        keep = torch.full_like(row, float("-inf"))
+        index = torch.tensor(allowed, device=row.device)
+        keep[index] = row[index]
+        return keep
+
+    return process
+
+
+def allowed_number_ids(rule: NumberRule, vocab: TokenVocab, written: str) -> list[int]:
+    prefix, whole = (INTEGER_PREFIX, INTEGER) if rule.integer else (NUMBER_PREFIX, NUMBER)
+    written = written.lstrip()
+    allowed = [i for i in vocab.eos_ids if whole.fullmatch(written)]
+    for token_id, text in vocab.number_tokens:
+        candidate = written + text if written else text.lstrip()
+        end = DELIMITER.search(candidate)
+        if end is None:
+            if candidate and prefix.fullmatch(candidate):
+                allowed.append(token_id)
+        elif whole.fullmatch(candidate[: end.start()]):
+            allowed.append(token_id)
+    return allowed
+
+
+def allowed_choice_ids(rule: ChoiceRule, vocab: TokenVocab, written: str) -> list[int]:
+    allowed: set[int] = set()
+    for option in rule.options:
+        if option == written:
+            allowed.update(vocab.eos_ids)
+        elif option.startswith(written):
+            rest = option[len(written):]
+            for k in range(1, len(rest) + 1):
+                allowed.update(vocab.by_text.get(rest[:k], ()))
+    return sorted(allowed) if allowed else list(vocab.eos_ids)
+
+
+def value_params(ask: Ask, params: SamplingParams) -> SamplingParams:
+    """The user's sampling settings for one value's request: its stops, EOS on, a short cap for rules."""
+    max_tokens = params.max_tokens
+    if isinstance(ask.rule, NumberRule):
+        max_tokens = min(max_tokens or NUMBER_TOKENS_MAX, NUMBER_TOKENS_MAX)
+    elif isinstance(ask.rule, ChoiceRule):
+        max_tokens = max(len(o) for o in ask.rule.options) + 1  # a token is at least one character
+    stops = list(dict.fromkeys([*params.stop, *ask.stops]))
+    return replace(params, n=1, best_of=None, stop=stops, max_tokens=max_tokens, min_tokens=0, ignore_eos=False)
