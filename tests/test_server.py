@@ -254,6 +254,47 @@ def test_best_of_returns_the_choice_with_the_best_logprob_per_token(real: Served
         assert error.value.body["param"] == "best_of"
 
 
+PERSON_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "employed": {"type": "boolean"},
+    "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
+
+
+def test_json_schema_answers_parse_and_follow_the_schema(real: Served) -> None:
+    client = real.client()
+    args = {"model": "smollm2", "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "Alice is 30, works as a nurse and speaks French."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}}
+    reply = client.chat.completions.create(**args)
+    person = json.loads(reply.choices[0].message.content)
+    assert list(person) == ["name", "age", "employed", "languages"] and reply.choices[0].finish_reason == "stop"
+    assert isinstance(person["name"], str) and isinstance(person["age"], int) and isinstance(person["employed"], bool)
+    assert 1 <= len(person["languages"]) <= 3 and all(isinstance(x, str) for x in person["languages"])
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **args))
+    assert streamed == reply.choices[0].message.content
+    # Sampled answers follow the schema too.
+    for seed in range(3):
+        sampled = client.chat.completions.create(**{**args, "temperature": 1.0, "seed": seed})
+        assert list(json.loads(sampled.choices[0].message.content)) == list(PERSON_SCHEMA["properties"])
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_chatopenai_structured_output(real: Served, method: str) -> None:
+    """LangChain's own OpenAI chat model, pointed at the server: both structured-output methods parse."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        """A person mentioned in the text."""
+
+        name: str
+        age: int
+
+    chat = langchain_openai.ChatOpenAI(base_url=f"{real.url}/v1", api_key="none", model="smollm2", temperature=0,
+                                       max_tokens=16, max_retries=0)
+    person = chat.with_structured_output(Person, method=method).invoke("Alice is 30 years old.")
+    assert isinstance(person, Person) and person.name and person.age >= 0
+
+
 def test_chat_logprobs(real: Served) -> None:
     reply = real.client().chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Hi!"}], logprobs=True, top_logprobs=3,
@@ -355,6 +396,29 @@ def test_tool_history_is_rendered_and_accepted(tiny: Served) -> None:
     assert reply.choices[0].finish_reason in {"stop", "length", "tool_calls"}
 
 
+def test_forced_tool_calls_are_written_for_the_model(tiny: Served) -> None:
+    """tool_choice naming a function (or "required") gets a call to it, whatever the model would say."""
+    client = tiny.client()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(model="tiny", messages=PARIS, tools=[WEATHER], tool_choice=named,
+                                           **greedy())
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [{"city": "Paris"}]
+    assert reply.usage.completion_tokens > 0
+    # Asked to say hello, the model must still call the tool: its arguments are valid JSON of the schema.
+    [call] = client.chat.completions.create(model="tiny", messages=HELLO, tools=[WEATHER], tool_choice="required",
+                                            **greedy(max_tokens=8)).choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    chunks = list(client.chat.completions.create(model="tiny", messages=PARIS, tools=[WEATHER], tool_choice=named,
+                                                 stream=True, stream_options={"include_usage": True}, **greedy()))
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in streamed] == [("get_weather",
+                                                                                          {"city": "Paris"})]
+    assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens > 0
+    wait_all_blocks_free(tiny.aengine)
+
+
 def test_tool_call_parser_edges() -> None:
     assert parse_tool_calls("no calls here") == ("no calls here", [])
     assert parse_tool_calls("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
@@ -393,7 +457,13 @@ def test_unknown_model_is_404(tiny: Served) -> None:
     ({"extra_body": {"frobnicate": True}}, "frobnicate"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format json_object"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"v": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}}}}},
+     "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "n": 2}, "n"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
 ])

@@ -9,14 +9,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from paged_backend import RequestOutput
+from paged_backend import RequestOutput, SamplingParams
 
+from ..guided_json import Writer, add_json_instruction
 from .chat_template import render_chat
-from .errors import APIError
+from .errors import APIError, not_supported
 from .fanout import Job, collect_finals, merge_streams, new_id
+from .guided import guided_choice, guided_writer, stream_guided, write_guided
 from .protocol import ChatCompletionRequest
 from .responses import DONE, chat_logprobs, positions, sse, sse_error, usage
-from .sampling import check_prompt, with_choices, to_sampling_params
+from .sampling import check_prompt, to_sampling_params, with_choices
 from .state import ServerState
 from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
 
@@ -25,12 +27,16 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     body.check_supported()
     state.check_model(body.model)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.uses_tools else None
-    prompt_ids = render_chat(state.tokenizer, body.messages, tools, body.add_generation_prompt,
-                             body.chat_template_kwargs)
+    writer = guided_writer(body, tools)
+    messages = body.messages if body.json_schema is None else add_json_instruction(body.messages,
+                                                                                    body.json_schema["schema"])
+    prompt_ids = render_chat(state.tokenizer, messages, tools, body.add_generation_prompt, body.chat_template_kwargs)
     params = to_sampling_params(body, body.output_limit, logprobs_wanted(body))
     check_prompt(state.engine, prompt_ids, params, "messages")
-    jobs = [Job(0, prompt_ids, with_choices(params, body.n))]
     request_id = new_id("chatcmpl")
+    if writer is not None:
+        return await guided_reply(state, body, prompt_ids, params, writer(), request_id)
+    jobs = [Job(0, prompt_ids, with_choices(params, body.n))]
     if body.stream:
         events = stream_chat(state, body, jobs, len(prompt_ids), request_id)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -39,6 +45,23 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals.values())
     response = envelope(request_id, body.model, "chat.completion", choices)
     return JSONResponse(response | {"usage": usage(len(prompt_ids), completion_tokens)})
+
+
+async def guided_reply(state: ServerState, body: ChatCompletionRequest, prompt_ids: list[int], params: SamplingParams,
+                       writer: Writer, request_id: str):
+    """A forced tool call or a schema-shaped answer, written value by value (see guided.py)."""
+    if body.logprobs:
+        raise not_supported("logprobs with a forced tool call or json_schema", "the answer is written in pieces")
+    answer = write_guided(state, prompt_ids, params, writer, request_id)
+    if body.stream:
+        def envelope_of(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            return envelope(request_id, body.model, "chat.completion.chunk", choices)
+
+        return StreamingResponse(stream_guided(body, envelope_of, answer, len(prompt_ids)),
+                                 media_type="text/event-stream")
+    done = await answer
+    response = envelope(request_id, body.model, "chat.completion", [guided_choice(body, done)])
+    return JSONResponse(response | {"usage": usage(len(prompt_ids), done.completion_tokens)})
 
 
 def logprobs_wanted(body: ChatCompletionRequest) -> int | None:

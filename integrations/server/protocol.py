@@ -112,18 +112,31 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise not_supported(f"response_format {self.response_format.type}",
-                                "the engine has no guided (grammar-constrained) decoding to honour it")
-        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
-            raise not_supported("tool_choice", "forcing a tool call needs guided decoding, which the engine "
-                                "lacks; use 'auto' or 'none'")
+        if self.response_format is not None and self.response_format.type == "json_object":
+            raise not_supported("response_format json_object", "give a json_schema instead: the answer is "
+                                "guided by its schema, and schema-free JSON has none")
+        if self.json_schema is not None and not isinstance(self.json_schema.get("schema"), dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
+                           "response_format")
+        if self.forces_tool and not self.tools:
+            raise APIError(400, "tool_choice forces a tool call, but no tools were given", "tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
 
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def json_schema(self) -> dict[str, Any] | None:
+        """The `json_schema` object of a json_schema response format (name, schema, strict), else None."""
+        if self.response_format is None or self.response_format.type != "json_schema":
+            return None
+        return (self.response_format.model_extra or {}).get("json_schema") or {}
+
+    @property
+    def forces_tool(self) -> bool:
+        return isinstance(self.tool_choice, dict) or self.tool_choice == "required"
 
     @property
     def uses_tools(self) -> bool:

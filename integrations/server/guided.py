@@ -1,0 +1,115 @@
+"""Forced tool calls (`tool_choice` "required" or a named function) and `response_format` json_schema:
+the shared guided-JSON writers write the structure and the model fills in each value, one engine
+request per value, each held to its value's token rule. The answer is known only when the last value
+is written, so a streamed reply carries it in one chunk."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from paged_backend import RequestOutput, SamplingParams
+
+from ..guided_json import (
+    UnsupportedSchema,
+    Writer,
+    choose_writer,
+    value_params,
+    value_processor,
+    vocab_for,
+)
+from .errors import APIError, bad_request
+from .protocol import ChatCompletionRequest
+from .responses import DONE, sse, sse_error, usage
+from .state import ServerState
+from .tool_calls import parse_tool_calls
+
+
+@dataclass(slots=True)
+class GuidedAnswer:
+    text: str
+    completion_tokens: int
+
+
+def guided_writer(body: ChatCompletionRequest,
+                  tools: list[dict[str, Any]] | None) -> Callable[[], Writer] | None:
+    """The writer this request needs, or None; a request it cannot honour is a 400 naming why."""
+    response_format = body.response_format.model_dump() if body.response_format is not None else None
+    try:
+        writer = choose_writer(tools or [], body.tool_choice, response_format)
+    except UnsupportedSchema as exc:
+        raise bad_request(f"guided JSON cannot follow {exc}",
+                          "tools" if body.forces_tool else "response_format") from None
+    except ValueError as exc:  # a named tool_choice that names no tool
+        raise bad_request(str(exc), "tool_choice") from None
+    if writer is not None and body.n > 1:
+        raise bad_request("n > 1 with a forced tool call or a json_schema response format", "n")
+    return writer
+
+
+async def write_guided(state: ServerState, prompt_ids: list[int], params: SamplingParams, writer: Writer,
+                       request_id: str) -> GuidedAnswer:
+    """Run the writer, each value one engine request on the prompt plus the text written so far."""
+    vocab = vocab_for(state.tokenizer)
+    generated = 0
+    try:
+        ask = next(writer)
+        for step in range(10_000):
+            ids = prompt_ids + state.tokenizer(ask.text, add_special_tokens=False)["input_ids"]
+            value = value_params(ask, params)
+            if len(ids) + (value.max_tokens or 1) > state.engine.max_model_len:
+                raise APIError(400, "the guided answer outgrew the model's context length", "max_tokens")
+            processor = None if ask.rule is None else value_processor(ask.rule, vocab)
+            final = await last_output(state.aengine.generate(ids, value, f"{request_id}-{step}", processor))
+            state.metrics.record_finished(final)
+            if final.error:
+                raise APIError(500, f"generation failed: {final.error}")
+            generated += len(final.outputs[0].token_ids)
+            ask = writer.send(final.outputs[0].text)
+    except StopIteration as end:
+        return GuidedAnswer(end.value, generated)
+    raise APIError(500, "the guided answer did not finish")
+
+
+async def last_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async for final in outputs:
+        pass
+    return final
+
+
+def guided_message(body: ChatCompletionRequest, answer: GuidedAnswer) -> tuple[dict[str, Any], str]:
+    """The assistant message (a tool call, or JSON content) and its finish reason."""
+    if not body.forces_tool:
+        return {"role": "assistant", "content": answer.text}, "stop"
+    _, calls = parse_tool_calls(answer.text)
+    return {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]}, "tool_calls"
+
+
+def guided_choice(body: ChatCompletionRequest, answer: GuidedAnswer) -> dict[str, Any]:
+    message, finish_reason = guided_message(body, answer)
+    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+
+
+async def stream_guided(body: ChatCompletionRequest, envelope: Callable[[list[dict[str, Any]]], dict[str, Any]],
+                        answer_soon: Awaitable[GuidedAnswer], prompt_tokens: int) -> AsyncIterator[str]:
+    """Role first, then (once written) the whole answer in one chunk, the finish reason, usage, [DONE]."""
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        return sse(envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]))
+
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        answer = await answer_soon
+    except APIError as exc:
+        yield sse_error(exc)
+        return
+    message, finish_reason = guided_message(body, answer)
+    if message.get("tool_calls"):
+        yield chunk({"tool_calls": [dict(call, index=k) for k, call in enumerate(message["tool_calls"])]})
+    else:
+        yield chunk({"content": message["content"]})
+    yield chunk({}, finish_reason)
+    if body.include_usage:
+        yield sse(envelope([]) | {"usage": usage(prompt_tokens, answer.completion_tokens)})
+    yield DONE
