@@ -301,9 +301,9 @@ def record_steps(engine) -> list[tuple[int, int, float]]:
 
     def recording_execute(batch):
         start = time.perf_counter()
-        logits, sampling = execute(batch)
+        logits, inputs = execute(batch)
         steps.append((sum(batch.num_new_tokens), logits.shape[0], time.perf_counter() - start))
-        return logits, sampling
+        return logits, inputs
 
     engine.runner.execute = recording_execute
     return steps

@@ -15,13 +15,14 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from . import prompt_logprobs
 from .adapters import install_adapters
 from .attention import ATTENTION_NAME, register
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .distributed import agree_on_blocks
 from .kv_cache_manager import KVCacheManager
 from .model_loader import check_architecture
-from .distributed import agree_on_blocks
 from .model_runner import ModelRunner, StepInputs
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .paged_cache import KVShape, PagedCache, probe_kv_shape
@@ -122,6 +123,8 @@ class Engine:
         for index, request in enumerate(group):
             request.index, request.group, request.external_id = index, group, request_id
             request.keep_best = keep_best
+            if index:  # the samples share one prompt: sample 0 scores it, the others may use the cache
+                request.prompt_logprobs = None
             request.logits_processor = logits_processor
             request.leader = group[0] if index else None
             self.scheduler.add(request)
@@ -142,6 +145,7 @@ class Engine:
             generator=self.make_generator(params.seed),
             detokenizer=self.make_detokenizer(token_ids, params),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             cache_salt=cache_salt,
         )
 
@@ -210,8 +214,10 @@ class Engine:
             return outputs
         try:
             with torch.inference_mode():
-                logits, sampling_requests = self.runner.execute(batch)
-                sampled = sample(logits, sampling_requests)
+                logits, inputs = self.runner.execute(batch)
+                sampling_requests = inputs.sampling_requests
+                sampled = sample(logits[: len(sampling_requests)], sampling_requests)
+                prompt_logprobs.record(logits[len(sampling_requests):], inputs.prompt_spans)
         except Exception as exc:  # a failed forward ends this step's requests, not the engine
             logger.exception("engine step failed")
             for request_id in dict.fromkeys(r.external_id for r in batch.requests):
@@ -286,6 +292,7 @@ class Engine:
             finished=finished,
             metrics=request.metrics,
             num_cached_tokens=request.group[0].num_cached_tokens,
+            prompt_logprobs=request.group[0].prompt_logprobs,
             error=request.error,
             delta_text=delta,
             delta_token_ids=delta_ids,

@@ -46,8 +46,9 @@ class KVCacheManager:
 
     def acquire_cached_prefix(self, request: Request) -> int:
         """Give a request with nothing computed the cached blocks of its longest cached prefix;
-        return the number of tokens it can skip."""
-        if not self.enable_prefix_caching:
+        return the number of tokens it can skip. A request that wants prompt logprobs skips the cache:
+        a cached block has no logits to score its tokens with."""
+        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
             return 0
         bs = self.block_size
         limit = (request.num_tokens - 1) // bs

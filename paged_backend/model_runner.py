@@ -16,6 +16,7 @@ import torch
 from paged_backend.kernels import AttentionMetadata
 
 from .paged_cache import PagedCache
+from .prompt_logprobs import PromptSpan, wanted_targets
 from .request import Request
 from .scheduler import ScheduledBatch
 
@@ -26,6 +27,8 @@ class StepInputs(NamedTuple):
     logits_indices: torch.Tensor  # [S] rows of the packed batch whose logits are needed
     sampling_requests: list[Request]
     metadata: AttentionMetadata
+    # Kept logits rows after the sampling ones, scoring prompt tokens (rank 0 only; see prompt_logprobs.py).
+    prompt_spans: tuple[PromptSpan, ...] = ()
 
 
 class ModelRunner:
@@ -36,13 +39,14 @@ class ModelRunner:
         self.device = cache.kv.device
         self.publish = publish  # tensor parallelism: hands each step's inputs to the other ranks
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
-        """Run one forward; return logits `[S, V]` for the requests that reach their last token.
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepInputs]:
+        """Run one forward; return the kept logits and the step's inputs: the first rows are those of
+        `inputs.sampling_requests` (the requests that reach their last token), then those of `inputs.prompt_spans`.
         The caller holds `torch.inference_mode()` over this and the sampling that follows."""
         inputs = self.prepare_inputs(batch)
         if self.publish is not None:
             self.publish(inputs)
-        return self.forward(inputs), inputs.sampling_requests
+        return self.forward(inputs), inputs
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         self.cache.metadata = inputs.metadata
@@ -74,8 +78,12 @@ class ModelRunner:
         rows = np.repeat(np.arange(len(requests)), counts)
         slots = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
         sampling = [i for i, r in enumerate(requests) if ends[i] == r.num_tokens]
-        # A step of only partial prompt chunks samples nothing; keep one row so the forward's shape is valid.
-        logits_rows = query_start_loc[1:][sampling] - 1 if sampling else query_start_loc[-1:] - 1
+        logits_rows = query_start_loc[1:][sampling] - 1
+        spans, span_rows = self.prompt_spans(requests, starts, ends, query_start_loc)
+        if spans:
+            logits_rows = np.concatenate([logits_rows, span_rows])
+        elif not sampling:  # only partial prompt chunks: keep one row so the forward's shape is valid
+            logits_rows = query_start_loc[-1:] - 1
         metadata = AttentionMetadata(
             slot_mapping=self.to_device(slots),
             block_tables=self.to_device(block_tables),
@@ -93,7 +101,23 @@ class ModelRunner:
             logits_indices=self.to_device(logits_rows),
             sampling_requests=[requests[i] for i in sampling],
             metadata=metadata,
+            prompt_spans=tuple(spans),
         )
+
+    @staticmethod
+    def prompt_spans(requests: list[Request], starts: np.ndarray, ends: np.ndarray,
+                     query_start_loc: np.ndarray) -> tuple[list[PromptSpan], np.ndarray]:
+        """The prompt tokens this step can score, and the packed rows whose logits predict them."""
+        spans, rows = [], []
+        for i, request in enumerate(requests):
+            if request.prompt_logprobs is None:
+                continue
+            first, count = wanted_targets(request, int(starts[i]), int(ends[i]))
+            if count:
+                spans.append(PromptSpan(request, first, count))
+                # Target t is predicted by position t - 1, packed at query_start + (t - 1 - start).
+                rows.append(query_start_loc[i] + first - 1 - starts[i] + np.arange(count))
+        return spans, (np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
 
     @staticmethod
     def block_table_array(requests: list[Request]) -> np.ndarray:

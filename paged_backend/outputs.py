@@ -53,6 +53,8 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request was refused or failed; the others keep running
+    # With SamplingParams.prompt_logprobs: None, then {token id: Logprob} for each later prompt token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Text produced since the previous output of this request (for streaming). With n > 1 a streamed
     # output holds only the sample that changed, so the delta is that sample's; the last output holds
     # every sample and no delta.

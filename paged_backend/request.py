@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .outputs import RequestMetrics, SampleLogprobs
+from .outputs import Logprob, RequestMetrics, SampleLogprobs
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, entry per later prompt token]
     num_cached_tokens: int = 0
     error: str | None = None
 

@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (0: the token's own only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -74,6 +75,8 @@ class SamplingParams:
               "stop_token_ids", self.stop_token_ids, "must be a list of non-negative ints")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs",
               self.logprobs, "must be an int >= 0 or None")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+              "prompt_logprobs", self.prompt_logprobs, "must be an int >= 0 or None")
 
 
 def check(ok: bool, name: str, value: object, rule: str) -> None:
