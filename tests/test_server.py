@@ -224,6 +224,27 @@ def test_stop_string_cuts_the_text(real: Served) -> None:
     assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == ","
 
 
+def test_echo_with_logprobs_scores_the_prompt(real: Served) -> None:
+    """echo + logprobs (how evaluation harnesses score text): every prompt token after the first gets
+    the model's own log probability, then the generated tokens follow."""
+    client = real.client()
+    prompt = "The capital of France is"
+    reply = client.completions.create(model="smollm2", prompt=prompt, echo=True, logprobs=2, **greedy(max_tokens=2))
+    lp, text = reply.choices[0].logprobs, reply.choices[0].text
+    ids = real.tokenizer(prompt)["input_ids"]
+    assert len(lp.tokens) == len(ids) + 2 and "".join(lp.tokens) == text and text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    with torch.no_grad():
+        expected = torch.log_softmax(real.aengine.engine.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([expected[t - 1, ids[t]].item() for t in range(1, len(ids))],
+                                                          abs=1e-3)
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    chunks = list(client.completions.create(model="smollm2", prompt=prompt, echo=True, logprobs=2, stream=True,
+                                            **greedy(max_tokens=2)))
+    first = chunks[0].choices[0].logprobs
+    assert first.tokens[:len(ids)] == lp.tokens[:len(ids)] and first.token_logprobs[0] is None
+
+
 def test_n_choices_use_derived_seeds(real: Served) -> None:
     client = real.client()
     args = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +15,7 @@ from paged_backend import RequestOutput
 from .errors import APIError, bad_request
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import CompletionRequest
-from .responses import DONE, completion_logprobs, positions, sse, sse_error, usage
+from .responses import DONE, completion_logprobs, positions, sse, sse_error, token_text, usage
 from .sampling import check_prompt, with_choices, to_sampling_params
 from .state import ServerState
 
@@ -25,6 +26,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, http_re
     body.check_supported()
     state.check_model(body.model)
     params = to_sampling_params(body, body.max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None:  # the echoed prompt comes with its tokens' logprobs
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     prompts = [state.tokenize(p) for p in prompt_list(body.prompt)]
     for _, ids in prompts:
         check_prompt(state.engine, ids, params)
@@ -68,6 +71,8 @@ def completion_choice(state: ServerState, body: CompletionRequest, index: int, o
     logprobs = None
     if body.logprobs is not None:
         logprobs = completion_logprobs(state.tokenizer, positions(completion), body.logprobs, len(echo))
+        if echo:
+            logprobs = join_logprobs(echoed_logprobs(state, output, body.logprobs), logprobs)
     return {"index": index, "text": echo + completion.text, "logprobs": logprobs,
             "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
 
@@ -81,13 +86,30 @@ async def stream_completion(state: ServerState, body: CompletionRequest, jobs: l
             yield sse_error(APIError(500, f"generation failed: {output.error}"))
             return
         generated[index] = len(output.outputs[0].token_ids)
-        text = (echoes[index] if echo_pending[index] else "") + output.delta_text
+        echo = echoes[index] if echo_pending[index] else ""
         echo_pending[index] = False
+        text = echo + output.delta_text
         if text or output.finished:
-            yield sse(envelope(request_id, body.model, [stream_choice(state, body, index, output, text)]))
+            choice = stream_choice(state, body, index, output, text)
+            if echo and choice["logprobs"] is not None:
+                choice["logprobs"] = join_logprobs(echoed_logprobs(state, output, body.logprobs), choice["logprobs"])
+            yield sse(envelope(request_id, body.model, [choice]))
     if body.include_usage:
         yield sse(envelope(request_id, body.model, []) | {"usage": usage(prompt_tokens, sum(generated))})
     yield DONE
+
+
+def echoed_logprobs(state: ServerState, output: RequestOutput, k: int) -> dict[str, list[Any]]:
+    """The echoed prompt's part of the legacy logprobs: its first token has no context, so null."""
+    ids, scored = output.prompt_token_ids, output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    part = completion_logprobs(state.tokenizer, list(zip(ids[1:], scored[1:])), k,
+                               offset=len(token_text(state.tokenizer, ids[0])))
+    return join_logprobs({"tokens": [token_text(state.tokenizer, ids[0])], "token_logprobs": [None],
+                          "top_logprobs": [None], "text_offset": [0]}, part)
+
+
+def join_logprobs(first: dict[str, list[Any]], then: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    return {key: first[key] + then[key] for key in first}
 
 
 def stream_choice(state: ServerState, body: CompletionRequest, index: int, output: RequestOutput,

@@ -73,8 +73,6 @@ class CompletionRequest(SamplingFields):
                               "best_of")
         if self.suffix:
             raise not_supported("suffix", "no fill-in-the-middle")
-        if self.echo and self.logprobs is not None:
-            raise not_supported("echo with logprobs", "the engine does not compute prompt logprobs")
 
 
 class FunctionSpec(BaseModel):
