@@ -205,12 +205,13 @@ def check_writer(writer: Writer) -> None:
     try:
         ask = next(writer)
         while True:  # feed each ask a canned valid answer to walk the whole schema
-            ask = writer.send(canned_answer(ask))
+            ask = writer.send(default_answer(ask))
     except StopIteration:
         return
 
 
-def canned_answer(ask: Ask) -> str:
+def default_answer(ask: Ask) -> str:
+    """A valid value written without the model: once the call's max_tokens is spent, or to walk a schema."""
     if isinstance(ask.rule, NumberRule):
         return "0"
     if isinstance(ask.rule, ChoiceRule):
@@ -357,12 +358,17 @@ def allowed_choice_ids(rule: ChoiceRule, vocab: TokenVocab, written: str) -> lis
     return sorted(allowed) if allowed else list(vocab.eos_ids)
 
 
-def value_params(ask: Ask, params: SamplingParams) -> SamplingParams:
-    """The user's sampling settings for one value's request: its stops, EOS on, a short cap for rules."""
-    max_tokens = params.max_tokens
+def value_params(ask: Ask, params: SamplingParams, generated: int = 0) -> SamplingParams | None:
+    """The user's sampling settings for one value's request: its stops, EOS on, a short cap for rules,
+    and what is left of the call's max_tokens after the `generated` tokens of earlier values. None once
+    that is spent: the writer then gets `default_answer`, so the JSON still closes."""
+    max_tokens = None if params.max_tokens is None else params.max_tokens - generated
+    if max_tokens is not None and max_tokens <= 0:
+        return None
     if isinstance(ask.rule, NumberRule):
         max_tokens = min(max_tokens or NUMBER_TOKENS_MAX, NUMBER_TOKENS_MAX)
     elif isinstance(ask.rule, ChoiceRule):
-        max_tokens = max(len(o) for o in ask.rule.options) + 1  # a token is at least one character
+        longest = max(len(o) for o in ask.rule.options) + 1  # a token is at least one character
+        max_tokens = min(max_tokens or longest, longest)
     stops = list(dict.fromkeys([*params.stop, *ask.stops]))
     return replace(params, n=1, best_of=None, stop=stops, max_tokens=max_tokens, min_tokens=0, ignore_eos=False)

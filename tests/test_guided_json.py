@@ -106,6 +106,12 @@ def test_value_params_keep_sampling_but_cap_rule_values():
     assert (number.temperature, number.n, number.ignore_eos) == (0.5, 1, False)
     assert number.max_tokens == 24 and number.stop == ["END", *NUMBER_STOPS]
     assert value_params(Ask("x", [], ChoiceRule(("true", "false"))), user).max_tokens == 6
+    # Later values get what is left of the call's max_tokens; once it is spent, the model is not asked.
+    string = Ask('x"', ['"'])
+    assert value_params(string, user, generated=150).max_tokens == 50
+    assert value_params(Ask("x", [], ChoiceRule(("true", "false"))), user, generated=198).max_tokens == 2
+    assert value_params(string, user, generated=200) is None
+    assert value_params(string, SamplingParams(max_tokens=None), generated=10**6).max_tokens is None
 
 
 # ------------------------------------------------------------------ the rules, on a byte-level vocabulary

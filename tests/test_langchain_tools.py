@@ -208,6 +208,11 @@ def test_structured_output_through_a_json_schema() -> None:
     assert result["raw"].content.startswith("{")
     assert result["parsing_error"] is None, result["raw"].content
     assert set(result["parsed"]) == {"name", "age"}
+    # Too few max_tokens for the whole answer: the JSON still closes, and the call says it ran out.
+    short = ChatPaged(chat_template=HERMES_TOOL_TEMPLATE, temperature=0, max_tokens=2).with_structured_output(
+        Person.model_json_schema(), method="json_schema", include_raw=True).invoke("Alice is 30 years old.")
+    assert set(short["parsed"]) == {"name", "age"} and short["raw"].response_metadata["finish_reason"] == "length"
+    assert short["raw"].usage_metadata["output_tokens"] <= 2
 
 
 # ---------------------------------------------------------------------- the standard suite

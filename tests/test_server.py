@@ -292,6 +292,10 @@ def test_json_schema_answers_parse_and_follow_the_schema(real: Served) -> None:
     assert 1 <= len(person["languages"]) <= 3 and all(isinstance(x, str) for x in person["languages"])
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **args))
     assert streamed == reply.choices[0].message.content
+    # A max_tokens too small for the whole answer still closes the JSON, and says it ran out.
+    short = client.chat.completions.create(**{**args, "max_tokens": 3})
+    assert list(json.loads(short.choices[0].message.content)) == list(PERSON_SCHEMA["properties"])
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens <= 3
     # Sampled answers follow the schema too.
     for seed in range(3):
         sampled = client.chat.completions.create(**{**args, "temperature": 1.0, "seed": seed})

@@ -190,17 +190,20 @@ class ChatPaged(PagedOptions, BaseChatModel):
 
     def write_call(self, call: PreparedCall) -> Completion:
         """A forced tool call, written by guided_call with the model filling in the values."""
-        return drive(call.guided(), lambda ask: self.complete(call, ask), self.count_prompt(call))
+        return drive(call.guided(), lambda ask, used: self.complete(call, ask, used), self.count_prompt(call))
 
     async def awrite_call(self, call: PreparedCall) -> Completion:
-        return await adrive(call.guided(), lambda ask: self.acomplete(call, ask), self.count_prompt(call))
+        return await adrive(call.guided(), lambda ask, used: self.acomplete(call, ask, used), self.count_prompt(call))
 
-    def complete(self, call: PreparedCall, ask: Ask) -> Completion:
-        """One guided value: the model continues the prompt plus `ask.text` (text put in its mouth)."""
-        return self.complete_all(call, ask.text, value_params(ask, call.params), self.processor(ask))[0]
+    def complete(self, call: PreparedCall, ask: Ask, used: int) -> Completion | None:
+        """One guided value: the model continues the prompt plus `ask.text` (text put in its mouth);
+        None when the call's max_tokens is spent."""
+        params = value_params(ask, call.params, used)
+        return None if params is None else self.complete_all(call, ask.text, params, self.processor(ask))[0]
 
-    async def acomplete(self, call: PreparedCall, ask: Ask) -> Completion:
-        return (await self.acomplete_all(call, ask.text, value_params(ask, call.params), self.processor(ask)))[0]
+    async def acomplete(self, call: PreparedCall, ask: Ask, used: int) -> Completion | None:
+        params = value_params(ask, call.params, used)
+        return None if params is None else (await self.acomplete_all(call, ask.text, params, self.processor(ask)))[0]
 
     def processor(self, ask: Ask):
         return None if ask.rule is None else value_processor(ask.rule, vocab_for(self.tokenizer_))

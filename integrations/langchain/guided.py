@@ -7,38 +7,55 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from ..guided_json import Ask, Writer
+from ..guided_json import Ask, Writer, default_answer
 from .completion import Completion
 
+# One value's engine request, given how many tokens earlier values used; None once max_tokens is spent.
+Complete = Callable[[Ask, int], Completion | None]
 
-def drive(writer: Writer, complete: Callable[[Ask], Completion], prompt_tokens: int) -> Completion:
+
+def drive(writer: Writer, complete: Complete, prompt_tokens: int) -> Completion:
     """Run a guided writer: each value it asks for is one engine request (`complete`)."""
-    done: Completion | None = None
+    done, spent = None, False
     try:
         ask = next(writer)
         while True:
-            step = complete(ask)
-            done = step if done is None else done.then(step)
-            ask = writer.send(step.text[len(ask.text):])
+            step = complete(ask, used(done))
+            done, spent, answer = advance(done, spent, ask, step)
+            ask = writer.send(answer)
     except StopIteration as end:
-        return finish_guided(done, end.value, prompt_tokens)
+        return finish_guided(done, end.value, prompt_tokens, spent)
 
 
-async def adrive(writer: Writer, complete: Callable[[Ask], Awaitable[Completion]], prompt_tokens: int) -> Completion:
-    done: Completion | None = None
+async def adrive(writer: Writer, complete: Callable[[Ask, int], Awaitable[Completion | None]],
+                 prompt_tokens: int) -> Completion:
+    done, spent = None, False
     try:
         ask = next(writer)
         while True:
-            step = await complete(ask)
-            done = step if done is None else done.then(step)
-            ask = writer.send(step.text[len(ask.text):])
+            step = await complete(ask, used(done))
+            done, spent, answer = advance(done, spent, ask, step)
+            ask = writer.send(answer)
     except StopIteration as end:
-        return finish_guided(done, end.value, prompt_tokens)
+        return finish_guided(done, end.value, prompt_tokens, spent)
 
 
-def finish_guided(done: Completion | None, text: str, prompt_tokens: int) -> Completion:
+def used(done: Completion | None) -> int:
+    return 0 if done is None else done.usage["output_tokens"]
+
+
+def advance(done: Completion | None, spent: bool, ask: Ask,
+            step: Completion | None) -> tuple[Completion | None, bool, str]:
+    """Add one value's request to the call; return the call so far, whether max_tokens ran out, the value."""
+    if step is None:  # max_tokens is spent: the value is written without the model, so the JSON closes
+        return done, True, default_answer(ask)
+    return (step if done is None else done.then(step)), spent, step.text[len(ask.text):]
+
+
+def finish_guided(done: Completion | None, text: str, prompt_tokens: int, spent: bool) -> Completion:
+    reason = "length" if spent else "stop"
     if done is None:  # nothing was left to the model (a tool without parameters, one-option choices)
-        return Completion(text, text, "stop", {"input_tokens": prompt_tokens, "output_tokens": 0,
+        return Completion(text, text, reason, {"input_tokens": prompt_tokens, "output_tokens": 0,
                                                 "total_tokens": prompt_tokens, "input_token_details": {"cache_read": 0}},
                           [], None)
-    return Completion(text, text, "stop", done.usage, done.token_ids, done.logprobs)
+    return Completion(text, text, reason, done.usage, done.token_ids, done.logprobs)

@@ -15,6 +15,7 @@ from ..guided_json import (
     UnsupportedSchema,
     Writer,
     choose_writer,
+    default_answer,
     value_params,
     value_processor,
     vocab_for,
@@ -30,6 +31,7 @@ from .tool_calls import parse_tool_calls
 class GuidedAnswer:
     text: str
     completion_tokens: int
+    spent: bool  # max_tokens ran out: the last values were written without the model
 
 
 def guided_writer(body: ChatCompletionRequest,
@@ -52,12 +54,16 @@ async def write_guided(state: ServerState, prompt_ids: list[int], params: Sampli
                        request_id: str) -> GuidedAnswer:
     """Run the writer, each value one engine request on the prompt plus the text written so far."""
     vocab = vocab_for(state.tokenizer)
-    generated = 0
+    generated, spent = 0, False
     try:
         ask = next(writer)
         for step in range(10_000):
+            value = value_params(ask, params, generated)
+            if value is None:  # max_tokens is spent: the value is written without the model, so the JSON closes
+                spent = True
+                ask = writer.send(default_answer(ask))
+                continue
             ids = prompt_ids + state.tokenizer(ask.text, add_special_tokens=False)["input_ids"]
-            value = value_params(ask, params)
             if len(ids) + (value.max_tokens or 1) > state.engine.max_model_len:
                 raise APIError(400, "the guided answer outgrew the model's context length", "max_tokens")
             processor = None if ask.rule is None else value_processor(ask.rule, vocab)
@@ -68,7 +74,7 @@ async def write_guided(state: ServerState, prompt_ids: list[int], params: Sampli
             generated += len(final.outputs[0].token_ids)
             ask = writer.send(final.outputs[0].text)
     except StopIteration as end:
-        return GuidedAnswer(end.value, generated)
+        return GuidedAnswer(end.value, generated, spent)
     raise APIError(500, "the guided answer did not finish")
 
 
@@ -82,9 +88,10 @@ async def last_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 def guided_message(body: ChatCompletionRequest, answer: GuidedAnswer) -> tuple[dict[str, Any], str]:
     """The assistant message (a tool call, or JSON content) and its finish reason."""
     if not body.forces_tool:
-        return {"role": "assistant", "content": answer.text}, "stop"
+        return {"role": "assistant", "content": answer.text}, "length" if answer.spent else "stop"
     _, calls = parse_tool_calls(answer.text)
-    return {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]}, "tool_calls"
+    message = {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]}
+    return message, "length" if answer.spent else "tool_calls"
 
 
 def guided_choice(body: ChatCompletionRequest, answer: GuidedAnswer) -> dict[str, Any]:
