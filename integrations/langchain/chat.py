@@ -189,7 +189,8 @@ class ChatPaged(PagedOptions, BaseChatModel):
                 yield chunk
 
     def write_call(self, call: PreparedCall) -> Completion:
-        """A forced tool call, written by guided_call with the model filling in the values."""
+        """A forced tool call or a schema-shaped answer, written by a guided-JSON writer with the model
+        filling in the values."""
         return drive(call.guided(), lambda ask, used: self.complete(call, ask, used), self.count_prompt(call))
 
     async def awrite_call(self, call: PreparedCall) -> Completion:
