@@ -12,6 +12,8 @@ their closing quote and are re-escaped. So the result always parses and has the 
 Supported: object (every property, in schema order), array (at least one item), string, enum, const,
 integer, number, boolean, null, a type or anyOf with one non-null choice, and local `$ref`s (pydantic's
 `$defs`). Anything else raises `UnsupportedSchema` naming the keyword, rather than guessing.
+Without a schema (json_object), `write_free_object` lets the model choose keys, value types and where
+each object or array ends, through the same rules, so the answer is still one valid JSON object.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"  # Hermes/Qwen tool-call tags, as th
 NUMBER_STOPS = [",", "}", "]", "\n"]
 STRING_STOPS = ['"']
 NUMBER_TOKENS_MAX = 24
+MAX_FREE_DEPTH = 4  # how deep a schema-free (json_object) answer may nest objects and arrays
 JSON_INSTRUCTION = "Answer with one JSON object only, and nothing else."
 
 # JSON numbers, whole and as prefixes that can still become one ("1.e5" cannot; "1.", "-" and "1e" can).
@@ -50,6 +53,7 @@ class UnsupportedSchema(ValueError):
 @dataclass(frozen=True, slots=True)
 class NumberRule:
     integer: bool
+    prefix: str = ""  # already written before this request (a free value's first character)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +136,61 @@ def write_array(text: str, schema: dict[str, Any], root: dict[str, Any]) -> Writ
         text += " "
 
 
+def write_free_object(text: str, depth: int = 0) -> Writer:
+    """Any JSON object (response_format json_object): the model picks the keys, each value's type and
+    when to stop; nesting stops at MAX_FREE_DEPTH. Every closing option comes last, so a spent
+    max_tokens (whose default answer is the last option) closes what is open."""
+    text += "{"
+    chosen = yield from write_choice(text, ['"', "}"])
+    while chosen.endswith('"'):
+        key = yield Ask(chosen, STRING_STOPS)
+        # No space after the colon: the value's first token brings its own, as BPE vocabularies spell it.
+        text = chosen + json.dumps(key, ensure_ascii=False)[1:] + ":"
+        text = yield from write_free_value(text, depth + 1, lead=" ")
+        chosen = yield from write_choice(text, [",", "}"])
+        if chosen.endswith(","):
+            chosen += ' "'
+    return chosen
+
+
+def write_free_array(text: str, depth: int) -> Writer:
+    text += "["
+    chosen = yield from write_choice(text, [*value_starts(depth), "]"])
+    while not chosen.endswith("]"):
+        text = yield from write_started_value(text, chosen[len(text):], depth + 1)
+        chosen = yield from write_choice(text, [",", "]"])
+        if chosen.endswith(","):
+            text = chosen
+            chosen = yield from write_choice(text, value_starts(depth, lead=" "))
+    return chosen
+
+
+def write_free_value(text: str, depth: int, lead: str = "") -> Writer:
+    chosen = yield from write_choice(text, value_starts(depth, lead))
+    return (yield from write_started_value(text, chosen[len(text):], depth))
+
+
+def write_started_value(text: str, start: str, depth: int) -> Writer:
+    """The rest of a free value whose first token the model chose (`start`, one of value_starts)."""
+    text, start = text + start[: len(start) - len(start.lstrip())], start.lstrip()
+    if start == '"':
+        return text + json.dumps((yield Ask(text + '"', STRING_STOPS)), ensure_ascii=False)
+    if start == "{":
+        return (yield from write_free_object(text, depth))
+    if start == "[":
+        return (yield from write_free_array(text, depth))
+    if start in ("true", "false", "null"):
+        return text + start
+    raw = yield Ask(text + start, NUMBER_STOPS, NumberRule(integer=False, prefix=start))
+    return text + repair_number(start + raw, integer=False)
+
+
+def value_starts(depth: int, lead: str = "") -> list[str]:
+    """How a free value may begin (after `lead`); "null" last, so a spent max_tokens ends it at once."""
+    nested = ["{", "["] if depth < MAX_FREE_DEPTH else []
+    return [lead + s for s in ['"', *nested, "-", *"0123456789", "true", "false", "null"]]
+
+
 def write_choice(text: str, options: Sequence[str]) -> Writer:
     if len(options) == 1:
         return text + options[0]
@@ -197,6 +256,8 @@ def choose_writer(tools: list[dict[str, Any]], tool_choice: Any,
         schema = response_format["json_schema"]["schema"]
         check_writer(write_value("", schema))
         return partial(write_value, "", schema)
+    if response_format is not None and response_format.get("type") == "json_object":
+        return partial(write_free_object, "")
     return None
 
 
@@ -333,7 +394,7 @@ def value_processor(rule: Rule, vocab: TokenVocab) -> Callable[[list[int], torch
 
 def allowed_number_ids(rule: NumberRule, vocab: TokenVocab, written: str) -> list[int]:
     prefix, whole = (INTEGER_PREFIX, INTEGER) if rule.integer else (NUMBER_PREFIX, NUMBER)
-    written = written.lstrip()
+    written = rule.prefix + written if rule.prefix else written.lstrip()
     allowed = [i for i in vocab.eos_ids if whole.fullmatch(written)]
     for token_id, text in vocab.number_tokens:
         candidate = written + text if written else text.lstrip()

@@ -15,17 +15,21 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from paged_backend import Engine, EngineConfig, SamplingParams
 from paged_backend.integrations.guided_json import (
+    MAX_FREE_DEPTH,
     NUMBER_STOPS,
     Ask,
     ChoiceRule,
     NumberRule,
     UnsupportedSchema,
     check_writer,
+    default_answer,
     repair_number,
     resolve_choice,
     value_params,
     value_processor,
+    value_starts,
     vocab_for,
+    write_free_object,
     write_value,
 )
 
@@ -79,6 +83,27 @@ def test_enums_consts_nulls_and_item_bounds():
     text, asks = run(schema, ["3", "4", "5"])
     assert json.loads(text) == {"colour": 3, "kind": "fixed", "nothing": None, "pair": [4, 5]}
     assert asks[0].rule == ChoiceRule(('"red"', '"green"', "3")) and len(asks) == 3  # no choice between 2 items
+
+
+def test_a_free_object_lets_the_model_choose_keys_types_and_ends():
+    writer, asks = write_free_object(""), []
+    answers = ['"', 'a "b"', " [", "1", "2", ",", " {", "}", "]", ",", "x", " -", "5", "}"]
+    ask = next(writer)
+    try:
+        for answer in answers:
+            asks.append(ask)
+            ask = writer.send(answer)
+        raise AssertionError(f"the writer asked for more: {ask}")
+    except StopIteration as end:
+        text = end.value
+    assert json.loads(text) == {'a "b"': [12, {}], "x": -5}
+    assert text == '{"a \\"b\\"": [12, {}], "x": -5}'
+    assert asks[0].rule == ChoiceRule(('"', "}")) and asks[-2].rule == NumberRule(integer=False, prefix="-")
+    # Past MAX_FREE_DEPTH the model may no longer open objects or arrays.
+    assert "{" not in value_starts(MAX_FREE_DEPTH) and value_starts(0)[-1] == "null"
+    # Defaults (a spent max_tokens) close whatever is open.
+    walker = write_free_object("")
+    check_writer(walker)
 
 
 def test_what_the_model_wrote_is_made_valid_when_cut_short():
@@ -177,3 +202,36 @@ def test_a_random_model_held_to_the_rules_writes_valid_values(tokenizer):
             assert text in ("true", "false", "null"), text
     assert_all_blocks_free(engine)
 
+
+
+def drive(engine: Engine, vocab, writer, prompt: str, params: SamplingParams) -> str:
+    """A minimal adapter: each value is one engine request on the prompt plus the text so far."""
+    generated = 0
+    try:
+        ask = next(writer)
+        while True:
+            value = value_params(ask, params, generated)
+            if value is None:
+                ask = writer.send(default_answer(ask))
+                continue
+            processor = None if ask.rule is None else value_processor(ask.rule, vocab)
+            rid = engine.add_request(prompt + ask.text, value, logits_processor=processor)
+            out = run_to_completion(engine)[rid].outputs[0]
+            generated += len(out.token_ids)
+            ask = writer.send(out.text)
+    except StopIteration as end:
+        return end.value
+
+
+@pytest.mark.parametrize("max_tokens", [6, 60])
+def test_a_random_model_writes_valid_free_json_objects(tokenizer, max_tokens):
+    """json_object on noise: whatever the model picks, and wherever max_tokens cuts it, the answer parses."""
+    model = build("llama")
+    model.resize_token_embeddings(len(tokenizer))
+    engine = Engine(model, tokenizer, EngineConfig(num_kv_blocks=256, max_model_len=2048))
+    vocab = vocab_for(tokenizer)
+    for seed in range(4):
+        text = drive(engine, vocab, write_free_object(""), "json: ",
+                     SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens))
+        assert isinstance(json.loads(text), dict), text
+    assert_all_blocks_free(engine)

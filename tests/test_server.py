@@ -296,6 +296,9 @@ def test_json_schema_answers_parse_and_follow_the_schema(real: Served) -> None:
     short = client.chat.completions.create(**{**args, "max_tokens": 3})
     assert list(json.loads(short.choices[0].message.content)) == list(PERSON_SCHEMA["properties"])
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens <= 3
+    # Without a schema (json_object) the answer is still one JSON object.
+    free = client.chat.completions.create(**{**args, "max_tokens": 24, "response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(free.choices[0].message.content), dict)
     # Sampled answers follow the schema too.
     for seed in range(3):
         sampled = client.chat.completions.create(**{**args, "temperature": 1.0, "seed": seed})
@@ -481,7 +484,6 @@ def test_unknown_model_is_404(tiny: Served) -> None:
     ({"top_p": 0}, "top_p"),
     ({"extra_body": {"frobnicate": True}}, "frobnicate"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format json_object"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"v": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}}}}},

@@ -116,9 +116,9 @@ class ChatPaged(PagedOptions, BaseChatModel):
                                method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
                                strict: bool | None = None, **kwargs: Any) -> Runnable:
         """function_calling forces a call of a tool shaped like `schema`; json_schema writes the
-        object's keys and asks the model for each value; json_mode asks for JSON and writes its "{".
-        Decoding itself is not constrained: pydantic schemas are validated after generation, and a
-        mismatch raises, whatever `strict` says."""
+        object's keys and asks the model for each value; json_mode lets the model choose keys and value
+        types. All three are guided JSON (each value held to a token rule), so the answer always parses;
+        json_mode does not know the schema, so a pydantic schema may still reject its keys."""
         if method == "function_calling":
             return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
         if kwargs:

@@ -28,8 +28,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     state.check_model(body.model)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.uses_tools else None
     writer = guided_writer(body, tools)
-    messages = body.messages if body.json_schema is None else add_json_instruction(body.messages,
-                                                                                    body.json_schema["schema"])
+    schema = body.json_schema["schema"] if body.json_schema is not None else None
+    messages = add_json_instruction(body.messages, schema) if body.wants_json else body.messages
     prompt_ids = render_chat(state.tokenizer, messages, tools, body.add_generation_prompt, body.chat_template_kwargs)
     params = to_sampling_params(body, body.output_limit, logprobs_wanted(body))
     check_prompt(state.engine, prompt_ids, params, "messages")

@@ -110,9 +110,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.response_format is not None and self.response_format.type == "json_object":
-            raise not_supported("response_format json_object", "give a json_schema instead: the answer is "
-                                "guided by its schema, and schema-free JSON has none")
         if self.json_schema is not None and not isinstance(self.json_schema.get("schema"), dict):
             raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
                            "response_format")
@@ -131,6 +128,10 @@ class ChatCompletionRequest(SamplingFields):
         if self.response_format is None or self.response_format.type != "json_schema":
             return None
         return (self.response_format.model_extra or {}).get("json_schema") or {}
+
+    @property
+    def wants_json(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
 
     @property
     def forces_tool(self) -> bool:
