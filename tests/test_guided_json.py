@@ -9,11 +9,6 @@ from typing import Any
 import pytest
 import transformers as tf
 from engine_helpers import assert_all_blocks_free, run_to_completion
-from pydantic import BaseModel
-from tiny_models import build
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-from paged_backend import Engine, EngineConfig, SamplingParams
 from paged_backend.integrations.guided_json import (
     MAX_FREE_DEPTH,
     NUMBER_STOPS,
@@ -32,6 +27,11 @@ from paged_backend.integrations.guided_json import (
     write_free_object,
     write_value,
 )
+from pydantic import BaseModel
+from tiny_models import build
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from paged_backend import Engine, EngineConfig, SamplingParams
 
 
 def run(schema: dict[str, Any], answers: list[str]) -> tuple[str, list[Ask]]:
