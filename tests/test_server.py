@@ -323,6 +323,25 @@ def test_langchain_chatopenai_structured_output(real: Served, method: str) -> No
     assert isinstance(person, Person) and person.name and person.age >= 0
 
 
+def test_guided_answers_with_n_choices_use_derived_seeds(real: Served) -> None:
+    client = real.client()
+    args = {"model": "smollm2", "max_tokens": 16, "temperature": 1.0,
+            "messages": [{"role": "user", "content": "Alice is 30, works as a nurse and speaks French."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}}
+    many = client.chat.completions.create(n=3, seed=5, **args)
+    answers = [c.message.content for c in many.choices]
+    assert [c.index for c in many.choices] == [0, 1, 2] and len(set(answers)) > 1
+    assert all(list(json.loads(a)) == list(PERSON_SCHEMA["properties"]) for a in answers)
+    # Choice i is exactly the single request seeded seed + i.
+    assert client.chat.completions.create(n=1, seed=7, **args).choices[0].message.content == answers[2]
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(n=3, seed=5, stream=True, **args):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert [streamed[i] for i in range(3)] == answers
+    wait_all_blocks_free(real.aengine)
+
+
 def test_chat_logprobs(real: Served) -> None:
     reply = real.client().chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Hi!"}], logprobs=True, top_logprobs=3,
@@ -490,7 +509,6 @@ def test_unknown_model_is_404(tiny: Served) -> None:
      "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "required", "n": 2}, "n"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
 ])

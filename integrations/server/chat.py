@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -15,7 +15,7 @@ from ..guided_json import Writer, add_json_instruction
 from .chat_template import render_chat
 from .errors import APIError, not_supported
 from .fanout import Job, collect_finals, merge_streams, new_id
-from .guided import guided_choice, guided_writer, stream_guided, write_guided
+from .guided import guided_choice, guided_writer, stream_guided, write_choices
 from .protocol import ChatCompletionRequest
 from .responses import DONE, chat_logprobs, positions, sse, sse_error, usage
 from .sampling import check_prompt, to_sampling_params, with_choices
@@ -35,7 +35,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     check_prompt(state.engine, prompt_ids, params, "messages")
     request_id = new_id("chatcmpl")
     if writer is not None:
-        return await guided_reply(state, body, prompt_ids, params, writer(), request_id)
+        return await guided_reply(state, body, prompt_ids, params, writer, request_id)
     jobs = [Job(0, prompt_ids, with_choices(params, body.n))]
     if body.stream:
         events = stream_chat(state, body, jobs, len(prompt_ids), request_id)
@@ -48,20 +48,22 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 
 
 async def guided_reply(state: ServerState, body: ChatCompletionRequest, prompt_ids: list[int], params: SamplingParams,
-                       writer: Writer, request_id: str):
-    """A forced tool call or a schema-shaped answer, written value by value (see guided.py)."""
+                       make_writer: Callable[[], Writer], request_id: str):
+    """Forced tool calls or schema-shaped answers (n of them), written value by value (see guided.py)."""
     if body.logprobs:
-        raise not_supported("logprobs with a forced tool call or json_schema", "the answer is written in pieces")
-    answer = write_guided(state, prompt_ids, params, writer, request_id)
+        raise not_supported("logprobs with a forced tool call or a JSON response format",
+                            "the answer is written in pieces")
+    answers = write_choices(state, prompt_ids, params, make_writer, request_id, body.n)
     if body.stream:
         def envelope_of(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return envelope(request_id, body.model, "chat.completion.chunk", choices)
 
-        return StreamingResponse(stream_guided(body, envelope_of, answer, len(prompt_ids)),
+        return StreamingResponse(stream_guided(body, envelope_of, answers, len(prompt_ids)),
                                  media_type="text/event-stream")
-    done = await answer
-    response = envelope(request_id, body.model, "chat.completion", [guided_choice(body, done)])
-    return JSONResponse(response | {"usage": usage(len(prompt_ids), done.completion_tokens)})
+    done = await answers
+    choices = [guided_choice(body, answer, i) for i, answer in enumerate(done)]
+    response = envelope(request_id, body.model, "chat.completion", choices)
+    return JSONResponse(response | {"usage": usage(len(prompt_ids), sum(a.completion_tokens for a in done))})
 
 
 def logprobs_wanted(body: ChatCompletionRequest) -> int | None:

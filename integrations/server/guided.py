@@ -5,6 +5,7 @@ is written, so a streamed reply carries it in one chunk."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +46,21 @@ def guided_writer(body: ChatCompletionRequest,
                           "tools" if body.forces_tool else "response_format") from None
     except ValueError as exc:  # a named tool_choice that names no tool
         raise bad_request(str(exc), "tool_choice") from None
-    if writer is not None and body.n > 1:
-        raise bad_request("n > 1 with a forced tool call or a json_schema response format", "n")
     return writer
+
+
+async def write_choices(state: ServerState, prompt_ids: list[int], params: SamplingParams,
+                        make_writer: Callable[[], Writer], request_id: str, n: int) -> list[GuidedAnswer]:
+    """n guided answers written side by side (their value requests share the engine's batches); choice i
+    samples as the single request seeded seed + i does. If one fails, the others are cancelled."""
+    samples = [params] if n == 1 else [params.for_sample(i) for i in range(n)]
+    tasks = [asyncio.ensure_future(write_guided(state, prompt_ids, p, make_writer(), f"{request_id}-{i}"))
+             for i, p in enumerate(samples)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:  # after a failure, stop the others (a finished task ignores this)
+            task.cancel()
 
 
 async def write_guided(state: ServerState, prompt_ids: list[int], params: SamplingParams, writer: Writer,
@@ -94,29 +107,32 @@ def guided_message(body: ChatCompletionRequest, answer: GuidedAnswer) -> tuple[d
     return message, "length" if answer.spent else "tool_calls"
 
 
-def guided_choice(body: ChatCompletionRequest, answer: GuidedAnswer) -> dict[str, Any]:
+def guided_choice(body: ChatCompletionRequest, answer: GuidedAnswer, index: int) -> dict[str, Any]:
     message, finish_reason = guided_message(body, answer)
-    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": None}
 
 
 async def stream_guided(body: ChatCompletionRequest, envelope: Callable[[list[dict[str, Any]]], dict[str, Any]],
-                        answer_soon: Awaitable[GuidedAnswer], prompt_tokens: int) -> AsyncIterator[str]:
-    """Role first, then (once written) the whole answer in one chunk, the finish reason, usage, [DONE]."""
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-        return sse(envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]))
+                        answers_soon: Awaitable[list[GuidedAnswer]], prompt_tokens: int) -> AsyncIterator[str]:
+    """Roles first, then (once written) each whole answer in one chunk, its finish reason, usage, [DONE]."""
+    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        return sse(envelope([{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]))
 
-    yield chunk({"role": "assistant", "content": ""})
+    for index in range(body.n):
+        yield chunk(index, {"role": "assistant", "content": ""})
     try:
-        answer = await answer_soon
+        answers = await answers_soon
     except APIError as exc:
         yield sse_error(exc)
         return
-    message, finish_reason = guided_message(body, answer)
-    if message.get("tool_calls"):
-        yield chunk({"tool_calls": [dict(call, index=k) for k, call in enumerate(message["tool_calls"])]})
-    else:
-        yield chunk({"content": message["content"]})
-    yield chunk({}, finish_reason)
+    for index, answer in enumerate(answers):
+        message, finish_reason = guided_message(body, answer)
+        if message.get("tool_calls"):
+            yield chunk(index, {"tool_calls": [dict(call, index=k) for k, call in enumerate(message["tool_calls"])]})
+        else:
+            yield chunk(index, {"content": message["content"]})
+        yield chunk(index, {}, finish_reason)
     if body.include_usage:
-        yield sse(envelope([]) | {"usage": usage(prompt_tokens, answer.completion_tokens)})
+        yield sse(envelope([]) | {"usage": usage(prompt_tokens, sum(a.completion_tokens for a in answers))})
     yield DONE
