@@ -17,6 +17,7 @@ stream-time benchmark (network models only).
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -30,12 +31,17 @@ from langchain_core.messages import (
 from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_tests.integration_tests import ChatModelIntegrationTests
+from paged_backend.integrations.guided_json import (
+    NUMBER_STOPS,
+    ChoiceRule,
+    chosen_tool_name,
+    write_tool_call,
+)
 from paged_backend.integrations.langchain import (
     HERMES_TOOL_TEMPLATE,
     ChatPaged,
     get_async_engine,
 )
-from paged_backend.integrations.guided_json import NUMBER_STOPS, ChoiceRule, chosen_tool_name, write_tool_call
 from paged_backend.integrations.langchain.messages import to_chat_dicts
 from paged_backend.integrations.langchain.tool_calls import (
     ContentStreamer,
@@ -213,6 +219,20 @@ def test_structured_output_through_a_json_schema() -> None:
         Person.model_json_schema(), method="json_schema", include_raw=True).invoke("Alice is 30 years old.")
     assert set(short["parsed"]) == {"name", "age"} and short["raw"].response_metadata["finish_reason"] == "length"
     assert short["raw"].usage_metadata["output_tokens"] <= 2
+
+
+async def test_guided_answers_with_n_samples_use_derived_seeds() -> None:
+    fmt = {"type": "json_schema", "json_schema": {"schema": Person.model_json_schema()}}
+    prompt = [HumanMessage("Alice is 30 years old. Extract the person.")]
+    options = {"chat_template": HERMES_TOOL_TEMPLATE, "temperature": 1.0, "max_tokens": 24}
+    result = ChatPaged(n=3, seed=3, **options).generate([prompt], response_format=fmt)
+    texts = [g.message.content for g in result.generations[0]]
+    assert len(texts) == 3 and len(set(texts)) > 1 and all(set(json.loads(t)) == {"name", "age"} for t in texts)
+    assert ChatPaged(seed=5, **options).invoke(prompt, response_format=fmt).content == texts[2]  # seed + 2
+    again = await ChatPaged(n=3, seed=3, **options).agenerate([prompt], response_format=fmt)
+    assert [g.message.content for g in again.generations[0]] == texts
+    with pytest.raises(NotImplementedError, match="best_of > n"):
+        ChatPaged(best_of=2, **options).invoke(prompt, response_format=fmt)
 
 
 # ---------------------------------------------------------------------- the standard suite

@@ -6,6 +6,8 @@ the engine's continuous batch, so concurrent `ainvoke`s and a `batch` share forw
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -154,14 +156,14 @@ class ChatPaged(PagedOptions, BaseChatModel):
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         call = self.prepare(messages, stop, kwargs)
         if call.guided is not None:
-            return self.to_result(call, [self.write_call(call)])
+            return self.to_result(call, [self.write_call(sample) for sample in samples_of(call)])
         return self.to_result(call, self.complete_all(call))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         call = self.prepare(messages, stop, kwargs)
         if call.guided is not None:
-            return self.to_result(call, [await self.awrite_call(call)])
+            return self.to_result(call, list(await asyncio.gather(*(self.awrite_call(s) for s in samples_of(call)))))
         return self.to_result(call, await self.acomplete_all(call))
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -260,8 +262,10 @@ class ChatPaged(PagedOptions, BaseChatModel):
         prompt_text = self.render(conversation, shown_tools)
         params = self.sampling_params(stop, kwargs, logprobs=self.top_logprobs or 0 if self.logprobs else None)
         guided = choose_writer(shown_tools, tool_choice, response_format)
-        if params.num_samples > 1 and (streaming or guided is not None):
-            raise NotImplementedError("n > 1 or best_of > 1 with streaming or with a forced tool call / JSON schema")
+        if params.num_samples > 1 and streaming:
+            raise NotImplementedError("n > 1 or best_of > 1 with streaming")
+        if params.num_samples > params.n and guided is not None:
+            raise NotImplementedError("best_of > n with a forced tool call or a JSON answer")
         return PreparedCall(prompt_text=prompt_text, prefix="{" if response_format is not None else "",
                             tools=shown_tools, params=params, timeout=timeout,
                             guided=guided)
@@ -332,6 +336,12 @@ class ChatPaged(PagedOptions, BaseChatModel):
         if done.logprobs is not None:
             metadata["logprobs"] = {"content": openai_logprobs(self.tokenizer_, done.token_ids, done.logprobs)}
         return metadata
+
+
+def samples_of(call: PreparedCall) -> list[PreparedCall]:
+    """A guided call's n samples, each written on its own; sample i is seeded seed + i, as n > 1 is."""
+    n = call.params.n
+    return [call] if n == 1 else [dataclasses.replace(call, params=call.params.for_sample(i)) for i in range(n)]
 
 
 def tool_call_chunk(call: dict[str, Any], index: int) -> dict[str, Any]:
