@@ -245,6 +245,31 @@ def test_serve_deployment_answers_openai_requests_like_one_engine(replicated, re
         serve.shutdown()
 
 
+# ------------------------------------------------------------------ a replica Ray restarts
+
+async def test_a_restartable_replica_comes_back_and_reruns_what_it_lost(model_dir, reference, replicated):
+    llm, _ = reference
+    prompts, params = PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    restartable = ReplicatedLLM(model_dir, num_replicas=1, num_cpus=0.5, max_restarts=1, request_timeout_s=60)
+    try:
+        client = restartable.aengine
+        replica = client.replicas[0]
+        first_pid = (await asyncio.to_thread(ray.get, replica.describe.remote())).pid
+        batch = asyncio.ensure_future(client.run_batch(prompts, [params] * len(prompts)))
+        while not client.inflight:  # 200 tokens each: all four are still running when the process dies
+            await asyncio.sleep(0.01)
+        ray.kill(replica, no_restart=False)  # the process dies as in a crash; Ray may restart it
+        outputs = await asyncio.wait_for(batch, 90)
+        # With one replica there is nowhere else to go: the retries ran on the restarted process.
+        assert client.num_retries > 0 and all(o.error is None for o in outputs)
+        assert all(same_completion(o, e) for o, e in zip(outputs, expected))
+        assert (await asyncio.to_thread(ray.get, replica.describe.remote())).pid != first_pid
+        assert client.router.alive == [True] and client.is_alive()
+    finally:
+        restartable.shutdown()
+
+
 # ------------------------------------------------------------------ a replica dies mid-run (keep last)
 
 async def test_a_killed_replica_has_its_requests_retried_or_failed_clearly(replicated, reference):

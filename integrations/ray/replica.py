@@ -78,11 +78,13 @@ def launch_replicas(
     tokenizer: str | os.PathLike | None = None,
     num_cpus: float = 1,
     num_gpus: float = 0,
+    max_restarts: int = 0,
     **engine_config: Any,
 ) -> list[ActorHandle]:
     """Start `num_replicas` EngineReplica actors, each loading `model` (a path, hub id or None for the
     default model) itself; extra keywords are `LLM` / EngineConfig keywords. Returns at once: the
-    actors load in the background (`ray.get(r.describe.remote())` waits for one)."""
+    actors load in the background (`ray.get(r.describe.remote())` waits for one). With `max_restarts`,
+    Ray restarts a replica whose process dies (reloading the model) up to that many times."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if engine_config.get("tensor_parallel_size", 1) > 1:
@@ -94,7 +96,7 @@ def launch_replicas(
     if num_gpus == 0 and engine_config.get("num_threads") is None:
         # Ray reserves whole CPUs per actor; more torch threads than that would fight the other replicas.
         engine_config["num_threads"] = max(1, int(num_cpus))
-    actor = ray.remote(EngineReplica).options(num_cpus=num_cpus, num_gpus=num_gpus)
+    actor = ray.remote(EngineReplica).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts)
     path = None if model is None else os.fspath(model)
     tok = None if tokenizer is None else os.fspath(tokenizer)
     return [actor.remote(path, tok, dict(engine_config)) for _ in range(num_replicas)]

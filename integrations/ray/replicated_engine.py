@@ -2,7 +2,8 @@
 
 Every request is tokenized and validated here, routed by the Router, and run on one replica. If that
 replica dies before the caller has seen any output, the request is run again on another live
-replica (the whole request: nothing of it was delivered, so nothing is repeated). If it dies after
+replica (the whole request: nothing of it was delivered, so nothing is repeated); replicas launched
+with `max_restarts` come back (Ray restarts them) and may take the retry themselves. If it dies after
 outputs were streamed, the request ends with a finished output whose `error` says so: replaying it
 elsewhere could change what was already shown. A request that gets no answer within
 `request_timeout_s` is aborted on its replica and ends the same way. Ray reports a dead actor to
@@ -34,6 +35,8 @@ from .router import Router
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 600.0
+RESTART_WAIT_S = 300.0  # how long a retry waits for a restarting replica when requests have no timeout
+RESTART_POLL_S = 0.2
 
 
 class ReplicatedAsyncEngine:
@@ -42,7 +45,8 @@ class ReplicatedAsyncEngine:
 
     def __init__(self, replicas: Sequence[ActorHandle], prefix_aware: bool = False, balance_slack: int = 8,
                  request_timeout_s: float | None = DEFAULT_TIMEOUT_S, max_attempts: int = 2,
-                 startup_timeout_s: float = DEFAULT_TIMEOUT_S, owns_replicas: bool = False) -> None:
+                 startup_timeout_s: float = DEFAULT_TIMEOUT_S, owns_replicas: bool = False,
+                 restartable: bool = False) -> None:
         if not replicas:
             raise ValueError("a replicated engine needs at least one replica")
         if max_attempts < 1:
@@ -55,6 +59,8 @@ class ReplicatedAsyncEngine:
         self.request_timeout_s = request_timeout_s
         self.max_attempts = max_attempts
         self.owns_replicas = owns_replicas
+        # Replicas Ray restarts are never written off: a retry may go to any of them, the failed one too.
+        self.restartable = restartable
         self.inflight: dict[str, int] = {}  # request id -> the replica running it
         self.num_retries = 0
         self.ids = itertools.count()
@@ -64,12 +70,13 @@ class ReplicatedAsyncEngine:
     @classmethod
     def launch(cls, model: str | None = None, num_replicas: int = 2, *, tokenizer: str | None = None,
                num_cpus: float = 1, num_gpus: float = 0, prefix_aware: bool = False, balance_slack: int = 8,
-               request_timeout_s: float | None = DEFAULT_TIMEOUT_S, max_attempts: int = 2,
+               request_timeout_s: float | None = DEFAULT_TIMEOUT_S, max_attempts: int = 2, max_restarts: int = 0,
                **engine_config: Any) -> ReplicatedAsyncEngine:
         """Start `num_replicas` replicas of `model` (see `launch_replicas`) and a client owning them."""
-        replicas = launch_replicas(model, num_replicas, tokenizer, num_cpus, num_gpus, **engine_config)
+        replicas = launch_replicas(model, num_replicas, tokenizer, num_cpus, num_gpus, max_restarts, **engine_config)
         try:
-            return cls(replicas, prefix_aware, balance_slack, request_timeout_s, max_attempts, owns_replicas=True)
+            return cls(replicas, prefix_aware, balance_slack, request_timeout_s, max_attempts, owns_replicas=True,
+                       restartable=max_restarts > 0)
         except BaseException:
             kill_all(replicas)
             raise
@@ -159,7 +166,7 @@ class ReplicatedAsyncEngine:
         error = "no attempt was made"
         for attempt in range(self.max_attempts):
             try:
-                index = self.router.choose(token_ids, exclude=tried)
+                index = await self.choose(token_ids, tried, deadline)
             except NoLiveReplicaError as exc:
                 error = str(exc) + (f"; before that: {error}" if tried else "")
                 break
@@ -192,6 +199,34 @@ class ReplicatedAsyncEngine:
                 self.router.release(index)
                 self.inflight.pop(request_id, None)
         yield failed_output(request_id, text, token_ids, error, last)
+
+    async def choose(self, token_ids: list[int], tried: list[int], deadline: float | None) -> int:
+        """A replica not tried yet; failing that, with restartable replicas, a tried one once Ray has
+        brought it back (calls to a restarting actor fail at once, so the retry waits for it)."""
+        try:
+            return self.router.choose(token_ids, exclude=tried)
+        except NoLiveReplicaError:
+            back = await self.restarted(tried, deadline) if self.restartable else None
+            if back is None:
+                raise
+            return self.router.choose(token_ids, exclude=[i for i in range(len(self.replicas)) if i != back])
+
+    async def restarted(self, tried: list[int], deadline: float | None) -> int | None:
+        """The first of `tried` that answers again after a restart; None if none does before the deadline."""
+        waiting = [i for i in dict.fromkeys(tried) if self.router.alive[i]]
+        limit = deadline if deadline is not None else time.monotonic() + RESTART_WAIT_S
+        while waiting and time.monotonic() < limit:
+            for index in list(waiting):
+                try:
+                    await wait_until(self.replicas[index].describe.remote(), limit)
+                    return index
+                except ActorDiedError as exc:  # out of restarts
+                    self.router.mark_dead(index, first_line(exc))
+                    waiting.remove(index)
+                except (RayActorError, TimeoutError):  # still restarting
+                    pass
+            await asyncio.sleep(RESTART_POLL_S)
+        return None
 
     async def run_on(self, index: int, prompt: Prompt, params: SamplingParams, request_id: str, stream: bool,
                      deadline: float | None) -> AsyncIterator[RequestOutput]:

@@ -23,12 +23,12 @@ class ReplicatedLLM:
     def __init__(self, model: str | os.PathLike | None = None, num_replicas: int = 2, *,
                  tokenizer: str | os.PathLike | None = None, num_cpus: float = 1, num_gpus: float = 0,
                  prefix_aware: bool = False, balance_slack: int = 8,
-                 request_timeout_s: float | None = DEFAULT_TIMEOUT_S, max_attempts: int = 2,
+                 request_timeout_s: float | None = DEFAULT_TIMEOUT_S, max_attempts: int = 2, max_restarts: int = 0,
                  **engine_config: Any) -> None:
         self.aengine = ReplicatedAsyncEngine.launch(
             model, num_replicas, tokenizer=tokenizer, num_cpus=num_cpus, num_gpus=num_gpus,
             prefix_aware=prefix_aware, balance_slack=balance_slack, request_timeout_s=request_timeout_s,
-            max_attempts=max_attempts, **engine_config)
+            max_attempts=max_attempts, max_restarts=max_restarts, **engine_config)
 
     @property
     def tokenizer(self) -> Any:
