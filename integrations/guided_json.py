@@ -29,7 +29,8 @@ import torch
 
 from paged_backend import SamplingParams
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"  # Hermes/Qwen tool-call tags, as the chat templates render them
+from .hermes import CLOSE, OPEN
+
 NUMBER_STOPS = [",", "}", "]", "\n"]
 STRING_STOPS = ['"']
 NUMBER_TOKENS_MAX = 24

@@ -48,13 +48,13 @@ from ..guided_json import (
     value_processor,
     vocab_for,
 )
+from ..hermes import OPEN
 from .completion import Completion, openai_logprobs
 from .guided import adrive, drive
 from .messages import to_chat_dicts
 from .options import PagedOptions, merge_stops
 from .submit import astream_outputs, run_batch, stream_outputs
 from .tool_calls import (
-    OPEN,
     ContentStreamer,
     ParsedResponse,
     parse_hermes,

@@ -7,14 +7,11 @@ A tokenizer that ships a `response_template` is parsed with transformers' own pa
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..guided_json import CLOSE, OPEN
-
-BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+from ..hermes import OPEN, HermesCall, parse_call, partial_open, split_calls
 
 # ChatML with tools rendered Hermes/Qwen style, for models whose own template ignores tools.
 # Without tools it renders what SmolLM2's template renders.
@@ -65,9 +62,10 @@ class ParsedResponse:
 
 def parse_hermes(text: str) -> ParsedResponse:
     """Split `<tool_call>` blocks out of the text; an unclosed last block counts (max_tokens cut it)."""
-    result = ParsedResponse(content=BLOCK.sub("", text).strip())
-    for body in BLOCK.findall(text):
-        add_call(result, body.strip())
+    content, calls = split_calls(text)
+    result = ParsedResponse(content=content)
+    for call in calls:
+        add_call(result, call)
     return result
 
 
@@ -77,23 +75,19 @@ def parse_with_tokenizer(tokenizer: Any, text: str, prompt_text: str, tools: lis
     result = ParsedResponse(content=(message.get("content") or "").strip())
     for call in message.get("tool_calls") or []:
         function = call.get("function", call)
-        add_call(result, json.dumps({"name": function.get("name"), "arguments": function.get("arguments", {})}))
+        add_call(result, parse_call(json.dumps({"name": function.get("name"),
+                                                "arguments": function.get("arguments", {})})))
     return result
 
 
-def add_call(result: ParsedResponse, body: str) -> None:
+def add_call(result: ParsedResponse, call: HermesCall) -> None:
+    """A valid call as a LangChain ToolCall; anything else as an InvalidToolCall keeping the raw text."""
     call_id = f"call_{uuid.uuid4().hex[:24]}"
-    try:
-        call = json.loads(body)
-        name, args = call["name"], call.get("arguments", call.get("parameters", {}))
-        args = json.loads(args) if isinstance(args, str) else args
-        if not isinstance(name, str) or not isinstance(args, dict):
-            raise TypeError("name must be a string and arguments an object")
-    except (ValueError, KeyError, TypeError) as exc:
-        result.invalid_tool_calls.append({"type": "invalid_tool_call", "name": None, "args": body,
-                                          "id": call_id, "error": f"{type(exc).__name__}: {exc}"})
-        return
-    result.tool_calls.append({"type": "tool_call", "name": name, "args": args, "id": call_id})
+    if call.valid:
+        result.tool_calls.append({"type": "tool_call", "name": call.name, "args": call.arguments, "id": call_id})
+    else:
+        result.invalid_tool_calls.append({"type": "invalid_tool_call", "name": None, "args": call.body,
+                                          "id": call_id, "error": call.error})
 
 
 class ContentStreamer:
@@ -117,11 +111,3 @@ class ContentStreamer:
     def finish(self, content: str) -> str:
         """The part of the final content not released yet."""
         return content[len(self.released):] if content.startswith(self.released) else ""
-
-
-def partial_open(text: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of the opening tag."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
-            return n
-    return 0
