@@ -74,8 +74,11 @@ def add_serve_command(commands) -> None:
 
 
 def make_llm(args: argparse.Namespace):
+    from transformers.utils import logging as hf_logging
+
     from .llm import LLM
 
+    hf_logging.disable_progress_bar()  # the terminal is for the answer, not transformers' weight-loading bar
     return LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

@@ -19,6 +19,7 @@ def test_generate_streams_one_answer():
     run = run_cli("generate", "What is the capital of France?", "--max-tokens", "12")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "Paris" in run.stdout
+    assert "Loading weights" not in run.stderr  # transformers' progress bar stays off the terminal
 
 
 def test_generate_a_file_of_prompts(tmp_path):
