@@ -35,6 +35,7 @@ NUMBER_STOPS = [",", "}", "]", "\n"]
 STRING_STOPS = ['"']
 NUMBER_TOKENS_MAX = 24
 MAX_FREE_DEPTH = 4  # how deep a schema-free (json_object) answer may nest objects and arrays
+MAX_SCHEMA_DEPTH = 32  # deeper is a recursive schema, which guided writing cannot bound
 JSON_INSTRUCTION = "Answer with one JSON object only, and nothing else."
 
 # JSON numbers, whole and as prefixes that can still become one ("1.e5" cannot; "1.", "-" and "1e" can).
@@ -77,8 +78,10 @@ Writer = Generator[Ask, str, str]
 # ------------------------------------------------------------------ writers
 
 
-def write_value(text: str, schema: dict[str, Any], root: dict[str, Any] | None = None) -> Writer:
+def write_value(text: str, schema: dict[str, Any], root: dict[str, Any] | None = None, depth: int = 0) -> Writer:
     """Append a JSON value following `schema` to `text`, asking the model for each leaf value."""
+    if depth > MAX_SCHEMA_DEPTH:
+        raise UnsupportedSchema(f"a schema nested deeper than {MAX_SCHEMA_DEPTH} levels (a recursive schema?)")
     root = schema if root is None else root
     schema = resolve(schema, root)
     if "const" in schema:
@@ -87,9 +90,9 @@ def write_value(text: str, schema: dict[str, Any], root: dict[str, Any] | None =
         return (yield from write_choice(text, [json.dumps(v, ensure_ascii=False) for v in schema["enum"]]))
     kind = schema_type(schema)
     if kind == "object":
-        return (yield from write_object(text, schema, root))
+        return (yield from write_object(text, schema, root, depth))
     if kind == "array":
-        return (yield from write_array(text, schema, root))
+        return (yield from write_array(text, schema, root, depth))
     if kind == "string":
         return text + json.dumps((yield Ask(text + '"', STRING_STOPS)), ensure_ascii=False)
     if kind in ("integer", "number"):
@@ -102,18 +105,18 @@ def write_value(text: str, schema: dict[str, Any], root: dict[str, Any] | None =
     raise UnsupportedSchema(f"a value of type {kind!r}")
 
 
-def write_object(text: str, schema: dict[str, Any], root: dict[str, Any]) -> Writer:
+def write_object(text: str, schema: dict[str, Any], root: dict[str, Any], depth: int) -> Writer:
     properties = schema.get("properties") or {}
     if not properties and isinstance(schema.get("additionalProperties"), dict):
         raise UnsupportedSchema("an object with additionalProperties (a free-form mapping)")
     text += "{"
     for i, (key, prop) in enumerate(properties.items()):
-        text = yield from write_value(text + (", " if i else "") + json.dumps(key, ensure_ascii=False) + ": ", prop,
-                                      root)
+        head = text + (", " if i else "") + json.dumps(key, ensure_ascii=False) + ": "
+        text = yield from write_value(head, prop, root, depth + 1)
     return text + "}"
 
 
-def write_array(text: str, schema: dict[str, Any], root: dict[str, Any]) -> Writer:
+def write_array(text: str, schema: dict[str, Any], root: dict[str, Any], depth: int) -> Writer:
     """Items until the model picks "]" over ",": at least one (and minItems), at most maxItems."""
     items = schema.get("items")
     if not isinstance(items, dict):
@@ -124,7 +127,7 @@ def write_array(text: str, schema: dict[str, Any], root: dict[str, Any]) -> Writ
     text += "["
     count = 0
     while True:
-        text = yield from write_value(text, items, root)
+        text = yield from write_value(text, items, root, depth + 1)
         count += 1
         if count < low:
             text += ", "
@@ -305,6 +308,8 @@ def resolve(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
 
 
 def lookup(ref: str, root: dict[str, Any]) -> dict[str, Any]:
+    if ref == "#":
+        return root
     if not ref.startswith("#/"):
         raise UnsupportedSchema(f"the non-local $ref {ref!r}")
     node: Any = root

@@ -119,6 +119,7 @@ def test_what_the_model_wrote_is_made_valid_when_cut_short():
     ({"type": "array", "prefixItems": [{"type": "string"}]}, "without one 'items'"),
     ({"type": ["string", "integer"]}, "several non-null types"),
     ({"description": "no type"}, "without a type"),
+    ({"type": "object", "properties": {"next": {"$ref": "#"}}}, "nested deeper"),  # a linked list
 ])
 def test_unsupported_schemas_are_named_before_anything_runs(schema, feature):
     with pytest.raises(UnsupportedSchema, match=feature):
