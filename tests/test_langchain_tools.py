@@ -10,7 +10,8 @@ reason: test_agent_loop.
 
 Skipped groups, and why (as in test_langchain_chat_standard.py): image, audio, video and PDF
 inputs, image and PDF tool messages, Anthropic-format inputs (ChatPaged is text only); json mode
-(schema-free JSON; json_schema is tested here); per-call model override (refused); the VCR
+(guided without a schema, the 135M model names only one of the two keys asked for; json_schema is
+tested here); per-call model override (refused); the VCR
 stream-time benchmark (network models only).
 """
 
