@@ -1,19 +1,5 @@
-"""Guided JSON: the adapter writes a schema's JSON structure and the model fills in only the values,
-each under a rule that keeps it a valid JSON value of the schema's type.
-
-A writer is a generator: it yields an `Ask` (the assistant text so far, the stop strings that end the
-value, and the rule its tokens must follow, or None for a free string), is sent back what the model
-wrote, and finally returns the whole text. An adapter runs each Ask as one engine request on the prompt
-plus the text so far (prefix caching makes each a short prefill), with `value_processor(rule)` as the
-request's logits processor. Numbers are held to JSON's number grammar token by token; booleans, enums
-and the choice between another array item and "]" are held to their literal options; strings end at
-their closing quote and are re-escaped. So the result always parses and has the schema's shape.
-
-Supported: object (every property, in schema order), array (at least one item), string, enum, const,
-integer, number, boolean, null, a type or anyOf with one non-null choice, and local `$ref`s (pydantic's
-`$defs`). Anything else raises `UnsupportedSchema` naming the keyword, rather than guessing.
-Without a schema (json_object), `write_free_object` lets the model choose keys, value types and where
-each object or array ends, through the same rules, so the answer is still one valid JSON object.
+"""Guided-JSON writers: the structure of a schema's (or a forced tool call's, or any object's) JSON,
+written for the model, with an `Ask` for each value it must fill in. Pure text: no tokenizer, no engine.
 """
 
 from __future__ import annotations
@@ -21,19 +7,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
-import torch
-
-from paged_backend import SamplingParams
-
-from .hermes import CLOSE, OPEN
+from ..hermes import CLOSE, OPEN
 
 NUMBER_STOPS = [",", "}", "]", "\n"]
 STRING_STOPS = ['"']
-NUMBER_TOKENS_MAX = 24
 MAX_FREE_DEPTH = 4  # how deep a schema-free (json_object) answer may nest objects and arrays
 MAX_SCHEMA_DEPTH = 32  # deeper is a recursive schema, which guided writing cannot bound
 JSON_INSTRUCTION = "Answer with one JSON object only, and nothing else."
@@ -43,9 +24,6 @@ NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 NUMBER_PREFIX = re.compile(r"-?(?:(?:0|[1-9]\d*)(?:\.\d*|(?:\.\d+)?[eE][+-]?\d*)?)?")
 INTEGER = re.compile(r"-?(?:0|[1-9]\d*)")
 INTEGER_PREFIX = re.compile(r"-?(?:0|[1-9]\d*)?")
-# A token that may take part in a number: optional leading space, number characters, then perhaps a delimiter.
-NUMBER_TOKEN = re.compile(r"\s*[-+.0-9eE]*(?:[,}\]\n].*)?", re.DOTALL)
-DELIMITER = re.compile(r"[,}\]\n]")
 
 
 class UnsupportedSchema(ValueError):
@@ -349,93 +327,3 @@ def resolve_choice(raw: str, options: Sequence[str]) -> str:
     if raw in options:
         return raw
     return next((o for o in options if o.startswith(raw)), options[0])
-
-
-# ------------------------------------------------------------------ rules as logits processors
-
-
-class TokenVocab:
-    """Each token's text, looked up both ways; built once per tokenizer (a few hundred ms)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-        self.by_text: dict[str, list[int]] = {}
-        for i, text in enumerate(self.texts):
-            self.by_text.setdefault(text, []).append(i)
-        self.number_tokens = [(i, t) for i, t in enumerate(self.texts) if t and NUMBER_TOKEN.fullmatch(t)]
-        eos = tokenizer.eos_token_id
-        self.eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-
-_vocabs: dict[int, TokenVocab] = {}
-
-
-def vocab_for(tokenizer: Any) -> TokenVocab:
-    vocab = _vocabs.get(id(tokenizer))
-    if vocab is None or vocab.tokenizer is not tokenizer:
-        vocab = _vocabs[id(tokenizer)] = TokenVocab(tokenizer)
-    return vocab
-
-
-def value_processor(rule: Rule, vocab: TokenVocab) -> Callable[[list[int], torch.Tensor], torch.Tensor]:
-    """The engine logits processor that keeps a value's tokens inside `rule`."""
-    allowed_ids = allowed_number_ids if isinstance(rule, NumberRule) else allowed_choice_ids
-
-    def process(output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
-        size = row.shape[-1]  # the model's vocabulary may be smaller or larger than the tokenizer's
-        allowed = [i for i in allowed_ids(rule, vocab, vocab.decode(output_ids)) if i < size]
-        if not allowed:  # nothing fits (a tokenizer quirk): leave the model free rather than stall
-            return row
-        keep = torch.full_like(row, float("-inf"))
-        index = torch.tensor(allowed, device=row.device)
-        keep[index] = row[index]
-        return keep
-
-    return process
-
-
-def allowed_number_ids(rule: NumberRule, vocab: TokenVocab, written: str) -> list[int]:
-    prefix, whole = (INTEGER_PREFIX, INTEGER) if rule.integer else (NUMBER_PREFIX, NUMBER)
-    written = rule.prefix + written if rule.prefix else written.lstrip()
-    allowed = [i for i in vocab.eos_ids if whole.fullmatch(written)]
-    for token_id, text in vocab.number_tokens:
-        candidate = written + text if written else text.lstrip()
-        end = DELIMITER.search(candidate)
-        if end is None:
-            if candidate and prefix.fullmatch(candidate):
-                allowed.append(token_id)
-        elif whole.fullmatch(candidate[: end.start()]):
-            allowed.append(token_id)
-    return allowed
-
-
-def allowed_choice_ids(rule: ChoiceRule, vocab: TokenVocab, written: str) -> list[int]:
-    allowed: set[int] = set()
-    for option in rule.options:
-        if option == written:
-            allowed.update(vocab.eos_ids)
-        elif option.startswith(written):
-            rest = option[len(written):]
-            for k in range(1, len(rest) + 1):
-                allowed.update(vocab.by_text.get(rest[:k], ()))
-    return sorted(allowed) if allowed else list(vocab.eos_ids)
-
-
-def value_params(ask: Ask, params: SamplingParams, generated: int = 0) -> SamplingParams | None:
-    """The user's sampling settings for one value's request: its stops, EOS on, a short cap for rules,
-    and what is left of the call's max_tokens after the `generated` tokens of earlier values. None once
-    that is spent: the writer then gets `default_answer`, so the JSON still closes."""
-    max_tokens = None if params.max_tokens is None else params.max_tokens - generated
-    if max_tokens is not None and max_tokens <= 0:
-        return None
-    if isinstance(ask.rule, NumberRule):
-        max_tokens = min(max_tokens or NUMBER_TOKENS_MAX, NUMBER_TOKENS_MAX)
-    elif isinstance(ask.rule, ChoiceRule):
-        longest = max(len(o) for o in ask.rule.options) + 1  # a token is at least one character
-        max_tokens = min(max_tokens or longest, longest)
-    stops = list(dict.fromkeys([*params.stop, *ask.stops]))
-    return replace(params, n=1, best_of=None, stop=stops, max_tokens=max_tokens, min_tokens=0, ignore_eos=False)
