@@ -245,6 +245,21 @@ def test_echo_with_logprobs_scores_the_prompt(real: Served) -> None:
     assert first.tokens[:len(ids)] == lp.tokens[:len(ids)] and first.token_logprobs[0] is None
 
 
+def test_logit_bias_forces_and_bans_tokens(real: Served) -> None:
+    client = real.client()
+    args = {"model": "smollm2", "prompt": "The capital of France is", **greedy(max_tokens=4)}
+    plain = client.completions.create(logprobs=0, **args).choices[0]
+    first = real.tokenizer(plain.logprobs.tokens[0], add_special_tokens=False)["input_ids"][0]
+    banned = client.completions.create(logit_bias={str(first): -100}, **args).choices[0].text
+    assert banned != plain.text and not banned.startswith(plain.logprobs.tokens[0])
+    forced = real.tokenizer(" Rome", add_special_tokens=False)["input_ids"][0]
+    text = client.completions.create(logit_bias={str(forced): 100}, **args).choices[0].text
+    assert text == real.tokenizer.decode([forced] * 4)
+    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                          logit_bias={str(forced): 100}, **greedy(max_tokens=3))
+    assert chat.choices[0].message.content == real.tokenizer.decode([forced] * 3)
+
+
 def test_n_choices_use_derived_seeds(real: Served) -> None:
     client = real.client()
     args = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0}
@@ -296,6 +311,12 @@ def test_json_schema_answers_parse_and_follow_the_schema(real: Served) -> None:
     short = client.chat.completions.create(**{**args, "max_tokens": 3})
     assert list(json.loads(short.choices[0].message.content)) == list(PERSON_SCHEMA["properties"])
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens <= 3
+    # A logit_bias shapes the values, and the rules still keep them valid: a forced " Alice" fills the
+    # string, and cannot get into the number.
+    alice = real.tokenizer(" Alice", add_special_tokens=False)["input_ids"][0]
+    biased = json.loads(client.chat.completions.create(**{**args, "logit_bias": {str(alice): 100}})
+                        .choices[0].message.content)
+    assert biased["name"].startswith(" Alice Alice") and isinstance(biased["age"], int)
     # Without a schema (json_object) the answer is still one JSON object.
     free = client.chat.completions.create(**{**args, "max_tokens": 24, "response_format": {"type": "json_object"}})
     assert isinstance(json.loads(free.choices[0].message.content), dict)
@@ -502,7 +523,9 @@ def test_unknown_model_is_404(tiny: Served) -> None:
     ({"n": 0}, "n"),
     ({"top_p": 0}, "top_p"),
     ({"extra_body": {"frobnicate": True}}, "frobnicate"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1.0}}, "logit_bias"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"v": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}}}}},

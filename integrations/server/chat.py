@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_backend import RequestOutput, SamplingParams
+from paged_backend.request import LogitsProcessor
 
 from ..guided_json import Writer, add_json_instruction
 from .chat_template import render_chat
@@ -18,7 +19,7 @@ from .fanout import Job, collect_finals, merge_streams, new_id
 from .guided import guided_choice, guided_writer, stream_guided, write_choices
 from .protocol import ChatCompletionRequest
 from .responses import DONE, chat_logprobs, positions, sse, sse_error, usage
-from .sampling import check_prompt, to_sampling_params, with_choices
+from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices
 from .state import ServerState
 from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
 
@@ -35,8 +36,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     check_prompt(state.engine, prompt_ids, params, "messages")
     request_id = new_id("chatcmpl")
     if writer is not None:
-        return await guided_reply(state, body, prompt_ids, params, writer, request_id)
-    jobs = [Job(0, prompt_ids, with_choices(params, body.n))]
+        bias = bias_processor(state.engine, body.logit_bias)
+        return await guided_reply(state, body, prompt_ids, params, writer, request_id, bias)
+    jobs = [Job(0, prompt_ids, with_choices(params, body.n), bias_processor(state.engine, body.logit_bias))]
     if body.stream:
         events = stream_chat(state, body, jobs, len(prompt_ids), request_id)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -48,12 +50,12 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 
 
 async def guided_reply(state: ServerState, body: ChatCompletionRequest, prompt_ids: list[int], params: SamplingParams,
-                       make_writer: Callable[[], Writer], request_id: str):
+                       make_writer: Callable[[], Writer], request_id: str, bias: LogitsProcessor | None):
     """Forced tool calls or schema-shaped answers (n of them), written value by value (see guided.py)."""
     if body.logprobs:
         raise not_supported("logprobs with a forced tool call or a JSON response format",
                             "the answer is written in pieces")
-    answers = write_choices(state, prompt_ids, params, make_writer, request_id, body.n)
+    answers = write_choices(state, prompt_ids, params, make_writer, request_id, body.n, bias)
     if body.stream:
         def envelope_of(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return envelope(request_id, body.model, "chat.completion.chunk", choices)

@@ -15,8 +15,16 @@ from paged_backend import RequestOutput
 from .errors import APIError, bad_request
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import CompletionRequest
-from .responses import DONE, completion_logprobs, positions, sse, sse_error, token_text, usage
-from .sampling import check_prompt, with_choices, to_sampling_params
+from .responses import (
+    DONE,
+    completion_logprobs,
+    positions,
+    sse,
+    sse_error,
+    token_text,
+    usage,
+)
+from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices
 from .state import ServerState
 
 Prompt = str | list[int]
@@ -31,7 +39,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, http_re
     prompts = [state.tokenize(p) for p in prompt_list(body.prompt)]
     for _, ids in prompts:
         check_prompt(state.engine, ids, params)
-    jobs = [Job(i * body.n, ids, with_choices(params, body.n, body.best_of)) for i, (_, ids) in enumerate(prompts)]
+    bias = bias_processor(state.engine, body.logit_bias)
+    jobs = [Job(i * body.n, ids, with_choices(params, body.n, body.best_of), bias) for i, (_, ids) in enumerate(prompts)]
     echoes = [echo_text(state, text, ids) if body.echo else "" for text, ids in prompts for _ in range(body.n)]
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     request_id = new_id("cmpl")

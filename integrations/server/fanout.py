@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from paged_backend import AsyncEngine, RequestOutput, SamplingParams
+from paged_backend.request import LogitsProcessor
 
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -33,6 +34,7 @@ class Job:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    processor: LogitsProcessor | None = None  # the request's logits processor (logit_bias)
 
     @property
     def choices(self) -> range:
@@ -68,7 +70,8 @@ async def pump(aengine: AsyncEngine, job: Job, request_id: str,
                queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]]) -> None:
     reported: set[int] = set()  # samples whose finished output has been passed on
     try:
-        async for output in aengine.generate(job.prompt_ids, job.params, request_id=request_id):
+        async for output in aengine.generate(job.prompt_ids, job.params, request_id=request_id,
+                                             logits_processor=job.processor):
             for sample, choice_output in split_samples(output, job.params.n, reported):
                 queue.put_nowait((job.index + sample, choice_output))
     except ValueError as exc:  # validated before, so only a race (e.g. a reused id) lands here

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged_backend import RequestOutput, SamplingParams
+from paged_backend.request import LogitsProcessor
 
 from ..guided_json import (
     UnsupportedSchema,
@@ -24,6 +25,7 @@ from ..guided_json import (
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest
 from .responses import DONE, sse, sse_error, usage
+from .sampling import then
 from .state import ServerState
 from .tool_calls import parse_tool_calls
 
@@ -50,11 +52,12 @@ def guided_writer(body: ChatCompletionRequest,
 
 
 async def write_choices(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-                        make_writer: Callable[[], Writer], request_id: str, n: int) -> list[GuidedAnswer]:
+                        make_writer: Callable[[], Writer], request_id: str, n: int,
+                        bias: LogitsProcessor | None = None) -> list[GuidedAnswer]:
     """n guided answers written side by side (their value requests share the engine's batches); choice i
     samples as the single request seeded seed + i does. If one fails, the others are cancelled."""
     samples = [params] if n == 1 else [params.for_sample(i) for i in range(n)]
-    tasks = [asyncio.ensure_future(write_guided(state, prompt_ids, p, make_writer(), f"{request_id}-{i}"))
+    tasks = [asyncio.ensure_future(write_guided(state, prompt_ids, p, make_writer(), f"{request_id}-{i}", bias))
              for i, p in enumerate(samples)]
     try:
         return list(await asyncio.gather(*tasks))
@@ -64,7 +67,7 @@ async def write_choices(state: ServerState, prompt_ids: list[int], params: Sampl
 
 
 async def write_guided(state: ServerState, prompt_ids: list[int], params: SamplingParams, writer: Writer,
-                       request_id: str) -> GuidedAnswer:
+                       request_id: str, bias: LogitsProcessor | None = None) -> GuidedAnswer:
     """Run the writer, each value one engine request on the prompt plus the text written so far."""
     vocab = vocab_for(state.tokenizer)
     generated, spent = 0, False
@@ -79,7 +82,8 @@ async def write_guided(state: ServerState, prompt_ids: list[int], params: Sampli
             ids = prompt_ids + state.tokenizer(ask.text, add_special_tokens=False)["input_ids"]
             if len(ids) + (value.max_tokens or 1) > state.engine.max_model_len:
                 raise APIError(400, "the guided answer outgrew the model's context length", "max_tokens")
-            processor = None if ask.rule is None else value_processor(ask.rule, vocab)
+            # The caller's logit_bias shapes the model's preference; the rule then keeps the value valid.
+            processor = then(bias, None if ask.rule is None else value_processor(ask.rule, vocab))
             final = await last_output(state.aengine.generate(ids, value, f"{request_id}-{step}", processor))
             state.metrics.record_finished(final)
             if final.error:

@@ -33,7 +33,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100], added to its logit
     user: str | None = None  # an end-user id for the caller's own bookkeeping; it changes no output
     # vLLM's extra sampling fields (sent with the OpenAI client's `extra_body`).
     top_k: int = -1
@@ -46,8 +46,10 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise not_supported("logit_bias")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or not -100 <= bias <= 100:
+                raise APIError(400, f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias}",
+                               "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from paged_backend import Engine, SamplingParams
+from paged_backend.request import LogitsProcessor
 
 from .errors import APIError, bad_request
 from .protocol import SamplingFields
@@ -42,6 +45,32 @@ def with_choices(params: SamplingParams, n: int, best_of: int | None = None) -> 
     """The n choices of one prompt as one engine request with n samples (sample i is seeded seed + i);
     with best_of, the engine samples best_of times and keeps the n best."""
     return dataclasses.replace(params, n=n, best_of=best_of)
+
+
+def bias_processor(engine: Engine, logit_bias: dict[str, float] | None) -> LogitsProcessor | None:
+    """OpenAI's logit_bias as a per-request logits processor: each listed token's logit moves by its bias
+    (100 all but forces it, -100 all but bans it). A token outside the vocabulary is a 400."""
+    if not logit_bias:
+        return None
+    ids = [int(key) for key in logit_bias]
+    outside = [i for i in ids if i >= engine.vocab_size]
+    if outside:
+        raise bad_request(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {engine.vocab_size})",
+                          "logit_bias")
+    index, bias = torch.tensor(ids), torch.tensor(list(logit_bias.values()))
+
+    def add_bias(_output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
+        row[index.to(row.device)] += bias.to(row.device, row.dtype)
+        return row
+
+    return add_bias
+
+
+def then(first: LogitsProcessor | None, second: LogitsProcessor | None) -> LogitsProcessor | None:
+    """Both processors, `first` applied first (either may be None)."""
+    if first is None or second is None:
+        return first or second
+    return lambda output_ids, row: second(output_ids, first(output_ids, row))
 
 
 def check_prompt(engine: Engine, token_ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
