@@ -542,6 +542,15 @@ def test_bad_values_are_400(tiny: Served, kwargs: dict, param: str) -> None:
     assert error.value.body["param"] == param and error.value.body["type"] == "invalid_request_error"
 
 
+def test_an_engine_failure_is_a_500_not_a_hang(tiny: Served, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("the engine broke")
+
+    monkeypatch.setattr(tiny.aengine, "generate", broken)
+    with pytest.raises(openai.InternalServerError, match="the engine broke"):
+        tiny.client(timeout=30).chat.completions.create(model="tiny", messages=HELLO, **greedy(max_tokens=2))
+
+
 def test_malformed_json_is_400(tiny: Served) -> None:
     response = httpx.post(f"{tiny.url}/v1/chat/completions", content=b'{"model": "tiny", "messages": [',
                           headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})

@@ -76,6 +76,8 @@ async def pump(aengine: AsyncEngine, job: Job, request_id: str,
                 queue.put_nowait((job.index + sample, choice_output))
     except ValueError as exc:  # validated before, so only a race (e.g. a reused id) lands here
         queue.put_nowait((job.index, APIError(400, str(exc))))
+    except Exception as exc:  # noqa: BLE001  (anything else must reach the caller, or its stream would wait forever)
+        queue.put_nowait((job.index, APIError(500, f"generation failed: {type(exc).__name__}: {exc}")))
 
 
 def split_samples(output: RequestOutput, n: int, reported: set[int]) -> list[tuple[int, RequestOutput]]:
