@@ -240,6 +240,10 @@ def test_serve_deployment_answers_openai_requests_like_one_engine(replicated, re
             assert texts == [o.outputs[0].text for o in llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)]
             streamed = http.post("/v1/completions", json=dict(body, prompt=PROMPTS[0], stream=True)).text
             assert streamed.rstrip().endswith("data: [DONE]")
+            # A logit_bias is a logits processor; it travels to the replica with the request.
+            forced = dict(body, prompt=PROMPTS[0], max_tokens=3, logit_bias={"65": 100})
+            assert http.post("/v1/completions", json=forced).json()["choices"][0]["text"] == \
+                byte_tokenizer().decode([65] * 3)
             assert "paged_backend_num_requests_running" in http.get("/metrics").text
     finally:
         serve.shutdown()

@@ -18,6 +18,7 @@ import ray
 from ray.actor import ActorHandle
 
 from paged_backend import LLM, AsyncEngine, RequestOutput, SamplingParams
+from paged_backend.request import LogitsProcessor
 
 Prompt = str | Sequence[int]
 
@@ -52,13 +53,15 @@ class EngineReplica:
                            str(engine.cache.kv.device))
 
     @ray.method(num_returns="streaming", _generator_backpressure_num_objects=STREAM_WINDOW)
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        async for output in self.aengine.generate(prompt, params, request_id):
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                       logits_processor: LogitsProcessor | None = None) -> AsyncIterator[RequestOutput]:
+        async for output in self.aengine.generate(prompt, params, request_id, logits_processor):
             yield output
 
-    async def complete(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestOutput:
+    async def complete(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                       logits_processor: LogitsProcessor | None = None) -> RequestOutput:
         final = None
-        async for output in self.aengine.generate(prompt, params, request_id):
+        async for output in self.aengine.generate(prompt, params, request_id, logits_processor):
             final = output
         return final
 

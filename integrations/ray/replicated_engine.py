@@ -25,6 +25,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from paged_backend import RequestOutput, SamplingParams
+from paged_backend.request import LogitsProcessor
 
 from .background_loop import BackgroundLoop
 from .errors import NoLiveReplicaError, failed_output
@@ -83,20 +84,22 @@ class ReplicatedAsyncEngine:
 
     # ------------------------------------------------------------ public API
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield this request's outputs as they change; the last one has `finished=True`."""
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       logits_processor: LogitsProcessor | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield this request's outputs as they change; the last one has `finished=True`. A
+        `logits_processor` travels to the replica (Ray pickles it), as on AsyncEngine."""
         params, text, token_ids, request_id = self.prepare(prompt, params, request_id)
-        async with contextlib.aclosing(self.attempts(prompt, text, token_ids, params, request_id, True)) as outs:
+        run = self.attempts(prompt, text, token_ids, params, request_id, True, logits_processor)
+        async with contextlib.aclosing(run) as outs:
             async for output in outs:
                 yield output
 
-    async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> RequestOutput:
+    async def complete(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       logits_processor: LogitsProcessor | None = None) -> RequestOutput:
         """The final output only, in one reply from the replica (cheaper than streaming every token)."""
         params, text, token_ids, request_id = self.prepare(prompt, params, request_id)
         final = None
-        async for output in self.attempts(prompt, text, token_ids, params, request_id, False):
+        async for output in self.attempts(prompt, text, token_ids, params, request_id, False, logits_processor):
             final = output
         return final
 
@@ -158,7 +161,8 @@ class ReplicatedAsyncEngine:
         return params, text, token_ids, request_id
 
     async def attempts(self, prompt: Prompt, text: str | None, token_ids: list[int], params: SamplingParams,
-                       request_id: str, stream: bool) -> AsyncIterator[RequestOutput]:
+                       request_id: str, stream: bool,
+                       processor: LogitsProcessor | None = None) -> AsyncIterator[RequestOutput]:
         """Run the request on up to `max_attempts` replicas in turn, until one answers."""
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         tried: list[int] = []
@@ -174,7 +178,7 @@ class ReplicatedAsyncEngine:
             self.num_retries += attempt > 0
             self.inflight[request_id] = index
             try:
-                run = self.run_on(index, prompt, params, request_id, stream, deadline)
+                run = self.run_on(index, prompt, params, request_id, stream, deadline, processor)
                 async with contextlib.aclosing(run) as outputs:
                     async for output in outputs:
                         last = output
@@ -229,16 +233,16 @@ class ReplicatedAsyncEngine:
         return None
 
     async def run_on(self, index: int, prompt: Prompt, params: SamplingParams, request_id: str, stream: bool,
-                     deadline: float | None) -> AsyncIterator[RequestOutput]:
+                     deadline: float | None, processor: LogitsProcessor | None = None) -> AsyncIterator[RequestOutput]:
         replica = self.replicas[index]
         finished = False
         try:
             if not stream:
-                output = await wait_until(replica.complete.remote(prompt, params, request_id), deadline)
+                output = await wait_until(replica.complete.remote(prompt, params, request_id, processor), deadline)
                 finished = True
                 yield output
                 return
-            refs = replica.generate.remote(prompt, params, request_id)
+            refs = replica.generate.remote(prompt, params, request_id, processor)
             while not finished:
                 output = await wait_until(await wait_until(refs.__anext__(), deadline), deadline)
                 finished = output.finished
