@@ -14,6 +14,8 @@ where `LLM(..., tensor_parallel_size=N)` spawns the N - 1 workers itself.
 from __future__ import annotations
 
 import atexit
+import datetime
+import logging
 import os
 import socket
 from typing import Any
@@ -25,6 +27,8 @@ import torch.multiprocessing as mp
 from paged_backend.kernels import AttentionMetadata
 
 from .model_runner import ModelRunner, StepInputs
+
+logger = logging.getLogger(__name__)
 
 HEADER = 6  # T, num_seqs, block-table width, logits rows, max query len, max seq len
 
@@ -73,10 +77,22 @@ class TensorParallelGroup:
         self.closed = True
         if self.rank == 0:
             send_stop()
+        leave_together()
         for worker in self.workers:
             worker.join(timeout=30)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def leave_together(timeout_s: float = 30.0) -> None:
+    """Meet the other ranks before tearing the group down: a gloo rank that destroys its group while a
+    peer still flushes the last broadcast can abort at exit. Bounded, so a dead peer cannot hang us."""
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        logger.warning("tensor-parallel ranks did not all reach shutdown: %s", exc)
 
 
 def check_size(size: int) -> None:
