@@ -34,9 +34,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from paged_backend import Engine, EngineConfig, SamplingParams
 
 
-def run(schema: dict[str, Any], answers: list[str]) -> tuple[str, list[Ask]]:
-    """Drive write_value with canned model answers; return the JSON text and what it asked for."""
-    writer, asks = write_value("", schema), []
+def answer_writer(writer, answers: list[str]) -> tuple[str, list[Ask]]:
+    """Drive a guided writer with canned model answers; return its text and what it asked for."""
+    asks = []
     try:
         ask = next(writer)
         for answer in answers:
@@ -45,6 +45,10 @@ def run(schema: dict[str, Any], answers: list[str]) -> tuple[str, list[Ask]]:
     except StopIteration as end:
         return end.value, asks
     raise AssertionError(f"the writer asked for more values than given; next: {ask}")
+
+
+def run(schema: dict[str, Any], answers: list[str]) -> tuple[str, list[Ask]]:
+    return answer_writer(write_value("", schema), answers)
 
 
 class Address(BaseModel):
@@ -86,16 +90,8 @@ def test_enums_consts_nulls_and_item_bounds():
 
 
 def test_a_free_object_lets_the_model_choose_keys_types_and_ends():
-    writer, asks = write_free_object(""), []
     answers = ['"', 'a "b"', " [", "1", "2", ",", " {", "}", "]", ",", "x", " -", "5", "}"]
-    ask = next(writer)
-    try:
-        for answer in answers:
-            asks.append(ask)
-            ask = writer.send(answer)
-        raise AssertionError(f"the writer asked for more: {ask}")
-    except StopIteration as end:
-        text = end.value
+    text, asks = answer_writer(write_free_object(""), answers)
     assert json.loads(text) == {'a "b"': [12, {}], "x": -5}
     assert text == '{"a \\"b\\"": [12, {}], "x": -5}'
     assert asks[0].rule == ChoiceRule(('"', "}")) and asks[-2].rule == NumberRule(integer=False, prefix="-")

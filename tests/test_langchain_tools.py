@@ -50,6 +50,7 @@ from paged_backend.integrations.langchain.tool_calls import (
     parse_with_tokenizer,
 )
 from pydantic import BaseModel, Field
+from test_guided_json import answer_writer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -107,15 +108,7 @@ def test_content_streamer_never_releases_a_tool_call() -> None:
 
 def run_writer(tools: list[dict[str, Any]], name: str, answers: list[str]) -> tuple[str, list]:
     """Drive write_tool_call with canned model answers; return the call text and what it asked for."""
-    writer, asks = write_tool_call(tools, name), []
-    try:
-        ask = next(writer)
-        for answer in answers:
-            asks.append(ask)
-            ask = writer.send(answer)
-    except StopIteration as end:
-        return end.value, asks
-    raise AssertionError("the writer asked for more values than given")
+    return answer_writer(write_tool_call(tools, name), answers)
 
 
 def test_guided_call_asks_only_for_values() -> None:
