@@ -43,6 +43,12 @@ def assert_all_blocks_free(engine: Engine) -> None:
     assert all(count == 0 for count in pool.ref_counts)
 
 
+def hf_case(name: str, model, max_new: int) -> tuple:
+    """(name, model, the mixed prompts, HF generate's greedy answer to each): an architecture's test case."""
+    prompts = mixed_prompts()
+    return name, model, prompts, [hf_greedy(model, p, max_new) for p in prompts]
+
+
 def check_against_hf(model, prompts: list[list[int]], refs: list[list[int]], config, max_new: int,
                      late_from: int | None = None) -> Engine:
     """Run `prompts` greedily through a new engine (those from `late_from` on joining after a few steps)

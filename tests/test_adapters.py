@@ -8,12 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from engine_helpers import assert_all_blocks_free, check_against_hf, greedy, hf_greedy, mixed_prompts
+from engine_helpers import (
+    assert_all_blocks_free,
+    greedy,
+    hf_case,
+    hf_greedy,
+    mixed_prompts,
+)
+from test_engine_equivalence import MAX_NEW, check_engine
+from tiny_models import build_from_config
 
 from paged_backend import Engine, EngineConfig
 from paged_backend.adapters import ADAPTERS, install_adapters, registry
 
-MAX_NEW = 12
 VOCAB = 256
 
 # One config per family, as the published checkpoints set them (scaled down).
@@ -37,27 +44,12 @@ ALIBI = {"bloom", "mpt", "falcon-rw"}
 
 def build_adapted(name: str, seed: int = 0) -> tf.PreTrainedModel:
     """As tiny_models.build: float32, spread-out weights (no near-ties in greedy argmax), no eos."""
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(ADAPTED_CONFIGS[name](), dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+    return build_from_config(ADAPTED_CONFIGS[name], seed)
 
 
 @pytest.fixture(scope="module", params=sorted(ADAPTED_CONFIGS))
 def arch_case(request):
-    model = build_adapted(request.param)
-    prompts = mixed_prompts()
-    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
-    return request.param, model, prompts, refs
-
-
-def check_engine(model, prompts, refs, config: EngineConfig, late_from: int | None = None) -> Engine:
-    return check_against_hf(model, prompts, refs, config, MAX_NEW, late_from)
+    return hf_case(request.param, build_adapted(request.param), MAX_NEW)
 
 
 def test_plain_batch_runs_through_the_adapter(arch_case, monkeypatch):

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from engine_helpers import check_against_hf, greedy, hf_greedy, mixed_prompts
+from engine_helpers import check_against_hf, greedy, hf_case
 from tiny_models import CONFIGS, build
 
 from paged_backend import Engine, EngineConfig
@@ -18,10 +18,7 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def arch_case(request):
-    model = build(request.param)
-    prompts = mixed_prompts()
-    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
-    return request.param, model, prompts, refs
+    return hf_case(request.param, build(request.param), MAX_NEW)
 
 
 def check_engine(model, prompts, refs, config: EngineConfig, late_from: int | None = None) -> Engine:

@@ -35,9 +35,13 @@ def _common() -> dict:
 
 def build(arch: str, seed: int = 0) -> tf.PreTrainedModel:
     """A tiny random causal LM of `arch`, in float32 eval mode, with no eos so runs go to max length."""
+    return build_from_config(CONFIGS[arch], seed)
+
+
+def build_from_config(make_config, seed: int = 0) -> tf.PreTrainedModel:
+    """The model of `make_config()`, seeded, with build()'s weights and generation settings."""
     torch.manual_seed(seed)
-    config = CONFIGS[arch]()
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32)
     # Larger-than-default init spreads the logits, so greedy argmax has no near-ties to flip on rounding.
     with torch.no_grad():
         for p in model.parameters():
