@@ -6,6 +6,7 @@ is written, so a streamed reply carries it in one chunk."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,9 @@ async def write_guided(state: ServerState, prompt_ids: list[int], params: Sampli
     generated, spent = 0, False
     try:
         ask = next(writer)
-        for step in range(10_000):
+        # Ends: every value the model writes uses up max_tokens or grows the prompt towards the context
+        # check below, and once max_tokens is spent the default answers close the JSON.
+        for step in itertools.count():
             value = value_params(ask, params, generated)
             if value is None:  # max_tokens is spent: the value is written without the model, so the JSON closes
                 spent = True
@@ -92,7 +95,6 @@ async def write_guided(state: ServerState, prompt_ids: list[int], params: Sampli
             ask = writer.send(final.outputs[0].text)
     except StopIteration as end:
         return GuidedAnswer(end.value, generated, spent)
-    raise APIError(500, "the guided answer did not finish")
 
 
 async def last_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
