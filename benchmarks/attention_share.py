@@ -1,0 +1,63 @@
+"""Attention's share of an engine step on this machine: the throughput workload (MT-bench first turns,
+the default model, greedy) served by the engine, with the paged-attention and cache-write calls timed.
+
+    python benchmarks/attention_share.py                   # 32 prompts, max_tokens 16..128
+    python benchmarks/attention_share.py --num-prompts 8
+
+Prints the share of step time spent in paged attention and in cache writes (each call timed with
+perf_counter around it, so the share includes the calls' Python overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `throughput` sit beside this script
+
+from common import chat_workload, draw_max_tokens, load_mt_bench_prompts
+from throughput import SEED, serve_engine
+
+from paged_backend import Engine, EngineConfig, attention, paged_cache
+from paged_backend.model_loader import load_model
+
+
+def timed(fn: Callable, totals: dict[str, float], key: str) -> Callable:
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - start
+
+    return wrapper
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(None, dtype=torch.float32)
+    workload = chat_workload(tokenizer, load_mt_bench_prompts(args.num_prompts),
+                             draw_max_tokens(args.num_prompts, 16, 128, SEED))
+    serve_engine(Engine(model, tokenizer, EngineConfig()), workload, time.time())  # warm-up run, untimed
+    totals = {"attention": 0.0, "cache_write": 0.0}
+    attention.paged_attention = timed(attention.paged_attention, totals, "attention")
+    paged_cache.write_kv_cache = timed(paged_cache.write_kv_cache, totals, "cache_write")
+    engine = Engine(model, tokenizer, EngineConfig())
+    start = time.perf_counter()
+    serve_engine(engine, workload, time.time())
+    wall = time.perf_counter() - start
+    shares = {key: value / wall for key, value in totals.items()}
+    print(f"engine run {wall:.1f} s, {torch.get_num_threads()} torch threads: "
+          f"paged attention {100 * shares['attention']:.1f} %, cache writes {100 * shares['cache_write']:.1f} %")
+    return shares
+
+
+if __name__ == "__main__":
+    main()
