@@ -12,7 +12,7 @@ from paged_backend import AsyncEngine
 
 from .chat import create_chat_completion
 from .completions import create_completion
-from .errors import APIError, install_error_handlers
+from .errors import APIError, JSONErrors, install_error_handlers
 from .legacy import generate
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -26,6 +26,7 @@ def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None
     app = FastAPI(title="paged-backend", docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(JSONErrors)  # inside the counter, so the 500s it writes are counted
     app.add_middleware(HTTPStatusCounter, metrics=state.metrics)
     add_routes(app, state)
     return app

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -14,9 +14,9 @@ from paged_backend.request import LogitsProcessor
 
 from ..guided_json import Writer, add_json_instruction
 from .chat_template import render_chat
-from .errors import APIError, not_supported
+from .errors import APIError, not_supported, request_field
 from .fanout import Job, collect_finals, merge_streams, new_id
-from .guided import guided_choice, guided_writer, stream_guided, write_choices
+from .guided import GuidedAnswer, guided_choice, guided_writer, stream_guided, write_choices
 from .protocol import ChatCompletionRequest
 from .responses import DONE, chat_logprobs, positions, sse, sse_error, usage
 from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices
@@ -28,10 +28,13 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     body.check_supported()
     state.check_model(body.model)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.uses_tools else None
-    writer = guided_writer(body, tools)
-    schema = body.json_schema["schema"] if body.json_schema is not None else None
-    messages = add_json_instruction(body.messages, schema) if body.wants_json else body.messages
-    prompt_ids = render_chat(state.tokenizer, messages, tools, body.add_generation_prompt, body.chat_template_kwargs)
+    with request_field(guided_field(body)):
+        writer = guided_writer(body, tools)
+        schema = body.json_schema["schema"] if body.json_schema is not None else None
+        messages = add_json_instruction(body.messages, schema) if body.wants_json else body.messages
+    with request_field("messages"):
+        prompt_ids = render_chat(state.tokenizer, messages, tools, body.add_generation_prompt,
+                                 body.chat_template_kwargs)
     params = to_sampling_params(body, body.output_limit, logprobs_wanted(body))
     check_prompt(state.engine, prompt_ids, params, "messages")
     request_id = new_id("chatcmpl")
@@ -55,7 +58,7 @@ async def guided_reply(state: ServerState, body: ChatCompletionRequest, prompt_i
     if body.logprobs:
         raise not_supported("logprobs with a forced tool call or a JSON response format",
                             "the answer is written in pieces")
-    answers = write_choices(state, prompt_ids, params, make_writer, request_id, body.n, bias)
+    answers = read_guided(body, write_choices(state, prompt_ids, params, make_writer, request_id, body.n, bias))
     if body.stream:
         def envelope_of(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return envelope(request_id, body.model, "chat.completion.chunk", choices)
@@ -66,6 +69,18 @@ async def guided_reply(state: ServerState, body: ChatCompletionRequest, prompt_i
     choices = [guided_choice(body, answer, i) for i, answer in enumerate(done)]
     response = envelope(request_id, body.model, "chat.completion", choices)
     return JSONResponse(response | {"usage": usage(len(prompt_ids), sum(a.completion_tokens for a in done))})
+
+
+def guided_field(body: ChatCompletionRequest) -> str:
+    """The field whose JSON shapes a guided answer: the tools when a call is forced, else the format."""
+    return "tools" if body.forces_tool else "response_format"
+
+
+async def read_guided(body: ChatCompletionRequest, answers: Awaitable[list[GuidedAnswer]]) -> list[GuidedAnswer]:
+    """The guided answers; the writers walk the schema as they write, so an error they raise on the way
+    is still the schema's: a 400 naming its field (engine failures stay APIErrors, 500)."""
+    with request_field(guided_field(body)):
+        return await answers
 
 
 def logprobs_wanted(body: ChatCompletionRequest) -> int | None:

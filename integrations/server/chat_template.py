@@ -85,7 +85,9 @@ def text_of(content: Any, index: int) -> str:
     raise bad_request(f"messages[{index}].content must be a string or a list of parts", f"messages.{index}.content")
 
 
-def assistant_with_calls(content: str, tool_calls: list[dict[str, Any]], native: bool) -> Message:
+def assistant_with_calls(content: str, tool_calls: Any, native: bool) -> Message:
+    if not isinstance(tool_calls, list):
+        raise bad_request(f"tool_calls must be a list of tool calls, got {tool_calls!r}", "messages")
     calls = [function_of(call) for call in tool_calls]
     if native:
         return {"role": "assistant", "content": content,
@@ -94,16 +96,21 @@ def assistant_with_calls(content: str, tool_calls: list[dict[str, Any]], native:
     return {"role": "assistant", "content": "\n".join(([content] if content else []) + blocks)}
 
 
-def function_of(call: dict[str, Any]) -> dict[str, Any]:
-    """{"name", "arguments": dict} from OpenAI's call, whose arguments are a JSON string."""
-    function = call.get("function") or {}
+def function_of(call: Any) -> dict[str, Any]:
+    """{"name", "arguments": dict} from OpenAI's call, whose arguments are a JSON object as a string."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(f"a tool call must be {{'type': 'function', 'function': {{'name': str, 'arguments': str}}}}"
+                          f", got {call!r}", "messages")
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments or "{}")
         except json.JSONDecodeError:
             raise bad_request(f"tool call arguments are not valid JSON: {arguments!r}", "messages") from None
-    return {"name": function.get("name"), "arguments": arguments}
+    if not isinstance(arguments, dict):
+        raise bad_request(f"tool call arguments must be a JSON object, got {arguments!r}", "messages")
+    return {"name": function["name"], "arguments": arguments}
 
 
 def add_tool_prompt(messages: list[Message], tools: list[dict[str, Any]]) -> list[Message]:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                405: "invalid_request_error", 500: "internal_error", 503: "service_unavailable"}
@@ -35,6 +40,20 @@ def not_supported(param: str, why: str = "") -> APIError:
     """An OpenAI parameter this server cannot honour: refused rather than silently ignored."""
     return APIError(400, f"'{param}' is not supported by this server{': ' + why if why else ''}", param,
                     "unsupported_parameter")
+
+
+@contextmanager
+def request_field(param: str) -> Iterator[None]:
+    """Read one field of the request: any error raised while validating or translating it (a schema of
+    an unexpected shape, a message whose parts are the wrong type) is the client's, so a 400 naming the
+    field. APIErrors pass through unchanged."""
+    try:
+        yield
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (whatever the translation raised, the input caused it)
+        logger.debug("request field %s refused", param, exc_info=exc)
+        raise bad_request(f"{param} could not be read: {type(exc).__name__}: {exc}", param) from None
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -72,3 +91,35 @@ async def handle_validation_error(_: Request, exc: RequestValidationError) -> JS
 
 async def handle_http_exception(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(APIError(exc.status_code, str(exc.detail)))
+
+
+class JSONErrors:
+    """ASGI middleware: an unexpected error inside a handler becomes a JSON 500 (OpenAI's shape), and
+    nothing is re-raised to the HTTP server, so it keeps the keep-alive connection open for the next
+    request. A stream that fails after its first bytes is ended cleanly (its last event already says
+    what went wrong when the handler could tell)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = finished = False
+
+        async def track(message) -> None:
+            nonlocal started, finished
+            started = started or message["type"] == "http.response.start"
+            finished = finished or (message["type"] == "http.response.body" and not message.get("more_body"))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, track)
+        except Exception as exc:  # noqa: BLE001  (the last line of defence: never a bare 500 or a reset)
+            logger.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            if not started:
+                response = JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+                await response(scope, receive, send)
+            elif not finished:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -110,6 +110,8 @@ async def collect_finals(http_request: Request, aengine: AsyncEngine, jobs: Sequ
         watcher.cancel()
         if not collector.done():
             collector.cancel()
+            # Let the cancellation land (it aborts the engine requests) before the task is read.
+            await asyncio.wait({collector})
     if collector.cancelled():  # nobody will read this answer; 499 is the usual "client closed request"
         raise APIError(499, "the client disconnected before the answer was complete")
     finals = collector.result()

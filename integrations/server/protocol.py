@@ -14,6 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from .errors import APIError, bad_request, not_supported
 
 
+# The seeds the engine's generator accepts, with room for each sample's seed + i (torch takes
+# [-2**63, 2**64 - 1]); OpenAI documents seed as a 64-bit signed integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -28,7 +33,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -112,7 +117,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.json_schema is not None and not isinstance(self.json_schema.get("schema"), dict):
+        spec = self.json_schema
+        if spec is not None and not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
             raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
                            "response_format")
         if self.forces_tool and not self.tools:

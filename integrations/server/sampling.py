@@ -10,7 +10,7 @@ from paged_backend import Engine, SamplingParams
 from paged_backend.request import LogitsProcessor
 
 from .errors import APIError, bad_request
-from .protocol import SamplingFields
+from .protocol import SEED_MAX, SEED_MIN, SamplingFields
 
 
 def to_sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -27,11 +27,18 @@ def to_sampling_params(request: SamplingFields, max_tokens: int | None, logprobs
 
 
 def build_params(**fields) -> SamplingParams:
-    """SamplingParams, with its ValueError (which names the field) turned into a 400."""
+    """SamplingParams, with any error its checks raise (its ValueErrors name the field) turned into a 400."""
+    check_seed(fields.get("seed"))
     try:
         return SamplingParams(**fields)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001  (built from the request alone: whatever fails, the input did)
         raise bad_request(str(exc), param=field_named_in(str(exc))) from None
+
+
+def check_seed(seed: object) -> None:
+    """A seed must fit the engine's generator even for a request's last sample (seeded seed + i)."""
+    if isinstance(seed, int) and not SEED_MIN <= seed <= SEED_MAX:
+        raise bad_request(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {seed}", "seed")
 
 
 def field_named_in(message: str) -> str | None:
