@@ -24,8 +24,8 @@ DATA_ENV = "PAGED_BACKEND_DATA"
 MT_BENCH_FILE = "mt_bench_questions.jsonl"
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCHMARKS_DIR / "results"
-# The project checkout sits beside the shared data folder: <root>/main/benchmarks -> <root>/shared/data.
-SHARED_DATA_DIR = BENCHMARKS_DIR.parents[1] / "shared" / "data"
+# The repository carries the prompts its benchmarks, tests and examples read.
+DATA_DIR = BENCHMARKS_DIR / "data"
 
 MiB = 2**20
 
@@ -34,9 +34,9 @@ MiB = 2**20
 
 
 def mt_bench_path() -> Path:
-    """Where the MT-bench questions are: `$PAGED_BACKEND_DATA` (the file or its folder), else the shared data folder."""
+    """Where the MT-bench questions are: `$PAGED_BACKEND_DATA` (the file or its folder), else `benchmarks/data`."""
     override = os.environ.get(DATA_ENV)
-    path = Path(override).expanduser() if override else SHARED_DATA_DIR
+    path = Path(override).expanduser() if override else DATA_DIR
     if path.is_dir():
         path = path / MT_BENCH_FILE
     if not path.is_file():

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 from paged_backend.default_model import default_model_path
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
+QUESTIONS = Path(__file__).resolve().parent / "data" / "mt_bench_questions.jsonl"
 
 
 def load_conversations(limit: int) -> list[list[HumanMessage]]:

@@ -17,7 +17,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from paged_backend.integrations.langchain import ChatPaged
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
+QUESTIONS = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "mt_bench_questions.jsonl"
 
 
 def load_questions(limit: int) -> list[str]:
