@@ -600,7 +600,8 @@ def test_serve_command_wires_its_flags() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "paged_backend.integrations.server", "--port", str(port), "--api-key", "k2",
-               "--served-model-name", "smol", "--num-kv-blocks", "32", "--block-size", "8"]
+               "--served-model-name", "smol", "--num-kv-blocks", "32", "--block-size", "8",
+               "--max-seqs-per-request", "2"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -613,6 +614,9 @@ def test_serve_command_wires_its_flags() -> None:
         card = openai.OpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0).models.list().data[0]
         assert card.id == "smol" and card.model_extra["max_model_len"] == 32 * 8
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+        too_many = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k2"},
+                              json={"model": "smol", "prompt": "hi", "n": 3})
+        assert too_many.status_code == 400 and "at most 2 per request" in too_many.json()["error"]["message"]
     finally:
         process.terminate()
         process.wait(timeout=30)

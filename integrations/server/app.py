@@ -1,4 +1,5 @@
-"""create_app: the FastAPI application serving one AsyncEngine with OpenAI's API, /generate and metrics."""
+"""create_app: the FastAPI application serving one AsyncEngine with OpenAI's API, /generate, vLLM's
+tokenizer routes and metrics."""
 
 from __future__ import annotations
 
@@ -16,13 +17,23 @@ from .errors import APIError, JSONErrors, install_error_handlers
 from .legacy import generate
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from .state import ServerState
+from .state import DEFAULT_MAX_SEQS_PER_REQUEST, ServerState
+from .tokenization import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    detokenize,
+    tokenize,
+    tokenizer_info,
+)
 
 
-def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None,
+               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> FastAPI:
     """The app for `aengine`; `model_name` is what clients must send as `model`; with `api_key` set,
-    every /v1 and /generate request needs `Authorization: Bearer <api_key>`."""
-    state = ServerState(aengine, model_name, ServerMetrics(aengine.engine), api_key)
+    every /v1, /generate and tokenizer request needs `Authorization: Bearer <api_key>`; a request that
+    would start more than `max_seqs_per_request` sequences (prompts x choices) is a 400."""
+    state = ServerState(aengine, model_name, ServerMetrics(aengine.engine), api_key, max_seqs_per_request)
     app = FastAPI(title="paged-backend", docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
@@ -58,6 +69,18 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/generate", dependencies=authorised)
     async def legacy_generate(body: GenerateRequest, request: Request):
         return await generate(state, body, request)
+
+    @app.post("/tokenize", dependencies=authorised)
+    async def tokenize_route(body: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
+        return JSONResponse(tokenize(state, body))
+
+    @app.post("/detokenize", dependencies=authorised)
+    async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(detokenize(state, body))
+
+    @app.get("/tokenizer_info", dependencies=authorised)
+    async def tokenizer_info_route() -> JSONResponse:
+        return JSONResponse(tokenizer_info(state))
 
 
 def model_card(state: ServerState) -> dict:

@@ -27,6 +27,7 @@ from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, http_request: Request):
     body.check_supported()
     state.check_model(body.model)
+    state.check_sequences(1, body.n, "n")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.uses_tools else None
     with request_field(guided_field(body)):
         writer = guided_writer(body, tools)
@@ -58,10 +59,15 @@ async def guided_reply(state: ServerState, body: ChatCompletionRequest, prompt_i
     if body.logprobs:
         raise not_supported("logprobs with a forced tool call or a JSON response format",
                             "the answer is written in pieces")
-    answers = read_guided(body, write_choices(state, prompt_ids, params, make_writer, request_id, body.n, bias))
+    written: list[GuidedAnswer] = []  # filled once the answers are written, for continuous usage
+    answers = read_guided(body, write_choices(state, prompt_ids, params, make_writer, request_id, body.n, bias),
+                          written)
     if body.stream:
         def envelope_of(choices: list[dict[str, Any]]) -> dict[str, Any]:
-            return envelope(request_id, body.model, "chat.completion.chunk", choices)
+            event = envelope(request_id, body.model, "chat.completion.chunk", choices)
+            if body.continuous_usage and choices:
+                event["usage"] = usage(len(prompt_ids), sum(a.completion_tokens for a in written))
+            return event
 
         return StreamingResponse(stream_guided(body, envelope_of, answers, len(prompt_ids)),
                                  media_type="text/event-stream")
@@ -76,11 +82,14 @@ def guided_field(body: ChatCompletionRequest) -> str:
     return "tools" if body.forces_tool else "response_format"
 
 
-async def read_guided(body: ChatCompletionRequest, answers: Awaitable[list[GuidedAnswer]]) -> list[GuidedAnswer]:
-    """The guided answers; the writers walk the schema as they write, so an error they raise on the way
-    is still the schema's: a 400 naming its field (engine failures stay APIErrors, 500)."""
+async def read_guided(body: ChatCompletionRequest, answers: Awaitable[list[GuidedAnswer]],
+                      written: list[GuidedAnswer]) -> list[GuidedAnswer]:
+    """The guided answers, also left in `written`. The writers walk the schema as they write, so an
+    error they raise on the way is still the schema's: a 400 naming its field (engine failures stay
+    APIErrors, 500)."""
     with request_field(guided_field(body)):
-        return await answers
+        written.extend(await answers)
+    return written
 
 
 def logprobs_wanted(body: ChatCompletionRequest) -> int | None:
@@ -112,13 +121,17 @@ def split_answer(body: ChatCompletionRequest, text: str) -> tuple[str | None, li
 
 async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: list[Job], prompt_tokens: int,
                       request_id: str) -> AsyncIterator[str]:
+    generated = [0] * body.n
+
     def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None,
               logprobs: dict[str, Any] | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return sse(envelope(request_id, body.model, "chat.completion.chunk", [choice]))
+        event = envelope(request_id, body.model, "chat.completion.chunk", [choice])
+        if body.continuous_usage:
+            event["usage"] = usage(prompt_tokens, sum(generated))
+        return sse(event)
 
     streamers = [ToolCallStreamer() if body.uses_tools else None for _ in range(body.n)]
-    generated = [0] * body.n
     for index in range(body.n):
         yield chunk(index, {"role": "assistant", "content": ""})
     async for index, output in merge_streams(state.aengine, jobs, request_id, state.metrics):

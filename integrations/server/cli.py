@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .state import DEFAULT_MAX_SEQS_PER_REQUEST
+
 ENGINE_INT_FLAGS = ("block_size", "num_kv_blocks", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs",
                     "max_model_len")
 
@@ -15,6 +17,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /generate")
     parser.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
+    parser.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
+                        help="the most sequences (prompts x n or best_of) one request may start; more is a 400 "
+                        f"(default {DEFAULT_MAX_SEQS_PER_REQUEST})")
     engine = parser.add_argument_group("engine")
     for name in ENGINE_INT_FLAGS:
         engine.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
@@ -40,7 +45,8 @@ def run_serve(args: argparse.Namespace) -> None:
     aengine = AsyncEngine(llm.engine)
     name = args.served_model_name or args.model or DEFAULT_MODEL
     try:
-        uvicorn.run(create_app(aengine, name, args.api_key), host=args.host, port=args.port)
+        uvicorn.run(create_app(aengine, name, args.api_key, args.max_seqs_per_request), host=args.host,
+                    port=args.port)
     finally:
         aengine.shutdown()
         llm.close()

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_backend import RequestOutput
 
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, request_field
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import CompletionRequest
 from .responses import (
@@ -36,7 +36,11 @@ async def create_completion(state: ServerState, body: CompletionRequest, http_re
     params = to_sampling_params(body, body.max_tokens, body.logprobs)
     if body.echo and body.logprobs is not None:  # the echoed prompt comes with its tokens' logprobs
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-    prompts = [state.tokenize(p) for p in prompt_list(body.prompt)]
+    texts = prompt_list(body.prompt)
+    per_prompt = body.best_of or body.n
+    state.check_sequences(len(texts), per_prompt, "prompt" if len(texts) > 1 else "best_of" if body.best_of else "n")
+    with request_field("prompt"):
+        prompts = [state.tokenize(text) for text in texts]
     for _, ids in prompts:
         check_prompt(state.engine, ids, params)
     bias = bias_processor(state.engine, body.logit_bias)
@@ -90,6 +94,7 @@ async def stream_completion(state: ServerState, body: CompletionRequest, jobs: l
                             prompt_tokens: int, request_id: str) -> AsyncIterator[str]:
     generated = [0] * len(echoes)
     echo_pending = [bool(e) for e in echoes]
+    offsets = [len(e) for e in echoes]  # each choice's next text_offset, counted as the plain answer counts
     async for index, output in merge_streams(state.aengine, jobs, request_id, state.metrics):
         if output.error:
             yield sse_error(APIError(500, f"generation failed: {output.error}"))
@@ -99,10 +104,16 @@ async def stream_completion(state: ServerState, body: CompletionRequest, jobs: l
         echo_pending[index] = False
         text = echo + output.delta_text
         if text or output.finished:
-            choice = stream_choice(state, body, index, output, text)
-            if echo and choice["logprobs"] is not None:
-                choice["logprobs"] = join_logprobs(echoed_logprobs(state, output, body.logprobs), choice["logprobs"])
-            yield sse(envelope(request_id, body.model, [choice]))
+            choice = stream_choice(state, body, index, output, text, offsets[index])
+            if choice["logprobs"] is not None:
+                offsets[index] += sum(len(token) for token in choice["logprobs"]["tokens"])
+                if echo:
+                    choice["logprobs"] = join_logprobs(echoed_logprobs(state, output, body.logprobs),
+                                                       choice["logprobs"])
+            event = envelope(request_id, body.model, [choice])
+            if body.continuous_usage:
+                event["usage"] = usage(prompt_tokens, sum(generated))
+            yield sse(event)
     if body.include_usage:
         yield sse(envelope(request_id, body.model, []) | {"usage": usage(prompt_tokens, sum(generated))})
     yield DONE
@@ -122,12 +133,13 @@ def join_logprobs(first: dict[str, list[Any]], then: dict[str, list[Any]]) -> di
 
 
 def stream_choice(state: ServerState, body: CompletionRequest, index: int, output: RequestOutput,
-                  text: str) -> dict[str, Any]:
+                  text: str, offset: int) -> dict[str, Any]:
+    """One chunk's choice; its logprobs' text_offsets start at `offset`, where the previous chunk's ended."""
     completion = output.outputs[0]
     logprobs = None
     if body.logprobs is not None:
         pairs = positions(completion, len(output.delta_token_ids))
-        logprobs = completion_logprobs(state.tokenizer, pairs, body.logprobs)
+        logprobs = completion_logprobs(state.tokenizer, pairs, body.logprobs, offset)
     return {"index": index, "text": text, "logprobs": logprobs,
             "finish_reason": completion.finish_reason if output.finished else None,
             "stop_reason": completion.stop_reason if output.finished else None}

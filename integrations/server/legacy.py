@@ -18,7 +18,7 @@ from paged_backend import SamplingParams
 from .errors import APIError, bad_request, not_supported
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import GenerateRequest
-from .sampling import build_params, check_prompt, with_choices
+from .sampling import build_params, check_prompt
 from .state import ServerState
 
 PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -26,7 +26,8 @@ PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 async def generate(state: ServerState, body: GenerateRequest, http_request: Request):
     if body.use_beam_search:
-        raise not_supported("use_beam_search", "the engine has no beam search")
+        raise not_supported("use_beam_search", "beam search runs offline through LLM.beam_search, which steps "
+                            "the engine itself; this server's engine is shared by concurrent requests")
     fields = dict(body.model_extra or {})
     unknown = sorted(set(fields) - PARAM_FIELDS)
     if unknown:
@@ -34,11 +35,14 @@ async def generate(state: ServerState, body: GenerateRequest, http_request: Requ
     n = fields.pop("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
         raise bad_request(f"n must be an int in [1, 64], got {n!r}", "n")
-    params = build_params(**fields)
+    params = build_params(n=n, **fields)
+    state.check_sequences(1, params.num_samples, "best_of" if params.best_of else "n")
+    if body.stream and params.num_samples > n:
+        raise bad_request("best_of > n cannot be streamed: the best samples are known only at the end", "best_of")
     text, ids = state.tokenize(body.prompt)
     check_prompt(state.engine, ids, params)
     prompt_text = text if text is not None else state.tokenizer.decode(ids)
-    jobs = [Job(0, ids, with_choices(params, n))]
+    jobs = [Job(0, ids, params)]
     request_id = new_id("generate")
     if body.stream:
         return StreamingResponse(stream_texts(state, jobs, prompt_text, request_id), media_type="application/json")

@@ -19,7 +19,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5
                    7.5, 10.0, 20.0, 40.0, 80.0)
 # The paths worth a label of their own; anything else is counted as "other" to bound cardinality.
 KNOWN_PATHS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/generate", "/health",
-                         "/metrics"})
+                         "/metrics", "/tokenize", "/detokenize", "/tokenizer_info"})
 
 
 class ServerMetrics:

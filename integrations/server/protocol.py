@@ -1,13 +1,15 @@
-"""Request bodies of the OpenAI API (and vLLM's extra sampling fields), validated by pydantic.
+"""Request bodies of the OpenAI API (and vLLM's extra fields), validated by pydantic.
 
 Unknown fields are refused (400) rather than ignored, so a client never believes an option took
-effect when it did not. Fields OpenAI defines but this server cannot honour are accepted by the
-schema and refused with a message naming them in `unsupported_fields`.
+effect when it did not. Types are strict, as OpenAI's are: "10" is not an integer, 1 is not a
+boolean. Fields OpenAI or vLLM define but this server cannot honour are accepted by the schema at
+the value that changes nothing (what clients send by default) and refused with a 400 naming them
+at any other value (`NEUTRAL_FIELDS`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,15 +21,46 @@ from .errors import APIError, bad_request, not_supported
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
+STRICT = ConfigDict(extra="forbid", strict=True)
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk too
+
+
+# vLLM fields accepted only at the value that changes nothing here: (neutral values, why others are refused).
+NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search runs offline through LLM.beam_search, not on the sampling routes"),
+    "length_penalty": ((1.0,), "it only shapes beam search"),
+    "spaces_between_special_tokens": ((True,), "special tokens are always decoded with spaces between them"),
+    "truncate_prompt_tokens": ((None,), "prompts are never truncated; a prompt too long for the context is a 400"),
+    "prompt_logprobs": ((None,), "use echo with logprobs on /v1/completions to score the prompt"),
+    "allowed_token_ids": ((None,), "use logit_bias"),
+    "bad_words": ((None, []), "use logit_bias or stop"),
+    "priority": ((0,), "requests are scheduled first come, first served"),
+    "logits_processors": ((None,), "no server-side logits processors"),
+    "return_tokens_as_token_ids": ((None, False), "logprobs carry token text"),
+}
+CHAT_NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((False,), "the answer never repeats the last message"),
+    "continue_final_message": ((False,), "the answer starts a new assistant turn"),
+    "add_special_tokens": ((False,), "the chat template places the special tokens"),
+    "documents": ((None,), "no retrieval documents in the chat template"),
+    "chat_template": ((None,), "the model's own chat template is used"),
+    "mm_processor_kwargs": ((None,), "text-only models"),
+}
+COMPLETION_NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "add_special_tokens": ((True,), "a text prompt is tokenized as the tokenizer does by default"),
+}
 
 
 class SamplingFields(BaseModel):
     """What completions and chat share: OpenAI's sampling fields plus vLLM's extras."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str
     n: int = Field(1, ge=1, le=64)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -41,16 +74,32 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100], added to its logit
     user: str | None = None  # an end-user id for the caller's own bookkeeping; it changes no output
     # vLLM's extra sampling fields (sent with the OpenAI client's `extra_body`).
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's fields that this server takes only at their neutral value (see NEUTRAL_FIELDS).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    priority: int = 0
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+    neutral_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = NEUTRAL_FIELDS
 
     def check_supported(self) -> None:
+        for name, (neutral, why) in self.neutral_fields.items():
+            if getattr(self, name) not in neutral:
+                raise not_supported(name, f"only {neutral[0]!r} is accepted ({why})")
         for key, bias in (self.logit_bias or {}).items():
             if not key.isdigit() or not -100 <= bias <= 100:
                 raise APIError(400, f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias}",
@@ -62,14 +111,22 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: every chunk carries the usage so far (with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=64)
     suffix: str | None = None
+    add_special_tokens: bool = True
+
+    neutral_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = NEUTRAL_FIELDS | COMPLETION_NEUTRAL_FIELDS
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -83,7 +140,7 @@ class CompletionRequest(SamplingFields):
 
 
 class FunctionSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -91,18 +148,40 @@ class FunctionSpec(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["function"]
     function: FunctionSpec
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text", "json_object", "json_schema"]
 
 
+# The shape of one message, for the OpenAPI schema only: messages are checked where they are rendered
+# (chat_template.py), which names the message and field of any error.
+MESSAGE_SCHEMA = {
+    "type": "object", "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"anyOf": [
+            {"type": "string"}, {"type": "null"},
+            {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+        "name": {"type": "string"},
+        "tool_call_id": {"type": "string"},
+        "tool_calls": {"type": "array", "items": {
+            "type": "object", "required": ["function"],
+            "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                           "function": {"type": "object", "required": ["name", "arguments"],
+                                        "properties": {"name": {"type": "string"},
+                                                       "arguments": {"type": "string"}}}}}},
+    },
+}
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": MESSAGE_SCHEMA})
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -114,6 +193,14 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's chat extras.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    neutral_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = NEUTRAL_FIELDS | CHAT_NEUTRAL_FIELDS
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -153,7 +240,7 @@ class ChatCompletionRequest(SamplingFields):
 class GenerateRequest(BaseModel):
     """The older `/generate` body: a prompt, `stream`, and SamplingParams fields by their own names."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     prompt: str | list[int]
     stream: bool = False
     use_beam_search: bool = False

@@ -11,12 +11,19 @@ from .errors import APIError
 from .metrics import ServerMetrics
 
 
+# The most sequences (prompts x choices) one request may start unless the deployer says otherwise:
+# enough for an evaluation harness's batches, small enough that one request cannot hold the engine
+# for minutes while every other client waits.
+DEFAULT_MAX_SEQS_PER_REQUEST = 256
+
+
 @dataclass(slots=True)
 class ServerState:
     aengine: AsyncEngine
     model_name: str
     metrics: ServerMetrics
     api_key: str | None = None
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
 
     @property
     def engine(self) -> Engine:
@@ -36,3 +43,11 @@ class ServerState:
             return self.engine.tokenize(prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), param) from None
+
+    def check_sequences(self, prompts: int, per_prompt: int, param: str) -> None:
+        """Refuse (400, with the numbers) a request that would start more sequences than the deployer allows."""
+        wanted = prompts * per_prompt
+        if wanted > self.max_seqs_per_request:
+            raise APIError(400, f"this request would start {wanted} sequences ({prompts} prompt(s) x {per_prompt} "
+                           f"each); this server allows at most {self.max_seqs_per_request} per request "
+                           "(--max-seqs-per-request)", param)
