@@ -21,12 +21,13 @@ from .attention import ATTENTION_NAME, register
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .distributed import agree_on_blocks
+from .grammar import Grammars
 from .kv_cache_manager import KVCacheManager
 from .model_loader import check_architecture
 from .model_runner import ModelRunner, StepInputs
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .paged_cache import KVShape, PagedCache, probe_kv_shape
-from .request import LogitsProcessor, Request
+from .request import LogitsProcessor, Request, RequestStatus
 from .sampler import SamplerOutput, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -65,6 +66,8 @@ class Engine:
         self.ids = itertools.count()
         self.utilisation_samples: list[float] = []
         self.num_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
+        self.grammars: Grammars | None = None  # built with the first structured-outputs request
+        self.compiling: list[Request] = []  # structured requests whose grammar is not compiled yet
 
     def choose_num_blocks(self, shape: KVShape, dtype: torch.dtype, device: torch.device) -> int:
         if self.config.num_kv_blocks is not None:
@@ -127,9 +130,35 @@ class Engine:
                 request.prompt_logprobs = None
             request.logits_processor = logits_processor
             request.leader = group[0] if index else None
-            self.scheduler.add(request)
+            self.enqueue(request)
         self.requests[request_id] = group
         return request_id
+
+    def enqueue(self, request: Request) -> None:
+        """A structured request waits for its grammar outside the scheduler, so it holds up no one."""
+        spec = request.params.structured_outputs
+        if spec is None:
+            self.scheduler.add(request)
+            return
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.vocab_size)
+        request.grammar = self.grammars.state_for(spec.key)
+        self.compiling.append(request)
+
+    def schedule_compiled(self) -> None:
+        """Hand requests whose grammar is ready to the scheduler; a grammar that failed ends its request."""
+        ready = [r for r in self.compiling if not r.grammar.is_compiling()]
+        for request in ready:
+            if request.is_finished:  # a sample of a group that an earlier failure already ended
+                continue
+            self.compiling.remove(request)
+            try:
+                request.grammar.start(sorted(request.stop_ids))
+            except Exception as exc:  # compiling failed: this request's error, not the engine's
+                self.compiling.append(request)  # abort_request finds it here
+                self.abort_request(request.external_id, f"structured_outputs could not be compiled: {exc}")
+                continue
+            self.scheduler.add(request)
 
     def make_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
                      metrics: RequestMetrics, stream: bool, cache_salt: str | None) -> Request:
@@ -174,6 +203,8 @@ class Engine:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer (its vocabulary is what the grammar constrains)")
 
     def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.max_model_len - prompt_len
@@ -202,21 +233,26 @@ class Engine:
         self.pending_outputs.append(self.make_output(group[-1], group, []))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.pending_outputs)
+        return self.scheduler.has_unfinished() or bool(self.pending_outputs) or bool(self.compiling)
 
     # ---------------------------------------------------------------- stepping
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs that changed (every new token when streaming)."""
+        if self.compiling:
+            self.schedule_compiled()
         outputs, self.pending_outputs = self.pending_outputs, []
         batch = self.scheduler.schedule()
         if not batch.requests:
+            if self.compiling:  # nothing else to run: sleep until a grammar is ready instead of spinning
+                self.grammars.wait_for_any([r.grammar for r in self.compiling], timeout=0.05)
             return outputs
         try:
             with torch.inference_mode():
                 logits, inputs = self.runner.execute(batch)
                 sampling_requests = inputs.sampling_requests
-                sampled = sample(logits[: len(sampling_requests)], sampling_requests)
+                mask = self.grammars.fill_bitmask(sampling_requests) if self.grammars else None
+                sampled = sample(logits[: len(sampling_requests)], sampling_requests, mask)
                 prompt_logprobs.record(logits[len(sampling_requests):], inputs.prompt_spans)
         except Exception as exc:  # a failed forward ends this step's requests, not the engine
             logger.exception("engine step failed")
@@ -245,6 +281,8 @@ class Engine:
             elif request.keep_best is not None:
                 request.cumulative_logprob += sampled.logprobs[i]
             self.check_stop(request, token)
+            if request.grammar is not None and not request.is_finished:
+                self.advance_grammar(request, token)
             if request.stream or request.group_finished():
                 outputs.extend(self.outputs_after(request, [token]))
         return outputs
@@ -261,10 +299,23 @@ class Engine:
         elif request.num_output_tokens >= request.max_tokens:
             self.finish(request, "length")
 
+    def advance_grammar(self, request: Request, token: int) -> None:
+        """Move the request's matcher past `token`; a completed grammar ends the request even when
+        its stop token is not one the engine stops on (ignore_eos)."""
+        if not request.grammar.accept(token):  # only when the mask left nothing to pick (e.g. min_tokens)
+            request.error = f"token {token} does not fit the structured_outputs grammar"
+            self.finish(request, "abort")
+        elif request.grammar.is_terminated():
+            self.finish(request, "stop")
+
     def finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         request.metrics.finished_time = time.time()
-        self.scheduler.finish(request)
+        if request in self.compiling:  # never reached the scheduler
+            self.compiling.remove(request)
+            request.status = RequestStatus.FINISHED
+        else:
+            self.scheduler.finish(request)
         if request.group_finished():
             del self.requests[request.external_id]
 

@@ -14,6 +14,7 @@ from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
+    from .grammar import GrammarState
 
 # vLLM's form: the request's output token ids so far and its logits row [V], returning the row to sample from.
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
@@ -56,6 +57,7 @@ class Request:
     external_id: str = ""  # the id the user gave; samples of an n > 1 request share it
     logits_processor: LogitsProcessor | None = None  # (output ids, row [V]) -> row, before sampling
     penalty_state: PenaltyState | None = None  # built on first use by the sampler
+    grammar: GrammarState | None = None  # structured outputs: the matcher its tokens must satisfy
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from .grammar import GrammarMask, apply_bitmask
 from .request import PenaltyState, Request
 
 
@@ -22,13 +23,15 @@ class SamplerOutput(NamedTuple):
     top_logprobs: list[list[float]] | None = None
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-    """Pick one token per row of `logits [B, V]`; row i belongs to `requests[i]`."""
+def sample(logits: torch.Tensor, requests: list[Request], grammar_mask: GrammarMask | None = None) -> SamplerOutput:
+    """Pick one token per row of `logits [B, V]`; row i belongs to `requests[i]`. `grammar_mask` forbids
+    the tokens each constrained row's grammar does not allow (the logprobs reported stay the model's own)."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any_wants_logprobs(requests) else None
     apply_request_processors(logits, requests)
     apply_penalties(logits, requests)
     ban_stop_tokens_before_min(logits, requests)
+    apply_bitmask(logits, grammar_mask)
     tokens = pick_tokens(logits, requests)
     if raw_logprobs is None:
         return SamplerOutput(tokens.tolist())

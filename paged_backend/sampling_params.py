@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from .structured_outputs import StructuredOutputsParams
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -27,10 +29,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # number of top logprobs per prompt token (0: the token's own only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The answer must match a JSON Schema, regex, choice or grammar (a dict of its fields is accepted too).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         self.validate()
 
     @property
@@ -77,6 +82,8 @@ class SamplingParams:
               self.logprobs, "must be an int >= 0 or None")
         check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
               "prompt_logprobs", self.prompt_logprobs, "must be an int >= 0 or None")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", self.structured_outputs, "must be StructuredOutputsParams or None")
 
 
 def check(ok: bool, name: str, value: object, rule: str) -> None:
