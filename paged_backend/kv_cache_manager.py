@@ -20,7 +20,7 @@ def hash_block(key: BlockKey) -> BlockHash:
     parent, tokens, salt = key
     h = hashlib.blake2b(digest_size=16)
     h.update(b"root" if parent is None else parent.to_bytes(16, "little"))
-    h.update(b"" if salt is None else salt.encode())
+    h.update(b"-" if salt is None else b"+" + salt.encode())  # the marker keeps salt "" apart from no salt
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
     return BlockHash(int.from_bytes(h.digest(), "little"))
 

@@ -82,6 +82,28 @@ def test_cache_salt_isolates_tenants(model):
     assert run_to_completion(engine)[rid].num_cached_tokens == 16
 
 
+def test_each_tenant_hits_its_own_cached_prefix(model):
+    """Tenants sending the same prompt each keep their own cache entries: every tenant's repeat is a hit,
+    whichever tenant cached the prompt first."""
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=4))
+    prompt = list(range(1, 21))
+    for salt in ("a", "b", None):
+        rid = engine.add_request(prompt, greedy(2), cache_salt=salt)
+        assert run_to_completion(engine)[rid].num_cached_tokens == 0, salt
+    for salt in ("b", "a", None, "b"):
+        rid = engine.add_request(prompt, greedy(2), cache_salt=salt)
+        assert run_to_completion(engine)[rid].num_cached_tokens == 16, salt
+    assert_all_blocks_free(engine)
+
+
+def test_salts_hash_differently_and_only_the_first_block_carries_one():
+    tokens = (1, 2, 3, 4)
+    hashes = {kv_cache_manager.hash_block((None, tokens, salt)) for salt in (None, "a", "b", "")}
+    assert len(hashes) == 4
+    parent = kv_cache_manager.hash_block((None, tokens, None))
+    assert kv_cache_manager.hash_block((parent, tokens, None)) != parent  # the parent is part of the hash
+
+
 def test_forced_hash_collision_never_serves_other_kv(model, shared_prompts, monkeypatch):
     """With every block hashing to the same value, only the stored key can tell blocks apart."""
     monkeypatch.setattr(kv_cache_manager, "hash_block", lambda key: 42)

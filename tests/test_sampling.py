@@ -157,3 +157,51 @@ def test_failing_logits_processor_fails_only_its_step(model, engine):
     out = run_to_completion(engine)[rid]
     assert out.outputs[0].finish_reason == "abort" and "ZeroDivisionError" in out.error
     assert run_one(engine, PROMPT, greedy(4)).token_ids == hf_greedy(model, PROMPT, 4)
+
+
+def all_negative(output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
+    """Shifts a logits row below zero, so the repetition penalty works on negative logits only."""
+    return row - row.max() - 1.0
+
+
+def reference_penalised_greedy(model, prompt: list[int], steps: int, params: SamplingParams,
+                               shift=None) -> list[int]:
+    """Greedy decoding with the bare model and the penalties written out from their definitions:
+    repetition (prompt + output, divide a positive logit, multiply a negative one), then presence and
+    frequency (output only)."""
+    ids, out = list(prompt), []
+    for _ in range(steps):
+        with torch.no_grad():
+            row = model(torch.tensor([ids])).logits[0, -1].float()
+        if shift is not None:
+            row = shift(out, row)
+        for token in set(ids):
+            value = row[token].item()
+            row[token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+        for token in set(out):
+            row[token] -= params.frequency_penalty * out.count(token) + params.presence_penalty
+        token = int(row.argmax())
+        ids.append(token)
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("kwargs, shift", [
+    (dict(frequency_penalty=0.5), None),
+    (dict(presence_penalty=0.8), None),
+    (dict(repetition_penalty=1.3), None),
+    (dict(repetition_penalty=1.3), all_negative),
+    (dict(frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.2), all_negative),
+], ids=["frequency", "presence", "repetition", "repetition-negative", "all-negative"])
+def test_penalties_over_many_greedy_steps_match_a_bare_model_loop(model, engine, kwargs, shift):
+    """40 greedy steps, so penalties built from earlier output tokens decide later ones."""
+    steps = 40
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, **kwargs)
+    ref = reference_penalised_greedy(model, PROMPT, steps, params, shift)
+    plain = hf_greedy(model, PROMPT, steps)
+    assert ref != plain  # the penalties change the answer
+    rid = engine.add_request(PROMPT, params, logits_processor=shift)
+    neighbour = engine.add_request(PROMPT, greedy(steps))  # batched with an unpenalised row
+    finals = run_to_completion(engine)
+    assert finals[rid].outputs[0].token_ids == ref
+    assert finals[neighbour].outputs[0].token_ids == plain
