@@ -102,9 +102,11 @@ def test_usage_finish_reason_and_logprobs() -> None:
 
 
 def test_n_samples_give_n_generations_per_prompt() -> None:
-    result = PagedLLM(n=2, temperature=1.0, seed=0, max_tokens=3).generate(["Once upon", "Hello"])
+    result = PagedLLM(n=2, temperature=1.0, seed=0, max_tokens=3, logprobs=0).generate(["Once upon", "Hello"])
     assert [len(g) for g in result.generations] == [2, 2]
-    assert 4 <= result.llm_output["token_usage"]["completion_tokens"] <= 12  # 1 to 3 tokens per sample
+    samples = [g.generation_info["logprobs"]["tokens"] for gens in result.generations for g in gens]
+    assert ["".join(tokens) for tokens in samples] == [g.text for gens in result.generations for g in gens]
+    assert result.llm_output["token_usage"]["completion_tokens"] == sum(len(tokens) for tokens in samples)
 
 
 def test_best_of_keeps_the_best_sample_per_prompt() -> None:
@@ -120,6 +122,8 @@ async def test_32_concurrent_ainvokes_share_the_engine(peak_in_flight: list[int]
     llm = PagedLLM(temperature=0, max_tokens=4, engine_config={})
     texts = await asyncio.gather(*(llm.ainvoke(f"Item {i}:") for i in range(32)))
     assert len(texts) == 32 and peak_in_flight[0] == 32
+    for i in (0, 13, 31):  # each answer is the one its prompt gets alone
+        assert texts[i] == await llm.ainvoke(f"Item {i}:")
 
 
 def test_timeout_aborts_the_request(aengine: AsyncEngine) -> None:

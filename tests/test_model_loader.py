@@ -79,9 +79,12 @@ def test_load_from_folder_matches_saved_weights(saved_llama: Path, tiny_llama: L
         torch.testing.assert_close(model(ids).logits, tiny_llama.eval()(ids).logits)
 
 
-def test_load_from_str_path(saved_llama: Path) -> None:
+def test_load_from_str_path(saved_llama: Path, tiny_llama: LlamaForCausalLM) -> None:
     model, _ = load_model(str(saved_llama), device="cpu")
     assert isinstance(model, LlamaForCausalLM)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, tiny_llama.eval()(ids).logits)
 
 
 @pytest.mark.parametrize(
@@ -121,17 +124,19 @@ def test_tokenizer_from_same_folder(tmp_path: Path, tiny_llama: LlamaForCausalLM
     tiny_llama.save_pretrained(folder)
     save_tiny_tokenizer(folder)
     model, tokenizer = load_model(folder, device="cpu")
-    assert isinstance(tokenizer, PreTrainedTokenizerBase)
-    assert tokenizer("ab")["input_ids"]
+    assert tokenizer("abc")["input_ids"] == TINY_IDS_OF_ABC
 
 
 def test_tokenizer_given_as_path_or_object(tmp_path: Path, saved_llama: Path) -> None:
     tok_dir = tmp_path / "tok"
     save_tiny_tokenizer(tok_dir)
     _, by_path = load_model(saved_llama, tokenizer=str(tok_dir), device="cpu")
-    assert isinstance(by_path, PreTrainedTokenizerBase)
+    assert by_path("abc")["input_ids"] == TINY_IDS_OF_ABC
     _, same = load_model(saved_llama, tokenizer=by_path, device="cpu")
     assert same is by_path
+
+
+TINY_IDS_OF_ABC = [3, 4, 5]  # the tiny tokenizer's vocabulary: <unk>, <s>, </s>, then "a" to "j"
 
 
 def save_tiny_tokenizer(folder: Path) -> None:
@@ -174,7 +179,7 @@ def test_in_memory_model_gets_tokenizer_from_its_folder(tmp_path: Path, tiny_lla
     reloaded, _ = load_model(folder, tokenizer=None, device="cpu")
     model, tokenizer = load_model(reloaded)
     assert model is reloaded
-    assert isinstance(tokenizer, PreTrainedTokenizerBase)
+    assert tokenizer("abc")["input_ids"] == TINY_IDS_OF_ABC
 
 
 def test_in_memory_attn_implementation(tiny_llama: LlamaForCausalLM) -> None:
@@ -189,6 +194,9 @@ def test_other_supported_family_loads(tmp_path: Path) -> None:
     GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
     model, _ = load_model(tmp_path / "gpt2", device="cpu")
     assert model.config.model_type == "gpt2"
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")(ids).logits)
 
 
 # --- architecture checks ---------------------------------------------------

@@ -341,7 +341,7 @@ def test_langchain_chatopenai_structured_output(real: Served, method: str) -> No
     chat = langchain_openai.ChatOpenAI(base_url=f"{real.url}/v1", api_key="none", model="smollm2", temperature=0,
                                        max_tokens=16, max_retries=0)
     person = chat.with_structured_output(Person, method=method).invoke("Alice is 30 years old.")
-    assert isinstance(person, Person) and person.name and person.age >= 0
+    assert person == Person(name="Alice", age=30)
 
 
 def test_guided_answers_with_n_choices_use_derived_seeds(real: Served) -> None:
@@ -461,7 +461,8 @@ def test_tool_history_is_rendered_and_accepted(tiny: Served) -> None:
     assert call_text("Paris") in text and "<tool_response>\n18 C and sunny\n</tool_response>" in text
     reply = tiny.client().chat.completions.create(model="tiny", messages=history, tools=[WEATHER],
                                                   **greedy(max_tokens=4))
-    assert reply.choices[0].finish_reason in {"stop", "length", "tool_calls"}
+    assert reply.usage.prompt_tokens == len(render_chat(tiny.tokenizer, history, [WEATHER]))
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 4
 
 
 def test_forced_tool_calls_are_written_for_the_model(tiny: Served) -> None:
