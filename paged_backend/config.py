@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .speculative_config import SpeculativeConfig
+
 DEFAULT_CPU_KV_BYTES = 512 * 2**20  # a fixed budget: the KV cache never takes "most of the machine"
 DEFAULT_CUDA_KV_FRACTION = 0.4  # of the device memory free after loading the model
 
@@ -22,8 +24,12 @@ class EngineConfig:
     device: str | torch.device | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's setting
     enable_prefix_caching: bool = True  # share the K/V of identical prompt prefixes across requests
+    # Speculative decoding: None (off), a SpeculativeConfig or its dict, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -21,7 +21,7 @@ from .attention import ATTENTION_NAME, register
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .distributed import agree_on_blocks
-from .grammar import Grammars
+from .grammar import GrammarMask, Grammars
 from .kv_cache_manager import KVCacheManager
 from .model_loader import check_architecture
 from .model_runner import ModelRunner, StepInputs
@@ -31,6 +31,7 @@ from .request import LogitsProcessor, Request, RequestStatus
 from .sampler import SamplerOutput, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .speculation import Speculator, speculation_stats
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,9 @@ class Engine:
         num_blocks = agree_on_blocks(self.choose_num_blocks(shape, param.dtype, param.device), param.device)
         self.cache = PagedCache(shape, num_blocks, self.config.block_size, param.dtype, param.device)
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv)
+        spec = self.config.speculative_config
+        self.speculator = Speculator(spec) if spec is not None else None
+        self.scheduler = Scheduler(self.config, self.kv, self.speculator)
         self.runner = ModelRunner(model, self.cache, publish_step)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_model_len = self.resolve_max_model_len(text_config)
@@ -251,40 +254,80 @@ class Engine:
             with torch.inference_mode():
                 logits, inputs = self.runner.execute(batch)
                 sampling_requests = inputs.sampling_requests
-                mask = self.grammars.fill_bitmask(sampling_requests) if self.grammars else None
-                sampled = sample(logits[: len(sampling_requests)], sampling_requests, mask)
-                prompt_logprobs.record(logits[len(sampling_requests):], inputs.prompt_spans)
+                sampled, kept, rows = self.sample_tokens(logits, sampling_requests)
+                prompt_logprobs.record(logits[len(sampled.token_ids):], inputs.prompt_spans)
         except Exception as exc:  # a failed forward ends this step's requests, not the engine
             logger.exception("engine step failed")
+            for request in batch.requests:
+                request.spec_token_ids = []
             for request_id in dict.fromkeys(r.external_id for r in batch.requests):
                 self.abort_request(request_id, error=f"{type(exc).__name__}: {exc}")
             outputs, self.pending_outputs = outputs + self.pending_outputs, []
             return outputs
+        kept_of = dict(zip(sampling_requests, kept)) if self.speculator else None
         for request, n in zip(batch.requests, batch.num_new_tokens):
+            if request.spec_token_ids:  # progress counts the last token and the kept proposals only
+                n -= len(request.spec_token_ids) - (len(kept_of[request]) - 1)
+                request.spec_token_ids = []
             request.num_computed_tokens += n
             self.kv.cache_full_blocks(request)
         self.num_computed_tokens += sum(batch.num_new_tokens)
         self.record_utilisation()
-        outputs.extend(self.append_tokens(sampling_requests, sampled))
+        outputs.extend(self.append_tokens(sampling_requests, sampled, kept, rows))
+        if self.speculator:
+            for request in sampling_requests:
+                if not request.is_finished:
+                    Speculator.release_rejected(self.kv, request)
         return outputs
 
-    def append_tokens(self, requests: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
+    def sample_tokens(self, logits: torch.Tensor, requests: list[Request]
+                      ) -> tuple[SamplerOutput, list[list[int]], list[int]]:
+        """Sample the step's new tokens: per request, the tokens it keeps and the sampler row of the first."""
+        if self.speculator is None or not any(r.spec_token_ids for r in requests):
+            sampled = sample(logits[: len(requests)], requests, self.grammar_mask(requests))
+            return sampled, [[token] for token in sampled.token_ids], list(range(len(requests)))
+        # Constrained requests carry no proposals (see Scheduler.add_proposals): one row each, as the mask has.
+        row_requests, extras = Speculator.expand_rows(requests)
+        states = [Speculator.save_generator(r) for r in requests]
+        sampled = sample(logits[: len(row_requests)], row_requests, self.grammar_mask(row_requests), extras)
+        kept, rows, row = [], [], 0
+        for request, state in zip(requests, states):
+            num_rows = len(request.spec_token_ids) + 1
+            tokens = self.speculator.accept(request, sampled.token_ids[row : row + num_rows])
+            if state is not None:
+                Speculator.rewind_generator(request, state, len(tokens), logits.shape[-1])
+            kept.append(tokens)
+            rows.append(row)
+            row += num_rows
+        return sampled, kept, rows
+
+    def grammar_mask(self, rows: list[Request]) -> GrammarMask | None:
+        return self.grammars.fill_bitmask(rows) if self.grammars else None
+
+    def append_tokens(self, requests: list[Request], sampled: SamplerOutput, kept: list[list[int]],
+                      rows: list[int]) -> list[RequestOutput]:
+        """Append each request's kept tokens (sampler rows `rows[i]` onward) one by one, as if each came
+        from its own step: stop checks may end a request before its last kept token."""
         outputs = []
         now = time.time()
         for i, request in enumerate(requests):
-            token = sampled.token_ids[i]
-            request.output_token_ids.append(token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            if request.logprobs is not None:
-                record_logprobs(request, sampled, i)
-            elif request.keep_best is not None:
-                request.cumulative_logprob += sampled.logprobs[i]
-            self.check_stop(request, token)
-            if request.grammar is not None and not request.is_finished:
-                self.advance_grammar(request, token)
+            appended = []
+            for row, token in enumerate(kept[i], start=rows[i]):
+                request.output_token_ids.append(token)
+                appended.append(token)
+                if request.logprobs is not None:
+                    record_logprobs(request, sampled, row)
+                elif request.keep_best is not None:
+                    request.cumulative_logprob += sampled.logprobs[row]
+                self.check_stop(request, token)
+                if request.grammar is not None and not request.is_finished:
+                    self.advance_grammar(request, token)
+                if request.is_finished:
+                    break
             if request.stream or request.group_finished():
-                outputs.extend(self.outputs_after(request, [token]))
+                outputs.extend(self.outputs_after(request, appended))
         return outputs
 
     def check_stop(self, request: Request, token: int) -> None:
@@ -377,6 +420,7 @@ class Engine:
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
             "prefix_cache_hit_tokens": self.kv.hit_tokens,
             "num_computed_tokens": self.num_computed_tokens,
+            **(self.speculator.stats() if self.speculator else speculation_stats(0, 0, 0)),
         }
 
 

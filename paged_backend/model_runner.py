@@ -2,7 +2,8 @@
 
 Inputs are built with numpy over the whole batch (no Python work per token): the new tokens of
 every request are packed into one row `[1, T]` with their positions, cache slots, block tables and
-query offsets, and logits are computed only at the last position of requests that sample.
+query offsets, and logits are computed only at the last position of requests that sample (and at
+the positions of the proposed tokens a request carries, which speculation verifies).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepInputs]:
         """Run one forward; return the kept logits and the step's inputs: the first rows are those of
-        `inputs.sampling_requests` (the requests that reach their last token), then those of `inputs.prompt_spans`.
+        `inputs.sampling_requests` (the requests that reach their last token; 1 + its proposals for a request
+        carrying proposed tokens), then those of `inputs.prompt_spans`.
         The caller holds `torch.inference_mode()` over this and the sampling that follows."""
         inputs = self.prepare_inputs(batch)
         if self.publish is not None:
@@ -69,17 +71,19 @@ class ModelRunner:
         ends = starts + counts
         query_start_loc = np.zeros(len(requests) + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start_loc[1:])
+        spec = np.fromiter((len(r.spec_token_ids) for r in requests), dtype=np.int64, count=len(requests))
         token_ids = np.concatenate(
-            [np.asarray(r.token_slice(s, e), dtype=np.int64) for r, s, e in zip(requests, starts, ends)]
+            [np.asarray(r.token_slice(s, e - d) + r.spec_token_ids if d else r.token_slice(s, e), dtype=np.int64)
+             for r, s, e, d in zip(requests, starts, ends, spec.tolist())]
         )
         positions = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1] - starts, counts)
         block_tables = self.block_table_array(requests)
         block_size = self.cache.block_size
         rows = np.repeat(np.arange(len(requests)), counts)
         slots = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        sampling = [i for i, r in enumerate(requests) if ends[i] == r.num_tokens]
-        logits_rows = query_start_loc[1:][sampling] - 1
-        spans, span_rows = self.prompt_spans(requests, starts, ends, query_start_loc)
+        sampling = [i for i, r in enumerate(requests) if ends[i] - spec[i] == r.num_tokens]
+        logits_rows = self.sampling_rows(query_start_loc[1:][sampling] - 1, spec[sampling])
+        spans, span_rows = self.prompt_spans(requests, starts, ends - spec, query_start_loc)
         if spans:
             logits_rows = np.concatenate([logits_rows, span_rows])
         elif not sampling:  # only partial prompt chunks: keep one row so the forward's shape is valid
@@ -103,6 +107,16 @@ class ModelRunner:
             metadata=metadata,
             prompt_spans=tuple(spans),
         )
+
+    @staticmethod
+    def sampling_rows(last_rows: np.ndarray, num_spec: np.ndarray) -> np.ndarray:
+        """The rows that sample: each request's last position, preceded by one per proposed token it
+        carries (the position before each proposal predicts it), in request order."""
+        if not num_spec.any():
+            return last_rows
+        counts = num_spec + 1
+        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        return np.repeat(last_rows - num_spec, counts) + offsets
 
     @staticmethod
     def prompt_spans(requests: list[Request], starts: np.ndarray, ends: np.ndarray,

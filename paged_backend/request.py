@@ -47,6 +47,7 @@ class Request:
     stream: bool = True  # emit an output after every new token, or only the final one
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens scheduled after the last token
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, once computed
     cache_salt: str | None = None  # isolates this request's prefix-cache entries from other tenants'

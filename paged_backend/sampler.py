@@ -23,14 +23,18 @@ class SamplerOutput(NamedTuple):
     top_logprobs: list[list[float]] | None = None
 
 
-def sample(logits: torch.Tensor, requests: list[Request], grammar_mask: GrammarMask | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, requests: list[Request], grammar_mask: GrammarMask | None = None,
+           extras: list[list[int]] | None = None) -> SamplerOutput:
     """Pick one token per row of `logits [B, V]`; row i belongs to `requests[i]`. `grammar_mask` forbids
-    the tokens each constrained row's grammar does not allow (the logprobs reported stay the model's own)."""
+    the tokens each constrained row's grammar does not allow (the logprobs reported stay the model's own).
+    With `extras`, row i follows `extras[i]` after the request's output (speculation verifies proposed
+    tokens this way): processors, penalties and min_tokens see that longer history."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any_wants_logprobs(requests) else None
-    apply_request_processors(logits, requests)
-    apply_penalties(logits, requests)
-    ban_stop_tokens_before_min(logits, requests)
+    extras = extras or [()] * len(requests)
+    apply_request_processors(logits, requests, extras)
+    apply_penalties(logits, requests, extras)
+    ban_stop_tokens_before_min(logits, requests, extras)
     apply_bitmask(logits, grammar_mask)
     tokens = pick_tokens(logits, requests)
     if raw_logprobs is None:
@@ -90,14 +94,15 @@ def filter_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor
     return logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
 
 
-def apply_request_processors(logits: torch.Tensor, requests: list[Request]) -> None:
+def apply_request_processors(logits: torch.Tensor, requests: list[Request], extras: list) -> None:
     """User-supplied per-request processors (e.g. transformers' LogitsProcessors), in place."""
     for i, request in enumerate(requests):
         if request.logits_processor is not None:
-            logits[i] = request.logits_processor(request.output_token_ids, logits[i])
+            history = request.output_token_ids + extras[i] if extras[i] else request.output_token_ids
+            logits[i] = request.logits_processor(history, logits[i])
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+def apply_penalties(logits: torch.Tensor, requests: list[Request], extras: list) -> None:
     """Repetition penalty (transformers' rule, prompt + output) and OpenAI presence/frequency
     penalties (output only), in place, for the rows that ask for them."""
     for i, request in enumerate(requests):
@@ -105,12 +110,21 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         if p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty):
             continue
         state = sync_penalty_state(request, logits.shape[-1], logits.device)
+        seen, counts = with_extra_tokens(state, extras[i]) if extras[i] else (state.seen, state.counts)
         if p.repetition_penalty != 1.0:
             row = logits[i]
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            logits[i] = torch.where(state.seen, penalised, row)
+            logits[i] = torch.where(seen, penalised, row)
         if p.presence_penalty or p.frequency_penalty:
-            logits[i] -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0).float()
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def with_extra_tokens(state: PenaltyState, extra: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seen mask and counts as if `extra` followed the output (the request's state is left as it is)."""
+    ids = torch.tensor(extra, dtype=torch.long, device=state.counts.device)
+    seen = state.seen.clone()
+    seen[ids] = True
+    return seen, state.counts.clone().index_add_(0, ids, torch.ones(len(extra), device=ids.device))
 
 
 def sync_penalty_state(request: Request, vocab: int, device: torch.device) -> PenaltyState:
@@ -133,9 +147,9 @@ def sync_penalty_state(request: Request, vocab: int, device: torch.device) -> Pe
     return state
 
 
-def ban_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request]) -> None:
+def ban_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request], extras: list) -> None:
     for i, request in enumerate(requests):
-        if request.num_output_tokens < request.params.min_tokens and request.stop_ids:
+        if request.num_output_tokens + len(extras[i]) < request.params.min_tokens and request.stop_ids:
             logits[i, list(request.stop_ids)] = float("-inf")
 
 

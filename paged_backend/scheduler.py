@@ -16,6 +16,7 @@ from typing import NamedTuple
 from .config import EngineConfig
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
+from .speculation import Speculator
 
 
 class ScheduledBatch(NamedTuple):
@@ -24,8 +25,9 @@ class ScheduledBatch(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, speculator: Speculator | None = None) -> None:
         self.max_tokens = config.max_num_batched_tokens
+        self.speculator = speculator
         self.max_seqs = config.max_num_seqs
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -45,7 +47,28 @@ class Scheduler:
         # After a preemption the cache is full: admitting new work would only preempt again.
         if self.num_preemptions == preemptions_before:
             self.schedule_waiting(batch, budget)
+        if self.speculator is not None:
+            self.add_proposals(batch)
         return batch
+
+    def add_proposals(self, batch: ScheduledBatch) -> None:
+        """Proposed tokens ride along with decoding requests in the room the step has left (the speculator's
+        policy, within the token budget); they never preempt anything or push a request past max_tokens."""
+        scheduled = sum(batch.num_new_tokens)
+        room = self.speculator.room(scheduled, self.max_tokens - scheduled)
+        for i, request in enumerate(batch.requests):
+            if room <= 0:
+                return
+            if batch.num_new_tokens[i] != 1 or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            if request.grammar is not None:  # its matcher would have to follow every proposal: it decodes plainly
+                continue
+            # Keeping every proposal adds 1 + len(proposals) tokens: stay within max_tokens.
+            proposals = self.speculator.propose(request, min(room, request.max_tokens - request.num_output_tokens - 1))
+            if proposals and self.kv.allocate_slots(request, 1 + len(proposals)):
+                request.spec_token_ids = proposals
+                batch.num_new_tokens[i] += len(proposals)
+                room -= len(proposals)
 
     def schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0

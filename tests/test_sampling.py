@@ -74,7 +74,7 @@ def test_penalties_follow_their_definitions():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     req = fake_request(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
     req.prompt_token_ids, req.output_token_ids = [0], [1, 3, 3]
-    apply_penalties(logits, [req])
+    apply_penalties(logits, [req], [()])
     # token 0: prompt only -> 2/2; token 1: output once -> -2*2 - 0.5 - 0.25; token 3: twice -> 0.5/2 - 0.5 - 0.5
     assert torch.allclose(logits, torch.tensor([[1.0, -4.75, 1.0, -0.75]]))
 

@@ -1,0 +1,123 @@
+"""Speculation: proposed tokens verified by the target model in the same step.
+
+A decoding request computes one token per step. With speculation, the scheduler appends up to k
+proposed tokens to it as extra query tokens (within the step's token budget and the per-step policy,
+never past the request's max_tokens); the runner keeps the logits of all 1 + k positions, and the
+sampler picks, at every position j, the token the request would get without speculation given the
+proposals before j. The request keeps that token for the longest prefix where it equals the proposal,
+plus the target's own token after it.
+
+Why this is exact, for sampled requests too: the proposer is deterministic (a point mass on token x),
+and accepting x exactly when the target's own sample y equals x, emitting y otherwise, is rejection
+sampling for that proposal (accept with probability p(x); on rejection y is drawn from p without x,
+renormalised). Each emitted token is a sample of the target distribution given the tokens before it,
+so output is distributed as without speculation; a seeded request's generator is rewound to one draw
+per emitted token, so it gets exactly the tokens it would get without speculation.
+
+Progress advances only by what was kept: the K/V written for rejected proposals sits beyond the
+request's computed tokens and is overwritten later, and blocks held only for them are freed at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .kv_cache_manager import KVCacheManager
+from .ngram_proposer import propose_ngram
+from .request import Request
+from .speculative_config import SpeculativeConfig
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.num_drafts = 0  # request-steps that carried proposals
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    # ------------------------------------------------------------ proposing
+
+    def room(self, step_tokens: int, budget_left: int) -> int:
+        """How many proposed tokens this step may carry: the policy's cap on the step's size, within the
+        token budget. A step already holding `max_step_tokens` is compute-bound and gets none."""
+        return max(0, min(budget_left, self.config.max_step_tokens - step_tokens))
+
+    def propose(self, request: Request, limit: int) -> list[int]:
+        """Up to `min(limit, k)` tokens to verify after the request's last token."""
+        k = min(limit, self.config.num_speculative_tokens)
+        if k < 1:
+            return []
+        tokens = np.array(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
+        return propose_ngram(tokens, self.config.prompt_lookup_max, self.config.prompt_lookup_min, k)
+
+    # ------------------------------------------------------------ verifying
+
+    @staticmethod
+    def expand_rows(requests: list[Request]) -> tuple[list[Request], list[list[int]]]:
+        """One sampler row per verified position: request i's row j follows its first j proposals."""
+        rows: list[Request] = []
+        extras: list[list[int]] = []
+        for request in requests:
+            proposals = request.spec_token_ids
+            for j in range(len(proposals) + 1):
+                rows.append(request)
+                extras.append(proposals[:j])
+        return rows, extras
+
+    def accept(self, request: Request, targets: list[int]) -> list[int]:
+        """The tokens the request keeps: the target's tokens up to and including the first that differs
+        from its proposal (all of them when every proposal agreed)."""
+        proposals = request.spec_token_ids
+        kept = 0
+        while kept < len(proposals) and proposals[kept] == targets[kept]:
+            kept += 1
+        if proposals:
+            self.num_drafts += 1
+            self.num_draft_tokens += len(proposals)
+            self.num_accepted_tokens += kept
+        return targets[: kept + 1]
+
+    @staticmethod
+    def save_generator(request: Request) -> torch.Tensor | None:
+        """The state of a seeded sampled request's generator before a step with proposals."""
+        if request.generator is None or not request.spec_token_ids or request.params.temperature == 0.0:
+            return None
+        return request.generator.get_state()
+
+    @staticmethod
+    def rewind_generator(request: Request, state: torch.Tensor, num_kept: int, vocab: int) -> None:
+        """Leave the generator as if it had drawn for the kept tokens only (one noise row of the vocabulary
+        per sampled token, the sampler's draw), so the next step continues the stream it would have without
+        speculation."""
+        generator = request.generator
+        generator.set_state(state)
+        noise = torch.empty(vocab, dtype=torch.float32, device=generator.device)
+        for _ in range(num_kept):
+            noise.exponential_(generator=generator)
+
+    @staticmethod
+    def release_rejected(kv: KVCacheManager, request: Request) -> None:
+        """Free the tail blocks that held only rejected proposals; the next step needs room for the
+        request's tokens not yet computed (the last kept token) and allocates its own proposals."""
+        keep = kv.blocks_needed(request.num_tokens)
+        if len(request.block_ids) > keep:
+            kv.pool.free(request.block_ids[keep:][::-1])
+            del request.block_ids[keep:]
+
+    # ------------------------------------------------------------ metrics
+
+    def stats(self) -> dict[str, float]:
+        return speculation_stats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
+
+
+def speculation_stats(drafts: int, proposed: int, accepted: int) -> dict[str, float]:
+    """Counters of speculation and the rates derived from them (zeros when nothing was proposed)."""
+    return {
+        "spec_num_drafts": drafts,
+        "spec_num_draft_tokens": proposed,
+        "spec_num_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
+        # Tokens a request gains per step that carried proposals: the accepted ones plus the target's own.
+        "spec_mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
+    }

@@ -1,0 +1,63 @@
+"""SpeculativeConfig: how the engine proposes extra tokens for decoding requests (vLLM's vocabulary).
+
+`{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}`:
+the last n..m tokens of a request are looked up earlier in its own prompt and output, and the k tokens
+that followed the match are proposed. The target model verifies them in the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+# Measured on the default model (benchmarks/speculative.py): past this many tokens in one step the
+# forward is compute-bound and proposals cost about as much as the tokens they might save.
+DEFAULT_MAX_STEP_TOKENS = 48
+DEFAULT_LOOKUP_MAX = 3
+DEFAULT_LOOKUP_MIN = 2
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = DEFAULT_LOOKUP_MAX
+    prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
+    # The per-step policy: proposals are added only while the step holds at most this many tokens.
+    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise NotImplementedError("speculative_config method 'draft_model' is not supported; use 'ngram'")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method {self.method!r}: must be one of {METHODS}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_step_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config {name}={value!r}: must be an int >= 1")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} is larger than "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """Accept a config, a dict of its fields (vLLM's form; a missing lookup bound defaults so that
+        min <= max) or None (no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
+        fields = dict(value)
+        if fields.get("method") == "draft_model" or "model" in fields:
+            raise NotImplementedError("speculative_config method 'draft_model' (a draft model) is not supported; "
+                                      "use {'method': 'ngram', ...}")
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}")
+        low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+        if low is not None and high is None:
+            fields["prompt_lookup_max"] = max(low, DEFAULT_LOOKUP_MAX)
+        elif high is not None and low is None:
+            fields["prompt_lookup_min"] = min(high, DEFAULT_LOOKUP_MIN)
+        return cls(**fields)
