@@ -30,7 +30,7 @@ from hypothesis.errors import Unsatisfiable
 from paged_backend.integrations.server.protocol import CHAT_NEUTRAL_FIELDS, NEUTRAL_FIELDS
 from test_server import Served, build_chat_tokenizer, parse_metrics, serve, tiny_llama, wait_all_blocks_free
 
-from paged_backend import LLM
+from paged_backend import LLM, BeamSearchParams
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -320,6 +320,7 @@ def test_tokenize_a_chat_and_return_token_strings(served: Served, parts) -> None
 @pytest.mark.parametrize("path, body, param", [
     ("/detokenize", {"tokens": [10**6]}, "tokens"),
     ("/tokenize", {"prompt": "x", "model": "nope"}, "model"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
 ])
 def test_tokenizer_routes_refuse_bad_input(connection: Connection, path: str, body: dict, param: str) -> None:
     status, answer = connection.post(path, body)
@@ -355,6 +356,8 @@ def test_streamed_completion_logprobs_have_the_plain_text_offsets(served: Served
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt"),
+    ("/v1/chat/completions", {"stop": 5}, "stop"),
 ])
 def test_strict_types_and_refused_fields_are_400s_naming_the_field(connection: Connection, path: str, change: dict,
                                                                     param: str) -> None:
@@ -382,11 +385,30 @@ def test_sequences_per_request_are_limited_with_the_numbers(connection: Connecti
     assert status == 200 and len(answer["choices"]) == 256
 
 
-def test_generate_names_what_it_refuses_about_beam_search(connection: Connection) -> None:
-    status, answer = connection.post("/generate", {"prompt": "hi", "use_beam_search": True})
-    message = answer["error"]["message"]
-    assert status == 400 and answer["error"]["param"] == "use_beam_search"
-    assert "LLM.beam_search" in message and "no beam search" not in message
+def test_generate_beam_search_returns_the_offline_search_beams(served: Served, parts) -> None:
+    model, tokenizer = parts
+    body = {"prompt": CORPUS[1], "use_beam_search": True, "best_of": 3, "n": 2, "max_tokens": 6,
+            "length_penalty": 0.5}
+    answer = httpx.post(f"{served.url}/generate", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    offline = LLM(model, tokenizer, num_kv_blocks=64).beam_search(
+        [CORPUS[1]], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))[0].sequences
+    assert answer.json()["text"] == [CORPUS[1] + seq.text for seq in offline[:2]]
+    wait_all_blocks_free(served.aengine)
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"stream": True}, "stream"),
+    ({"temperature": 0.7}, "temperature"),
+    ({"n": 4, "best_of": 2}, "n"),
+    ({"top_p": 0.5}, "top_p"),
+    ({"max_tokens": "6"}, "max_tokens"),
+    ({"early_stopping": "soon"}, "early_stopping"),
+    ({"best_of": 1000}, "best_of"),
+])
+def test_generate_beam_search_refuses_what_it_cannot_honour(connection: Connection, change: dict, param: str) -> None:
+    status, answer = connection.post("/generate", {"prompt": "hi", "use_beam_search": True} | change)
+    assert status == 400 and answer["error"]["param"] == param, answer
 
 
 def test_the_serving_benchmark_runs_against_the_server(served: Served) -> None:

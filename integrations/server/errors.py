@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -78,8 +79,7 @@ async def handle_api_error(_: Request, exc: APIError) -> JSONResponse:
 async def handle_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     """Malformed JSON, a missing field, an unknown field or a value of the wrong type: all 400, as OpenAI."""
     first = exc.errors()[0] if exc.errors() else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
+    param = param_of(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         message = f"the request body is not valid JSON: {first.get('msg', '')}"
     elif first.get("type") == "extra_forbidden":
@@ -87,6 +87,25 @@ async def handle_validation_error(_: Request, exc: RequestValidationError) -> JS
     else:
         message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
     return error_response(APIError(400, message, param))
+
+
+TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def param_of(location: tuple[Any, ...]) -> str | None:
+    """The field path of a validation error's location, without pydantic's union tags: a union's
+    failing member is named like `list[str]` or a class name, which is no field of the request."""
+    parts: list[str] = []
+    for part in location:
+        is_tag = isinstance(part, str) and (part in TYPE_TAGS or not re.fullmatch(r"[a-z_][a-z0-9_]*", part))
+        if part == "body" and not parts:
+            continue
+        if is_tag:
+            if parts:  # past the field: the rest describes one member of its union
+                break
+            continue  # a body that is a union of models names the member first
+        parts.append(str(part))
+    return ".".join(parts) or None
 
 
 async def handle_http_exception(_: Request, exc: StarletteHTTPException) -> JSONResponse:

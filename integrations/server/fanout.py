@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -24,6 +25,7 @@ from .errors import APIError
 from .metrics import ServerMetrics
 
 DISCONNECT_POLL_S = 0.2
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -102,23 +104,28 @@ def split_samples(output: RequestOutput, n: int, reported: set[int]) -> list[tup
 async def collect_finals(http_request: Request, aengine: AsyncEngine, jobs: Sequence[Job], request_id: str,
                          metrics: ServerMetrics) -> dict[int, RequestOutput]:
     """The final output of every job; if the client disconnects first, abort them all and give up."""
-    collector = asyncio.create_task(gather_finals(aengine, jobs, request_id, metrics))
-    watcher = asyncio.create_task(wait_for_disconnect(http_request))
-    try:
-        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not collector.done():
-            collector.cancel()
-            # Let the cancellation land (it aborts the engine requests) before the task is read.
-            await asyncio.wait({collector})
-    if collector.cancelled():  # nobody will read this answer; 499 is the usual "client closed request"
-        raise APIError(499, "the client disconnected before the answer was complete")
-    finals = collector.result()
+    finals = await until_disconnect(http_request, gather_finals(aengine, jobs, request_id, metrics))
     failed = [out.error for out in finals.values() if out.error]
     if failed:
         raise APIError(500, f"generation failed: {failed[0]}")
     return finals
+
+
+async def until_disconnect(http_request: Request, work: Awaitable[T]) -> T:
+    """The result of `work`; if the client disconnects first, cancel it (cancelling the engine requests
+    under it aborts them) and answer 499, the usual "client closed request"."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(wait_for_disconnect(http_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # let the cancellation land before the task is read
+    if task.cancelled():
+        raise APIError(499, "the client disconnected before the answer was complete")
+    return task.result()
 
 
 async def gather_finals(aengine: AsyncEngine, jobs: Sequence[Job], request_id: str,

@@ -33,7 +33,7 @@ class StreamOptions(BaseModel):
 
 # vLLM fields accepted only at the value that changes nothing here: (neutral values, why others are refused).
 NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False,), "beam search runs offline through LLM.beam_search, not on the sampling routes"),
+    "use_beam_search": ((False,), "beam search runs on /generate and offline through LLM.beam_search"),
     "length_penalty": ((1.0,), "it only shapes beam search"),
     "spaces_between_special_tokens": ((True,), "special tokens are always decoded with spaces between them"),
     "truncate_prompt_tokens": ((None,), "prompts are never truncated; a prompt too long for the context is a 400"),
