@@ -27,7 +27,10 @@ import transformers as tf
 import uvicorn
 from paged_backend.integrations.server import create_app
 from paged_backend.integrations.server.chat_template import add_tool_prompt, render_chat
-from paged_backend.integrations.server.tool_calls import ToolCallStreamer, parse_tool_calls
+from paged_backend.integrations.server.tool_calls import (
+    ToolCallStreamer,
+    parse_tool_calls,
+)
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from paged_backend import LLM, AsyncEngine

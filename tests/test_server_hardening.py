@@ -27,8 +27,18 @@ import schemathesis
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
-from paged_backend.integrations.server.protocol import CHAT_NEUTRAL_FIELDS, NEUTRAL_FIELDS
-from test_server import Served, build_chat_tokenizer, parse_metrics, serve, tiny_llama, wait_all_blocks_free
+from paged_backend.integrations.server.protocol import (
+    CHAT_NEUTRAL_FIELDS,
+    NEUTRAL_FIELDS,
+)
+from test_server import (
+    Served,
+    build_chat_tokenizer,
+    parse_metrics,
+    serve,
+    tiny_llama,
+    wait_all_blocks_free,
+)
 
 from paged_backend import LLM, BeamSearchParams
 
@@ -385,6 +395,17 @@ def test_sequences_per_request_are_limited_with_the_numbers(connection: Connecti
     assert status == 200 and len(answer["choices"]) == 256
 
 
+@pytest.mark.parametrize("change, param", [
+    ({"top_k": -5}, "top_k"),
+    ({"stop": [""]}, "stop"),
+    ({"structured_outputs": {"bogus": 1}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+])
+def test_generate_names_the_sampling_field_it_refuses(connection: Connection, change: dict, param: str) -> None:
+    status, answer = connection.post("/generate", {"prompt": "hi", "max_tokens": 2} | change)
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
 def test_generate_beam_search_returns_the_offline_search_beams(served: Served, parts) -> None:
     model, tokenizer = parts
     body = {"prompt": CORPUS[1], "use_beam_search": True, "best_of": 3, "n": 2, "max_tokens": 6,
@@ -427,6 +448,28 @@ FUZZ_EXAMPLES = 30  # per route and mode: about 35 s in all on a 2-core machine 
 NEUTRAL_ONLY = set(NEUTRAL_FIELDS) | set(CHAT_NEUTRAL_FIELDS) | {"add_special_tokens"}
 
 
+def fuzz(operation: Any, mode: schemathesis.GenerationMode, url: str, session: requests.Session,
+         failures: list[str]) -> None:
+    """Call one route with FUZZ_EXAMPLES drawn requests; note every 5xx in `failures`."""
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=FUZZ_EXAMPLES, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    def call(case) -> None:
+        if isinstance(case.body, dict) and "model" in case.body:
+            case.body["model"] = "tiny"  # else almost every case stops at the 404 for the model
+            if mode == schemathesis.GenerationMode.POSITIVE:  # let valid cases reach generation
+                for name in NEUTRAL_ONLY:
+                    case.body.pop(name, None)
+        response = case.call(base_url=url, session=session, timeout=60)
+        if response.status_code >= 500:
+            failures.append(f"{operation.label} {response.status_code} {case.body!r:.300} {response.text:.300}")
+
+    try:
+        call()
+    except Unsatisfiable:  # a route without parameters has no invalid request to draw
+        assert mode == schemathesis.GenerationMode.NEGATIVE
+
+
 @pytest.fixture(scope="module")
 def fuzzed(parts) -> Iterator[Served]:
     """A server whose context is short, so even a fuzzed request for 64 choices finishes in moments."""
@@ -443,25 +486,8 @@ def test_fuzz_every_route_from_the_openapi_schema(fuzzed: Served) -> None:
     session = requests.Session()  # a dropped keep-alive connection would surface as an exception here
     failures: list[str] = []
     for result in schema.get_all_operations():
-        operation = result.ok()
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=FUZZ_EXAMPLES, derandomize=True, database=None, deadline=None,
-                      phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-            def call(case) -> None:
-                if isinstance(case.body, dict) and "model" in case.body:
-                    case.body["model"] = "tiny"  # else almost every case stops at the 404 for the model
-                    if mode == schemathesis.GenerationMode.POSITIVE:  # let valid cases reach generation
-                        for name in NEUTRAL_ONLY:
-                            case.body.pop(name, None)
-                response = case.call(base_url=fuzzed.url, session=session, timeout=60)
-                if response.status_code >= 500:
-                    failures.append(f"{operation.label} {response.status_code} {case.body!r:.300} {response.text:.300}")
-
-            try:
-                call()
-            except Unsatisfiable:  # a route without parameters has no invalid request to draw
-                assert mode == schemathesis.GenerationMode.NEGATIVE
+            fuzz(result.ok(), mode, fuzzed.url, session, failures)
     assert not failures, failures[:5]
     assert session.get(f"{fuzzed.url}/health", timeout=10).status_code == 200
     assert session.post(f"{fuzzed.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},

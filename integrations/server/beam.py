@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import asyncio
 
-from paged_backend import AsyncEngine, BeamSearchOutput, BeamSearchParams, RequestOutput, SamplingParams
+from paged_backend import (
+    AsyncEngine,
+    BeamSearchOutput,
+    BeamSearchParams,
+    RequestOutput,
+    SamplingParams,
+)
 from paged_backend.beam_search import PromptBeams, advance, finalise
 
 from .errors import APIError

@@ -16,7 +16,13 @@ from ..guided_json import Writer, add_json_instruction
 from .chat_template import render_chat
 from .errors import APIError, not_supported, request_field
 from .fanout import Job, collect_finals, merge_streams, new_id
-from .guided import GuidedAnswer, guided_choice, guided_writer, stream_guided, write_choices
+from .guided import (
+    GuidedAnswer,
+    guided_choice,
+    guided_writer,
+    stream_guided,
+    write_choices,
+)
 from .protocol import ChatCompletionRequest
 from .responses import DONE, chat_logprobs, positions, sse, sse_error, usage
 from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices

@@ -52,7 +52,7 @@ def request_field(param: str) -> Iterator[None]:
         yield
     except APIError:
         raise
-    except Exception as exc:  # noqa: BLE001  (whatever the translation raised, the input caused it)
+    except Exception as exc:  # whatever the translation raised, the input caused it
         logger.debug("request field %s refused", param, exc_info=exc)
         raise bad_request(f"{param} could not be read: {type(exc).__name__}: {exc}", param) from None
 
@@ -135,7 +135,7 @@ class JSONErrors:
 
         try:
             await self.app(scope, receive, track)
-        except Exception as exc:  # noqa: BLE001  (the last line of defence: never a bare 500 or a reset)
+        except Exception as exc:  # the last line of defence: never a bare 500 or a reset connection
             logger.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
             if not started:
                 response = JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)

@@ -7,7 +7,6 @@ step, as JSON objects each ended by a NUL byte, as that API did. `use_beam_searc
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,16 +14,15 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from paged_backend import BeamSearchParams, SamplingParams
+from paged_backend import BeamSearchParams
 
-from .errors import APIError, bad_request, not_supported
 from .beam import beam_search
+from .errors import APIError, bad_request, not_supported
 from .fanout import Job, collect_finals, merge_streams, new_id, until_disconnect
 from .protocol import GenerateRequest
-from .sampling import build_params, check_prompt
+from .sampling import PARAM_FIELDS, build_params, check_prompt
 from .state import ServerState
 
-PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 BEAM_FIELDS = frozenset({"n", "best_of", "max_tokens", "length_penalty", "early_stopping", "ignore_eos", "temperature"})
 
 

@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import APIError, bad_request, not_supported
 
-
 # The seeds the engine's generator accepts, with room for each sample's seed + i (torch takes
 # [-2**63, 2**64 - 1]); OpenAI documents seed as a 64-bit signed integer.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
@@ -41,11 +42,13 @@ def check_seed(seed: object) -> None:
         raise bad_request(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {seed}", "seed")
 
 
+PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
 def field_named_in(message: str) -> str | None:
-    prefix = "SamplingParams."
-    if message.startswith(prefix):
-        return message[len(prefix):].split("=", 1)[0]
-    return None
+    """The SamplingParams field an error message starts with ("SamplingParams.top_k=...", "stop must ...")."""
+    match = re.match(r"(?:SamplingParams\.)?([a-z_]+)", message)
+    return match.group(1) if match and match.group(1) in PARAM_FIELDS else None
 
 
 def with_choices(params: SamplingParams, n: int, best_of: int | None = None) -> SamplingParams:

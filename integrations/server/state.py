@@ -10,7 +10,6 @@ from paged_backend import AsyncEngine, Engine
 from .errors import APIError
 from .metrics import ServerMetrics
 
-
 # The most sequences (prompts x choices) one request may start unless the deployer says otherwise:
 # enough for an evaluation harness's batches, small enough that one request cannot hold the engine
 # for minutes while every other client waits.
