@@ -236,6 +236,14 @@ def write_results(payload: dict[str, Any], name: str, path: Path | None = None) 
     return path
 
 
+def uptime() -> str | None:
+    """`uptime`'s line (load averages over 1, 5 and 15 minutes), or None where there is no such command."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def machine_info() -> dict[str, Any]:
     """What else was happening on the machine: results from a shared machine need this beside them."""
     import torch
@@ -244,6 +252,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average_1m": load_average(),
+        "uptime": uptime(),
         "torch": torch.__version__,
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

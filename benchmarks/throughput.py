@@ -29,6 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 
+import charts  # noqa: E402
 from common import (
     RunMeter,
     Workload,
@@ -390,7 +391,8 @@ def fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summarise(workload: Workload, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per-system metrics, token equality against the one-at-a-time run, the ratios and the targets."""
+    """Per-system metrics, each system's tokens against HF `generate` one request at a time (when that
+    system ran), the ratios and the targets."""
     reference = results.get(REFERENCE)
     systems = {}
     for name, r in results.items():
@@ -404,7 +406,9 @@ def summarise(workload: Workload, results: dict[str, dict[str, Any]]) -> dict[st
             "peak_rss_mb": r["peak_rss_mb"],
             "run_peak_rss_mb": r["run_peak_rss_mb"],
             "setup_s": r["setup_s"],
-            "tokens_equal_sequential": compare_tokens(r["tokens"], reference["tokens"]) if reference else None,
+            # The one-at-a-time run is the reference itself: comparing it with itself would prove nothing.
+            "tokens_equal_sequential": "reference" if name == REFERENCE else
+            compare_tokens(r["tokens"], reference["tokens"]) if reference else None,
         }
         summary.update({k: v for k, v in r.items() if k not in summary and k not in ("tokens", "ttft_s")})
         systems[name] = summary
@@ -459,7 +463,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{s['label']:34} {s['tokens_per_s']:8.1f} {s['wall_s']:8.1f} {s['cpu_s']:7.1f} "
             f"{fmt(s['load_1m_start'], '5.1f')} {s['ttft_first_s']:9.2f} "
             f"{s['ttft_median_s']:9.2f} {s['peak_rss_mb']:7.0f}MB {fmt(util, '8.1%')} {fmt(over, '7.2f')} "
-            f"{(str(eq['equal']) + '/' + str(eq['of'])) if eq else 'not run':>16}"
+            f"{format_equality(eq):>16}"
         )
     lines.append("(cpu s: this process's CPU seconds in the timed run; load: the machine's 1-minute load average as it "
                  "began; compare ratios only between runs under similar load)")
@@ -474,6 +478,12 @@ def format_report(report: dict[str, Any]) -> str:
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         lines.append(f"{t['target']:32} {fmt(t['value'], '8.2f')}   target {t['op']} {t['bound']:<6g} {verdict}")
     return "\n".join(lines)
+
+
+def format_equality(eq: dict[str, Any] | str | None) -> str:
+    if isinstance(eq, dict):
+        return f"{eq['equal']}/{eq['of']}"
+    return eq or "not run"
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -547,7 +557,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report["machine"] = info
     report["command"] = " ".join(["python", "benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])])
     print(format_report(report))
-    print(f"\nresults: {write_results(report, 'throughput', args.json)}")
+    path = write_results(report, 'throughput', args.json)
+    print(f"\nresults: {path}; chart: {charts.draw('throughput', report, path)}")
     return report
 
 

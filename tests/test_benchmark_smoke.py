@@ -5,6 +5,7 @@ Also checks the shared benchmark helpers (benchmarks/common.py) that the numbers
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -15,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import charts
 import common
 import throughput
 from tiny_models import build
@@ -51,7 +53,8 @@ def test_all_systems_report_their_fields(tiny_model_dir, workload, tmp_path):
         assert summary["tokens_per_s"] > 0 and summary["peak_rss_mb"] > 0
         assert 0 <= summary["ttft_first_s"] <= summary["wall_s"]
         # The tiny model has no near-ties, so every system must reproduce one-at-a-time generate exactly.
-        assert summary["tokens_equal_sequential"] == {"equal": 4, "of": 4, "first_mismatch": None}, name
+        expected = "reference" if name == "sequential" else {"equal": 4, "of": 4, "first_mismatch": None}
+        assert summary["tokens_equal_sequential"] == expected, name
     for name, r in results.items():
         assert [len(t) for t in r["tokens"]] == workload.max_tokens, name
     engine = report["systems"]["engine"]
@@ -68,6 +71,9 @@ def test_all_systems_report_their_fields(tiny_model_dir, workload, tmp_path):
     path = common.write_results(report, "throughput", tmp_path / "out.json")
     assert json.loads(path.read_text())["systems"]["engine"]["num_steps"] == engine["num_steps"]
     assert "paged-backend engine" in throughput.format_report(report)
+    if importlib.util.find_spec("matplotlib"):
+        chart = charts.draw("throughput", report, path)
+        assert chart == path.with_suffix(".png") and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_isolated_worker_returns_the_same_tokens(tiny_model_dir, workload):
