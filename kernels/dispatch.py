@@ -20,7 +20,11 @@ from . import torch_attention
 from .metadata import AttentionMetadata
 
 # The Triton kernels' tiles hold a whole head (padded to a power of two) in registers; past 256
-# they would spill, so larger heads (none of the supported models has one) use PyTorch.
+# they would spill, so larger heads (none of the supported models has one) use PyTorch. Below 16,
+# `tl.dot` cannot compile (its reduction dimension must be at least 16), so smaller heads use
+# PyTorch too. Every size in between is served, powers of two or not (80, 96: the tile is padded
+# and the padding masked).
+TRITON_MIN_HEAD_DIM = 16
 TRITON_MAX_HEAD_DIM = 256
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("torch", "triton")
@@ -54,10 +58,13 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """'triton' for CUDA tensors Triton can serve, else 'torch' (unless use_backend() says otherwise)."""
+    """'triton' for CUDA tensors Triton can serve, else 'torch'. use_backend() overrides the device
+    rule, not the head sizes the kernels cannot compile for."""
+    if not TRITON_MIN_HEAD_DIM <= head_dim <= TRITON_MAX_HEAD_DIM:
+        return "torch"
     if _forced is not None:
         return _forced
-    if device.type != "cuda" or dtype not in TRITON_DTYPES or head_dim > TRITON_MAX_HEAD_DIM:
+    if device.type != "cuda" or dtype not in TRITON_DTYPES:
         return "torch"
     return "triton" if triton_modules() is not None else "torch"
 
