@@ -27,6 +27,9 @@ class EngineConfig:
     # Speculative decoding: None (off), a SpeculativeConfig or its dict, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}.
     speculative_config: SpeculativeConfig | dict | None = None
+    # At start-up, run a few tokens through chunked prefill and decode and refuse the model if its paged
+    # logits differ from its own dense forward (the guard for architectures nobody has tested yet).
+    self_check: bool = True
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)

@@ -16,17 +16,16 @@ import torch
 from transformers import PreTrainedModel
 
 from . import prompt_logprobs
-from .adapters import install_adapters
-from .attention import ATTENTION_NAME, register
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .distributed import agree_on_blocks
 from .grammar import GrammarMask, Grammars
 from .kv_cache_manager import KVCacheManager
-from .model_loader import check_architecture
+from .model_loader import check_architecture, unwrap_peft
 from .model_runner import ModelRunner, StepInputs
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .paged_cache import KVShape, PagedCache, probe_kv_shape
+from .model_check import prepare_model, usable_context
+from .paged_cache import KVShape, PagedCache
 from .request import LogitsProcessor, Request, RequestStatus
 from .sampler import SamplerOutput, sample
 from .sampling_params import SamplingParams
@@ -42,17 +41,16 @@ class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer=None, config: EngineConfig | None = None,
                  publish_step: Callable[[StepInputs], None] | None = None) -> None:
         self.config = config or EngineConfig()
+        model = unwrap_peft(model)
         check_architecture(model)
-        register()
-        # An architecture whose attention bypasses the attention interface gets its adapter instead.
-        if not install_adapters(model) and model.config._attn_implementation != ATTENTION_NAME:
-            model.set_attn_implementation(ATTENTION_NAME)
+        text_config = model.config.get_text_config()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
+        # Switches the model to the paged attention (or its adapter), probes and self-checks it; a
+        # refused model is left as it came.
+        shape = prepare_model(model, text_config.num_hidden_layers, self.config.self_check)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        text_config = model.config.get_text_config()
-        shape = probe_kv_shape(model, text_config.num_hidden_layers)
         param = next(model.parameters())
         num_blocks = agree_on_blocks(self.choose_num_blocks(shape, param.dtype, param.device), param.device)
         self.cache = PagedCache(shape, num_blocks, self.config.block_size, param.dtype, param.device)
@@ -62,6 +60,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.kv, self.speculator)
         self.runner = ModelRunner(model, self.cache, publish_step)
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.context_note = ""  # why the context is shorter than the model's positions, when it is
         self.max_model_len = self.resolve_max_model_len(text_config)
         self.eos_token_ids = find_eos_ids(model, tokenizer)
         self.requests: dict[str, list[Request]] = {}  # user's id -> its samples
@@ -84,6 +83,12 @@ class Engine:
 
     def resolve_max_model_len(self, text_config) -> int:
         model_len = self.config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
+        limit = usable_context(text_config)
+        if limit is not None:
+            if self.config.max_model_len is not None and self.config.max_model_len > limit[0]:
+                raise ValueError(f"EngineConfig.max_model_len={self.config.max_model_len}: {limit[1]}")
+            model_len = min(model_len, limit[0])
+            self.context_note = f" ({limit[1]})"
         # A request alone must always fit in the cache, or preemption could never make room for it.
         return min(model_len, self.kv.capacity_tokens)
 
@@ -198,8 +203,8 @@ class Engine:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; this engine's context length is {self.max_model_len}, "
-                "which must also leave room for at least one generated token"
+                f"the prompt has {len(token_ids)} tokens; this engine's context length is {self.max_model_len}"
+                f"{self.context_note}, which must also leave room for at least one generated token"
             )
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:

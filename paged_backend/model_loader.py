@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from paged_backend.adapters import ADAPTERS
 from paged_backend.adapters.baichuan import is_baichuan, load_baichuan
 from paged_backend.attention import ATTENTION_NAME
 from paged_backend.default_model import DEFAULT_MODEL, default_model_path
+from paged_backend.errors import UnsupportedArchitectureError
 
 # Each of these has a decoder-only *ForCausalLM whose attention module calls
 # ALL_ATTENTION_FUNCTIONS.get_interface (checked in transformers 5.24's
@@ -56,7 +58,6 @@ INTERFACE_TYPES: frozenset[str] = frozenset(
         "granite",
         "olmo",
         "olmo2",
-        "stablelm",
         "starcoder2",
         "phi",
         "cohere",
@@ -85,10 +86,6 @@ _DTYPE_ALIASES: dict[str, torch.dtype] = {
 
 # Any of these in a folder means AutoTokenizer can load from it offline.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-class UnsupportedArchitectureError(ValueError):
-    """The model's architecture cannot run on the paged engine."""
 
 
 def check_architecture(model_or_config: PreTrainedModel | PretrainedConfig) -> None:
@@ -161,14 +158,17 @@ def load_model(
     """Load (or adopt) a causal LM and its tokenizer, in eval mode, checked for support.
 
     ``model`` is None or DEFAULT_MODEL (the bundled SmolLM2), a hub id or local
-    folder, a path to a ``.gguf`` file, or a loaded model that is used as is.
+    folder, a path to a ``.gguf`` file, or a loaded model that is used as is (a
+    PEFT model: its HF model, with the adapter layers inside).
     With ``tokenizer`` None, the tokenizer comes from the same source; it is None
     when that source is a local folder without tokenizer files.
     """
+    model = unwrap_peft(model)
     if isinstance(model, PreTrainedModel):
         if tp_plan is not None:
             raise ValueError("tensor parallelism shards weights while loading them: pass a hub id or a folder, "
                              "not a loaded model")
+        check_architecture(model)  # before anything about the caller's model changes
         loaded = _adopt_model(model, dtype, device, attn_implementation)
         # Only a local folder counts: guessing hub ids would mean network access.
         source = Path(model.name_or_path) if model.name_or_path else None
@@ -181,15 +181,45 @@ def load_model(
     return loaded, _load_tokenizer(tokenizer, source, gguf_name, trust_remote_code)
 
 
+def unwrap_peft(model: object) -> object:
+    """A PEFT model's transformers model, whose modules hold the adapter layers (LoRA and the like) that
+    run in its own forward; anything else unchanged. Prompt-learning adapters (prefix or prompt tuning)
+    add virtual tokens outside that model, so they are refused rather than silently dropped."""
+    if not (callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config")):
+        return model
+    active = getattr(model, "active_peft_config", None)
+    if getattr(active, "is_prompt_learning", False):
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} with a {type(active).__name__}: prompt-learning adapters add virtual tokens "
+            "outside the transformers model, which the paged engine does not run; LoRA-style adapters are supported")
+    return model.get_base_model()
+
+
+ACCEPTED_MODELS = ("None (the default model), a hub id, a local folder with a config.json, a .gguf file, "
+                   "a loaded transformers PreTrainedModel or a PEFT model")
+# What a hub id looks like ("name" or "org/name"); anything else is read as a local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
 def _resolve_source(model: str | os.PathLike | None) -> tuple[str | Path, str | None]:
     """Return (hub id or folder, GGUF file name or None) for a model argument."""
     if model is None or model == DEFAULT_MODEL:
         return default_model_path(), None
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model={type(model).__module__}.{type(model).__name__}: expected {ACCEPTED_MODELS}")
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return path.parent, path.name
-    # Local folders become Paths; anything else is handed to the hub as is.
-    return (path if path.is_dir() else os.fspath(model)), None
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model={os.fspath(model)!r} is a folder without a config.json; expected "
+                                    f"{ACCEPTED_MODELS}")
+        return path, None
+    if path.exists() or path.suffix == ".gguf" or not _HUB_ID.fullmatch(os.fspath(model)):
+        raise FileNotFoundError(f"model={os.fspath(model)!r}: no such folder or .gguf file, and not a hub id; "
+                                f"expected {ACCEPTED_MODELS}")
+    # Neither a local folder nor a local file: a hub id, handed to the hub as is.
+    return os.fspath(model), None
 
 
 def _load_pretrained(
@@ -262,6 +292,10 @@ def _adopt_model(
         if wanted != "auto" and wanted != model.dtype:
             model.to(wanted)
     attn_implementation = _attention_to_load(model.config, attn_implementation)
+    # The engine switches an adopted model to the paged attention itself, once it accepts the model,
+    # so a model it refuses keeps its own attention.
+    if attn_implementation == ATTENTION_NAME:
+        return model
     if attn_implementation is not None and attn_implementation != model.config._attn_implementation:
         model.set_attn_implementation(attn_implementation)
     return model
@@ -270,8 +304,10 @@ def _adopt_model(
 def _attention_to_load(config: PretrainedConfig, attn_implementation: str | None) -> str | None:
     """An adapted architecture keeps its own attention code (the adapter swaps the paged one in
     inside the engine only): asking it for the paged interface function would break its own
-    forward (MPT's mask, Falcon's attention class table), so that request is dropped."""
-    if attn_implementation == ATTENTION_NAME and getattr(config, "model_type", None) in ADAPTED_TYPES:
+    forward (MPT's mask, Falcon's attention class table), so that request is dropped, unless its
+    adapter attends through the interface function (StableLM)."""
+    adapter = ADAPTERS.get(getattr(config, "model_type", None))
+    if attn_implementation == ATTENTION_NAME and adapter is not None and not adapter.uses_interface:
         return None
     return attn_implementation
 

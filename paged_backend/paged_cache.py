@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels import AttentionMetadata, write_kv_cache
 
 
@@ -78,30 +79,69 @@ class PagedCache(PackedStepCache):
 
 
 class ShapeProbe(PackedStepCache):
-    """Records the K/V shape each layer writes, from one tiny forward, so any architecture
-    (multi-query, grouped, per-layer head dims) sizes its paged cache from what it really does."""
+    """Records, from one tiny forward, the K/V shape each layer writes and whether the engine's step
+    reached that layer's attention (and by which route), so any architecture (multi-query, grouped,
+    per-layer head dims) sizes its paged cache from what it really does, and a layer that would
+    silently bypass the paged attention is caught before anything runs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: dict[int, tuple[int, int, torch.dtype]] = {}
+        self.routes: dict[int, str] = {}  # layer -> "interface" or "adapter"
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.seen[layer_idx] = (key_states.shape[1], key_states.shape[3], key_states.dtype)
         return key_states, value_states
 
+    def reached(self, layer_idx: int, route: str) -> None:
+        """Called by the paged attention function or an adapter when the probe's step got to them."""
+        self.routes[layer_idx] = route
+
 
 def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
-    """Run one token through the model and read the K/V shape its layers hand to the cache."""
+    """Run one token through the model, check that every layer writes its K/V through the cache and
+    attends through the engine's step, and return the K/V shape the layers hand to the cache."""
     probe = ShapeProbe()
     device = next(model.parameters()).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     with torch.inference_mode():
-        model(input_ids=ids, position_ids=torch.zeros_like(ids), cache=probe, use_cache=True)
+        model(input_ids=ids, position_ids=torch.zeros_like(ids), cache=probe, use_cache=True, paged_cache=probe)
+    check_every_layer_driven(model, probe, num_layers)
     shapes = {(h, d) for h, d, _ in probe.seen.values()}
-    if len(probe.seen) != num_layers or len(shapes) != 1:
-        raise NotImplementedError(
+    if len(shapes) != 1:
+        raise UnsupportedArchitectureError(
             f"{type(model).__name__}: the paged cache needs every one of its {num_layers} layers to write "
-            f"K/V of one shape; saw {len(probe.seen)} layers with shapes {sorted(shapes)}"
+            f"K/V of one shape; saw shapes (kv_heads, head_dim) {sorted(shapes)}"
         )
     (heads, head_dim), = shapes
     return KVShape(num_layers, heads, head_dim)
+
+
+def check_every_layer_driven(model: torch.nn.Module, probe: ShapeProbe, num_layers: int) -> None:
+    """Refuse, naming the layer, a model where some layer does not write K/V through the cache or
+    whose attention did not receive the engine's step: that layer would attend over the step's
+    own tokens only and produce wrong text without any error."""
+    for layer in range(num_layers):
+        if layer not in probe.seen:
+            reason = "never wrote its keys and values through the cache"
+        elif layer not in probe.routes:
+            reason = ("wrote K/V but its attention never received the engine's step (its decoder layer does "
+                      "not pass forward keywords on to the attention module); it needs an adapter")
+        else:
+            continue
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r}): "
+            f"{attention_module_name(model, layer)} {reason}; the paged engine refuses it rather than run it wrong"
+        )
+    extra = sorted(set(probe.seen) - set(range(num_layers)))
+    if extra:
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__}: layers {extra} wrote K/V beyond the config's {num_layers} layers")
+
+
+def attention_module_name(model: torch.nn.Module, layer: int) -> str:
+    """`layer 3 (model.layers.3.self_attn, LlamaAttention)`, or `layer 3` when no module says so."""
+    for name, module in model.named_modules():
+        if getattr(module, "layer_idx", None) == layer and "attention" in type(module).__name__.lower():
+            return f"layer {layer} ({name}, {type(module).__name__})"
+    return f"layer {layer}"

@@ -8,15 +8,21 @@ import os
 from pathlib import Path
 
 import pytest
-from engine_helpers import check_against_hf, greedy, hf_case
+import torch
+from engine_helpers import check_against_hf, greedy, hf_case, mixed_prompts
 from tiny_models import CONFIGS, build
 
 from paged_backend import Engine, EngineConfig
+from paged_backend.model_loader import SUPPORTED
 
 MAX_NEW = 12
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+# Each of these runs the three scenarios below apart; every other type runs them together, in one test.
+CORE = ("gemma", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="module", params=CORE)
 def arch_case(request):
     return hf_case(request.param, build(request.param), MAX_NEW)
 
@@ -44,6 +50,50 @@ def test_preemption(arch_case):
 
 
 # The repository carries its prompts (benchmarks/data), so a fresh clone runs this test.
+@pytest.mark.parametrize("name", sorted(set(CONFIGS) - set(CORE)))
+def test_mixed_batch_with_chunks_and_preemption(name):
+    """A mixed batch of 12, chunked prefill (24-token budget, prompts up to 40), late arrivals and
+    preemption (20 blocks of 4): every request equals HF generate."""
+    _, model, prompts, refs = hf_case(name, build(name), MAX_NEW)
+    engine = check_engine(model, prompts, refs, EngineConfig(num_kv_blocks=20, block_size=4,
+                                                             max_num_batched_tokens=24), late_from=5)
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_every_supported_type_has_a_test():
+    """A type without a tiny model here (or an adapter case in test_adapters.py) is not in SUPPORTED."""
+    from test_adapters import ADAPTED_CONFIGS
+
+    tested = {CONFIGS[name]().model_type for name in CONFIGS}
+    tested |= {ADAPTED_CONFIGS[name]().model_type for name in ADAPTED_CONFIGS} | {"baichuan"}  # Baichuan: checkpoints
+    assert tested == SUPPORTED
+
+
+def test_gemma2_softcap_outside_the_engine_is_eager_attention():
+    """A model switched to the paged attention and run without an engine soft-caps as transformers'
+    eager attention does (SDPA refuses softcap), so the caller's own generate keeps working."""
+    model = build("gemma2")
+    model.set_attn_implementation("eager")
+    ids = torch.tensor([mixed_prompts(1)[0] * 3])  # longer than the sliding window
+    with torch.no_grad():
+        eager = model(ids).logits
+        Engine(model, None, EngineConfig(num_kv_blocks=16))
+        assert model.config._attn_implementation == "paged_backend"
+        torch.testing.assert_close(model(ids).logits, eager)
+
+
+def test_longrope_context_is_capped_at_the_original_length():
+    """LongRoPE switches to its long factors past original_max_position_embeddings (64 here): the engine
+    runs exactly up to it and refuses longer contexts with the usable length in the message."""
+    model = build("phi3_longrope")
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64))
+    assert engine.max_model_len == 64
+    with pytest.raises(ValueError, match="original_max_position_embeddings=64"):
+        engine.add_request(list(range(1, 70)), greedy(4))
+    with pytest.raises(ValueError, match="max_model_len=128.*original_max_position_embeddings=64"):
+        Engine(model, None, EngineConfig(num_kv_blocks=64, max_model_len=128))
+
+
 MT_BENCH = Path(os.environ.get("PAGED_BACKEND_DATA", Path(__file__).resolve().parents[1] / "benchmarks" / "data"))
 
 
@@ -56,7 +106,6 @@ def test_default_model_mt_bench(default_llm):
                                        tokenize=True, return_dict=False) for q in questions]
     outs = default_llm.generate(prompts, greedy(24).__class__(temperature=0, max_tokens=24), use_tqdm=False)
     model = default_llm.model
-    import torch
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)

@@ -406,3 +406,95 @@ def test_gguf_path_matches_converted_model(converted_default: tuple[Path, float]
     ids = torch.tensor([tokenizer("The capital of France is")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(from_gguf(ids).logits, converted(ids).logits)
+
+
+# --- what the engine accepts, and what a refusal leaves behind ----------------
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.arange(1, 20)[None]).logits
+
+
+def test_refused_type_leaves_the_model_exactly_as_it_was() -> None:
+    """A gpt_oss model (its sink attention has no paged kernel) is refused before anything is switched."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from paged_backend import LLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           num_local_experts=4, num_experts_per_tok=2)).train()
+    model.eval()
+    before, implementation = _logits(model), model.config._attn_implementation
+    with pytest.raises(UnsupportedArchitectureError, match="gpt_oss"):
+        LLM(model, num_kv_blocks=8)
+    assert model.config._attn_implementation == implementation
+    assert torch.equal(_logits(model), before)
+
+
+def _stablelm_without_its_adapter(monkeypatch: pytest.MonkeyPatch):
+    """StableLM's decoder layer drops the engine's step: without its adapter every layer bypasses it."""
+    import sys
+
+    from paged_backend.adapters import registry
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import build
+
+    monkeypatch.delitem(registry.ADAPTERS, "stablelm")
+    return build("stablelm")
+
+
+def test_probe_refuses_a_layer_that_bypasses_the_step_and_restores_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paged_backend import Engine, EngineConfig
+
+    model = _stablelm_without_its_adapter(monkeypatch)
+    before, implementation = _logits(model), model.config._attn_implementation
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0 \(model.layers.0.self_attn, StableLmAttention\)"
+                                                           r".*never received the engine's step"):
+        Engine(model, None, EngineConfig(num_kv_blocks=8))
+    assert model.config._attn_implementation == implementation
+    assert torch.equal(_logits(model), before)
+
+
+def test_self_check_refuses_wrong_paged_logits_and_can_be_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the probe's layer check switched off, the self-check is what catches the bypass."""
+    from paged_backend import Engine, EngineConfig, paged_cache
+
+    model = _stablelm_without_its_adapter(monkeypatch)
+    monkeypatch.setattr(paged_cache, "check_every_layer_driven", lambda *args: None)
+    before = _logits(model)
+    with pytest.raises(UnsupportedArchitectureError, match="logits differ from the model's own forward"):
+        Engine(model, None, EngineConfig(num_kv_blocks=8))
+    assert torch.equal(_logits(model), before)
+    Engine(model, None, EngineConfig(num_kv_blocks=8, self_check=False))  # skipped: accepted (and wrong)
+
+
+def test_self_check_runs_once_per_model(monkeypatch: pytest.MonkeyPatch, tiny_llama: LlamaForCausalLM) -> None:
+    from paged_backend import Engine, EngineConfig, model_check
+
+    calls = []
+    dense = model_check.dense_logits
+    monkeypatch.setattr(model_check, "dense_logits", lambda *a: calls.append(1) or dense(*a))
+    Engine(tiny_llama, None, EngineConfig(num_kv_blocks=8))
+    Engine(tiny_llama, None, EngineConfig(num_kv_blocks=8))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("bad", [object(), 42, torch.nn.Linear(2, 2)])
+def test_model_that_is_not_a_model_is_refused_by_type(bad: object) -> None:
+    with pytest.raises(TypeError, match=rf"model=.*{type(bad).__name__}: expected .*PreTrainedModel or a PEFT model"):
+        load_model(bad)
+
+
+def test_missing_path_and_folder_without_config_are_refused(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match=rf"{missing}.*no such folder.*expected .*hub id"):
+        load_model(missing)
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_model("./relative/model.gguf")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty.*folder without a config.json"):
+        load_model(tmp_path / "empty")

@@ -25,6 +25,39 @@ CONFIGS = {
                                                n_positions=512),
     "opt": lambda: tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 ffn_dim=128, word_embed_proj_dim=64, max_position_embeddings=512),
+    # Sliding-window layer then global layer, with soft-capped attention and final logits small enough
+    # to bite on these weights; the 8-token window is shorter than most prompts.
+    "gemma2": lambda: tf.Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                      attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
+                                      query_pre_attn_scalar=16, **_common()),
+    "gemma3_text": lambda: tf.Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                               sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                               attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
+                                               query_pre_attn_scalar=16, **_common()),
+    # LongRoPE: runs with its short factors, the engine's context capped at the original length.
+    "phi3_longrope": lambda: tf.Phi3Config(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                           original_max_position_embeddings=64, rope_scaling=dict(
+                                               rope_type="longrope", short_factor=[1.0 + i / 8 for i in range(8)],
+                                               long_factor=[2.0 + i for i in range(8)]), **_common()),
+    "mixtral": lambda: tf.MixtralConfig(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, **_common()),
+    "qwen2_moe": lambda: tf.Qwen2MoeConfig(num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=32, **_common()),
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=32, **_common()),
+    "granite": lambda: tf.GraniteConfig(num_attention_heads=4, num_key_value_heads=2, attention_multiplier=0.2,
+                                        residual_multiplier=0.5, embedding_multiplier=2.0, logits_scaling=2.0,
+                                        **_common()),
+    "olmo": lambda: tf.OlmoConfig(num_attention_heads=4, num_key_value_heads=2, clip_qkv=2.0, **_common()),
+    "olmo2": lambda: tf.Olmo2Config(num_attention_heads=4, num_key_value_heads=2, **_common()),
+    "starcoder2": lambda: tf.Starcoder2Config(num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
+                                              **_common()),
+    "phi": lambda: tf.PhiConfig(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5, **_common()),
+    "cohere": lambda: tf.CohereConfig(num_attention_heads=4, num_key_value_heads=2, use_qk_norm=False, **_common()),
+    # Its decoder layer drops forward keywords on the way to attention: runs through its adapter.
+    "stablelm": lambda: tf.StableLmConfig(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
+                                          **_common()),
 }
 
 

@@ -23,8 +23,8 @@ class PagedOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
     model: Any = None
-    """None (the default model), a hub id, folder or .gguf path, a loaded PreTrainedModel, or a
-    ready paged_backend.LLM / Engine / AsyncEngine."""
+    """None (the default model), a hub id, folder or .gguf path, a loaded PreTrainedModel or PEFT
+    model, or a ready paged_backend.LLM / Engine / AsyncEngine."""
     tokenizer: Any = None
     engine_config: dict[str, Any] = Field(default_factory=dict)
     """EngineConfig fields plus dtype/device; adapters with equal settings share one engine."""

@@ -2,11 +2,13 @@
 
 An architecture whose attention bypasses transformers' attention interface gets a file here that
 names its attention module classes, the keyword under which its blocks hand them the cache, and a
-paged forward built from the module's own weights (see `registry.py`). The engine calls
+paged forward built from the module's own weights (see `registry.py`), or, for an architecture whose
+attention does use the interface but whose code drops the engine's step on the way (StableLM), a
+forward that hands the step on. The engine calls
 `install_adapters(model)`; `model_loader.SUPPORTED` includes every registered type.
 """
 
-from . import baichuan, bloom, falcon, mpt  # noqa: F401  (each registers its adapter)
-from .registry import ADAPTERS, Adapter, adapter_for, install_adapters, register_adapter
+from . import baichuan, bloom, falcon, mpt, stablelm  # noqa: F401  (each registers its adapter)
+from .registry import ADAPTERS, Adapter, adapter_for, install_adapters, register_adapter, uninstall_adapters
 
-__all__ = ["ADAPTERS", "Adapter", "adapter_for", "install_adapters", "register_adapter"]
+__all__ = ["ADAPTERS", "Adapter", "adapter_for", "install_adapters", "register_adapter", "uninstall_adapters"]

@@ -20,7 +20,7 @@ from torch import nn
 
 from paged_backend.kernels import paged_attention
 from paged_backend.kernels.torch_attention import attend_one
-from paged_backend.paged_cache import PackedStepCache, PagedCache
+from paged_backend.paged_cache import PackedStepCache, PagedCache, ShapeProbe
 
 PagedForward = Callable[..., tuple[torch.Tensor, None]]
 
@@ -32,6 +32,9 @@ class Adapter:
     paged_forward: PagedForward  # (module, cache, *args, **kwargs) -> what the original forward returns
     cache_argument: str  # the keyword under which the block hands the module its cache
     prepare: Callable[[nn.Module, object], None] | None = None  # per-module set-up (ALiBi slopes), once
+    # True when the paged forward still attends through the interface's "paged_backend" function
+    # (it only hands on what the model's own code drops), so the model is switched to it as well.
+    uses_interface: bool = False
 
 
 ADAPTERS: dict[str, Adapter] = {}
@@ -46,12 +49,12 @@ def adapter_for(config: object) -> Adapter | None:
     return ADAPTERS.get(getattr(config, "model_type", None))
 
 
-def install_adapters(model: nn.Module) -> bool:
+def install_adapters(model: nn.Module) -> Adapter | None:
     """Swap in the paged forward on every attention module of `model`'s architecture (idempotent).
-    Return True when the model's architecture has an adapter."""
+    Return the architecture's adapter, or None when it has none."""
     adapter = adapter_for(model.config)
     if adapter is None:
-        return False
+        return None
     modules = [m for m in model.modules() if isinstance(m, adapter.module_types)]
     if not modules:
         expected = ", ".join(t.__name__ for t in adapter.module_types)
@@ -64,7 +67,16 @@ def install_adapters(model: nn.Module) -> bool:
                 adapter.prepare(module, model.config)
             module._paged_original_forward = module.forward
             module.forward = functools.partial(dispatch_forward, module, adapter)
-    return True
+    return adapter
+
+
+def uninstall_adapters(model: nn.Module) -> None:
+    """Give every adapted module of `model` its own forward back (a refused model leaves as it came)."""
+    for module in model.modules():
+        original = vars(module).pop("_paged_original_forward", None)
+        if original is not None:
+            del module.forward  # the instance attribute; the class's forward shows through again
+            vars(module).pop("_paged_alibi_slopes", None)
 
 
 def dispatch_forward(module: nn.Module, adapter: Adapter, *args, **kwargs):
@@ -87,6 +99,8 @@ def attend(
     """Write this step's `key/value [T, KVH, D]` through the cache and attend `query [T, H, D]` over
     each sequence's context; returns `[T, H, D]`."""
     cache.update(key.transpose(0, 1)[None], value.transpose(0, 1)[None], module.layer_idx)
+    if isinstance(cache, ShapeProbe):
+        cache.reached(module.layer_idx, "adapter")
     if isinstance(cache, PagedCache):
         key_cache, value_cache = cache.layer(module.layer_idx)
         return paged_attention(query, key_cache, value_cache, cache.metadata, scale,
