@@ -21,7 +21,7 @@ from .detokenizer import IncrementalDetokenizer
 from .distributed import agree_on_blocks
 from .grammar import GrammarMask, Grammars
 from .kv_cache_manager import KVCacheManager
-from .model_loader import check_architecture, unwrap_peft
+from .model_loader import check_architecture, model_object
 from .model_runner import ModelRunner, StepInputs
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .model_check import prepare_model, usable_context
@@ -41,7 +41,7 @@ class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer=None, config: EngineConfig | None = None,
                  publish_step: Callable[[StepInputs], None] | None = None) -> None:
         self.config = config or EngineConfig()
-        model = unwrap_peft(model)
+        model = model_object(model)
         check_architecture(model)
         text_config = model.config.get_text_config()
         if self.config.num_threads:

@@ -195,6 +195,16 @@ def unwrap_peft(model: object) -> object:
     return model.get_base_model()
 
 
+def model_object(model: object) -> PreTrainedModel:
+    """The transformers model an engine runs for a model object (a PEFT model's own, with its adapter
+    layers); a TypeError naming what was given for anything else."""
+    model = unwrap_peft(model)
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model={type(model).__module__}.{type(model).__name__}: the engine runs a loaded "
+                        "transformers PreTrainedModel or a PEFT model (LLM also takes a hub id, folder or .gguf file)")
+    return model
+
+
 ACCEPTED_MODELS = ("None (the default model), a hub id, a local folder with a config.json, a .gguf file, "
                    "a loaded transformers PreTrainedModel or a PEFT model")
 # What a hub id looks like ("name" or "org/name"); anything else is read as a local path.

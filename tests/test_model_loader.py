@@ -489,6 +489,13 @@ def test_model_that_is_not_a_model_is_refused_by_type(bad: object) -> None:
         load_model(bad)
 
 
+def test_engine_refuses_an_object_that_is_not_a_model() -> None:
+    from paged_backend import Engine
+
+    with pytest.raises(TypeError, match=r"model=torch.nn.modules.linear.Linear: the engine runs .*PEFT model"):
+        Engine(torch.nn.Linear(2, 2))
+
+
 def test_missing_path_and_folder_without_config_are_refused(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match=rf"{missing}.*no such folder.*expected .*hub id"):
