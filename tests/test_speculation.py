@@ -10,6 +10,7 @@ rejections on purpose.
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -375,3 +376,46 @@ def test_structured_requests_decode_without_proposals(default_llm):
             assert proposed_for == {ids[1]} and engine.stats()["spec_num_draft_tokens"] > 0
     assert texts[True] == texts[False]
     assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", texts[True][0])
+
+
+def test_metrics_report_speculation(llama):
+    pytest.importorskip("prometheus_client")
+    from paged_backend.integrations.server.metrics import ServerMetrics
+
+    model, prompts, answers = llama
+    _, engine = run(model, prompts, greedy(), EngineConfig(num_kv_blocks=64, speculative_config=NGRAM), answers)
+    stats = engine.stats()
+    assert stats["spec_num_accepted_tokens"] == pytest.approx(stats["spec_acceptance_rate"]
+                                                              * stats["spec_num_draft_tokens"])
+    assert stats["spec_mean_accepted_length"] == pytest.approx(1 + stats["spec_num_accepted_tokens"]
+                                                               / stats["spec_num_drafts"])
+    lines = dict(line.rsplit(" ", 1) for line in ServerMetrics(engine).render().decode().splitlines()
+                 if line.startswith("paged_backend_spec"))
+    assert float(lines["paged_backend_spec_decode_num_draft_tokens_total"]) == stats["spec_num_draft_tokens"]
+    assert float(lines["paged_backend_spec_decode_num_accepted_tokens_total"]) == stats["spec_num_accepted_tokens"]
+    assert float(lines["paged_backend_spec_decode_num_drafts_total"]) == stats["spec_num_drafts"]
+    assert float(lines["paged_backend_spec_decode_mean_accepted_length"]) == pytest.approx(
+        stats["spec_mean_accepted_length"])
+
+
+def test_serve_takes_a_speculative_config(monkeypatch):
+    pytest.importorskip("uvicorn")
+    import paged_backend
+    from paged_backend.cli import build_parser
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def fake_llm(model, tensor_parallel_size=1, **config):
+        seen.update(config)
+        raise Loaded
+
+    monkeypatch.setattr(paged_backend, "LLM", fake_llm)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    args = build_parser().parse_args(["serve", "--speculative-config", json.dumps(spec)])
+    with pytest.raises(Loaded):
+        args.run(args)
+    assert seen["speculative_config"] == spec
+    assert EngineConfig(**seen).speculative_config.num_speculative_tokens == 3

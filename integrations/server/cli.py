@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from .state import DEFAULT_MAX_SEQS_PER_REQUEST
 
@@ -25,6 +26,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         engine.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     engine.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: the model's)")
     engine.add_argument("--device", default=None, help="e.g. cpu, cuda (default: the model's)")
+    engine.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 3, "prompt_lookup_min": 2}\'')
     engine.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="shard the model over N processes (spawned here; rank 0 serves HTTP)")
 
@@ -39,7 +43,7 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from .app import create_app
 
-    config = {name: getattr(args, name) for name in ENGINE_INT_FLAGS + ("dtype", "device")
+    config = {name: getattr(args, name) for name in ENGINE_INT_FLAGS + ("dtype", "device", "speculative_config")
               if getattr(args, name) is not None}
     llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **config)
     aengine = AsyncEngine(llm.engine)

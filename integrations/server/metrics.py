@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from paged_backend import Engine, RequestOutput
@@ -97,10 +97,27 @@ class EngineCollector(Collector):
         yield gauge("num_preemptions", "Requests preempted so far", stats["num_preemptions"])
         yield gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens",
                     prefix_hit_rate(self.metrics))
+        yield from speculation_metrics(stats)
+
+
+def speculation_metrics(stats: dict[str, float]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Speculative decoding's counters and rates (zero when the engine does not speculate)."""
+    yield counter("spec_decode_num_drafts", "Request-steps that carried proposed tokens",
+                  stats.get("spec_num_drafts", 0))
+    yield counter("spec_decode_num_draft_tokens", "Proposed tokens verified", stats.get("spec_num_draft_tokens", 0))
+    yield counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                  stats.get("spec_num_accepted_tokens", 0))
+    yield gauge("spec_decode_acceptance_rate", "Accepted / proposed tokens", stats.get("spec_acceptance_rate", 0))
+    yield gauge("spec_decode_mean_accepted_length", "Tokens gained per request-step that carried proposals "
+                "(accepted + 1)", stats.get("spec_mean_accepted_length", 0))
 
 
 def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"{PREFIX}_{name}", documentation, value=float(value))
+
+
+def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{PREFIX}_{name}", documentation, value=float(value))
 
 
 def prefix_hit_rate(metrics: ServerMetrics) -> float:
