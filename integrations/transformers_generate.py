@@ -10,13 +10,16 @@ exactly what they mean in `generate`. Each row becomes one engine request (paddi
 call has logits processors (or asks for scores/logits) get them applied to their logits row inside the
 engine step, on a `[1, L]` view of the row as `generate` would see it (padding first); eos and length stop
 natively in the engine, any other stopping criterion is checked after each new token and aborts the row.
-The engine then only takes the argmax or samples from the processed scores. When sampling, each row gets
+The engine then only takes the argmax or samples from the processed scores. `prompt_lookup_num_tokens=k`
+runs on an engine with n-gram speculation (k tokens, transformers' lookup sizes), batched rows included;
+the output is the one without it. When sampling, each row gets
 its own seed drawn from torch's global generator, so `torch.manual_seed(s)` before the call makes it
 reproducible whatever else shares the engine's batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections import deque
@@ -44,6 +47,7 @@ from paged_backend.config import EngineConfig
 from paged_backend.engine import Engine
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
+from paged_backend.speculative_config import SpeculativeConfig
 
 PAGED = "paged"
 ORIGINAL_GENERATE = GenerationMixin.generate
@@ -101,7 +105,19 @@ def generate_paged(model: PreTrainedModel, *args: Any, **kwargs: Any) -> torch.L
         with generator.lock:
             return generate_beams(model, generator.engine, *args, **kwargs)
     job = prepare_job(model, *args, **kwargs)
-    return next(generator_for(model).run([job]))
+    return next(generator_for(model, config_for_speculation(model, job.speculative_config)).run([job]))
+
+
+def config_for_speculation(model: PreTrainedModel, spec: dict | None) -> EngineConfig | None:
+    """The engine config a call needs: None (any engine will do) unless the model's engine speculates
+    differently from what this call asks (prompt lookup or not); then its config with that changed."""
+    slot = model.__dict__.get(ENGINE_SLOT)
+    current = slot.generator.engine.config if slot is not None and slot.generator is not None else None
+    if current is None:
+        return EngineConfig(speculative_config=spec) if spec else None
+    if current.speculative_config == SpeculativeConfig.from_value(spec):
+        return None
+    return dataclasses.replace(current, speculative_config=spec)
 
 
 # ---------------------------------------------------------------- preparing a call
@@ -123,6 +139,7 @@ class GenerateJob:
     return_dict: bool
     output_scores: bool
     output_logits: bool
+    speculative_config: dict | None = None  # prompt_lookup_num_tokens: the engine's n-gram speculation
 
     @property
     def needs_hook(self) -> bool:
@@ -152,6 +169,7 @@ def prepare_job(
     kwargs.pop("cache_implementation", None)
     has_default_max_length, has_default_min_length = default_lengths(model, generation_config, kwargs)
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    speculative_config = take_prompt_lookup(config)
     refuse_config(config)
     input_ids, input_name, model_kwargs = model._prepare_model_inputs(inputs, config.bos_token_id, model_kwargs)
     if input_name != "input_ids":
@@ -173,7 +191,23 @@ def prepare_job(
     criteria = model._get_stopping_criteria(config, stopping_criteria or StoppingCriteriaList(), tokenizer)
     job = build_job(config, input_ids, attention_mask, criteria, streamer)
     job.processors = [row_processors(model, config, job, i, logits_processor) for i in range(len(job.prompts))]
+    job.speculative_config = speculative_config
     return job
+
+
+def take_prompt_lookup(config: GenerationConfig) -> dict | None:
+    """transformers' prompt lookup options as the engine's n-gram speculation (taken out of the config, which
+    then describes plain greedy search or sampling). Its lookup tries n-grams of max_matching_ngram_size
+    (default 2) down to 1 tokens."""
+    k = config.prompt_lookup_num_tokens
+    if not k:
+        return None
+    if config.return_dict_in_generate and (config.output_scores or config.output_logits):
+        raise NotImplementedError("prompt_lookup_num_tokens with output_scores/output_logits is not supported with "
+                                  "cache_implementation='paged'")
+    config.prompt_lookup_num_tokens = None
+    return {"method": "ngram", "num_speculative_tokens": int(k),
+            "prompt_lookup_max": int(config.max_matching_ngram_size or 2), "prompt_lookup_min": 1}
 
 
 def default_lengths(model: PreTrainedModel, config: GenerationConfig | None, kwargs: dict) -> tuple[bool, bool]:
@@ -345,12 +379,17 @@ class Row:
     def view(self) -> torch.LongTensor:
         return self.job.views[self.index : self.index + 1, : self.length]
 
-    def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """HF's processors on this row's logits `[V]`, as `generate` applies them to its batch row."""
+    def process(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """HF's processors on this row's logits `[V]`, as `generate` applies them to its batch row. The row
+        has received `num_new` of `output_ids`; a longer list holds tokens speculation is verifying."""
         raw = logits.float()[None]
         if self.job.output_logits:
             self.logits.append(raw.clone())
-        scores = self.job.processors[self.index](self.view(), raw.clone() if self.job.output_logits else raw)
+        view = self.view()
+        if len(output_ids) > self.num_new:
+            extra = torch.tensor(output_ids[self.num_new:], dtype=view.dtype, device=view.device)
+            view = torch.cat([view, extra[None]], dim=1)
+        scores = self.job.processors[self.index](view, raw.clone() if self.job.output_logits else raw)
         if self.job.output_scores:
             self.scores.append(scores.clone())
         return scores[0]
@@ -428,9 +467,9 @@ class PagedGenerator:
         """HF processors shape the row's distribution before the engine samples from it; the engine turns
         a processor's failure into a request error, so the original exception is kept here too."""
 
-        def process(_output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:  # the row keeps its own ids
+        def process(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
             try:
-                return row.process(logits)
+                return row.process(output_ids, logits)
             except BaseException as exc:
                 self.error = exc
                 raise

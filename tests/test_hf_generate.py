@@ -394,3 +394,31 @@ def assert_engine_idle(model) -> None:
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert not tg.generator_for(model).rows
+
+
+# ---------------------------------------------------------------- prompt lookup
+
+
+@pytest.mark.parametrize("options", [{}, {"repetition_penalty": 1.3}])
+def test_prompt_lookup_runs_on_engine_speculation(llama, options):
+    """generate(prompt_lookup_num_tokens=k) gives transformers' own prompt-lookup output (which takes one row
+    at a time), for a batch of rows at once; the engine speculated, and a plain call afterwards does not."""
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8], [9, 10, 11, 9, 10, 11, 9, 10, 11, 9, 10, 11]])
+    args = dict(prompt_lookup_num_tokens=3, max_new_tokens=16, do_sample=False, **options)
+    expected = torch.cat([llama.ref.generate(ids[i : i + 1], **args) for i in range(len(ids))])
+    assert torch.equal(llama.paged.generate(ids, **args, **PAGED), expected)
+    engine = tg.engine_for(llama.paged)
+    spec = engine.config.speculative_config
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (3, 2, 1)
+    assert engine.stats()["spec_num_draft_tokens"] > 0
+    assert engine.stats()["spec_num_accepted_tokens"] > 0 or options  # the penalty breaks the repeats
+    assert engine.config.num_kv_blocks == 96  # the rest of the engine's config is kept
+    plain = {k: v for k, v in args.items() if k != "prompt_lookup_num_tokens"}
+    assert torch.equal(llama.paged.generate(ids, **plain, **PAGED), expected)
+    assert tg.engine_for(llama.paged).config.speculative_config is None
+
+
+def test_prompt_lookup_with_scores_is_refused(llama):
+    with pytest.raises(NotImplementedError, match="prompt_lookup_num_tokens"):
+        llama.paged.generate(INPUT_IDS, attention_mask=MASK, prompt_lookup_num_tokens=2, max_new_tokens=4,
+                             return_dict_in_generate=True, output_scores=True, **PAGED)
