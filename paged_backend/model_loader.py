@@ -226,8 +226,8 @@ def _resolve_source(model: str | os.PathLike | None) -> tuple[str | Path, str | 
                                     f"{ACCEPTED_MODELS}")
         return path, None
     if path.exists() or path.suffix == ".gguf" or not _HUB_ID.fullmatch(os.fspath(model)):
-        raise FileNotFoundError(f"model={os.fspath(model)!r}: no such folder or .gguf file, and not a hub id; "
-                                f"expected {ACCEPTED_MODELS}")
+        found = "a file but not a .gguf file" if path.exists() else "no such folder or .gguf file, and not a hub id"
+        raise FileNotFoundError(f"model={os.fspath(model)!r}: {found}; expected {ACCEPTED_MODELS}")
     # Neither a local folder nor a local file: a hub id, handed to the hub as is.
     return os.fspath(model), None
 

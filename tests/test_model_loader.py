@@ -502,6 +502,9 @@ def test_missing_path_and_folder_without_config_are_refused(tmp_path: Path) -> N
         load_model(missing)
     with pytest.raises(FileNotFoundError, match="no such folder"):
         load_model("./relative/model.gguf")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="weights.bin.*a file but not a .gguf file; expected"):
+        load_model(tmp_path / "weights.bin")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"empty.*folder without a config.json"):
         load_model(tmp_path / "empty")
