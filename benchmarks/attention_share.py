@@ -21,7 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `throughput` sit beside this script
 
-from common import chat_workload, draw_max_tokens, load_mt_bench_prompts, machine_info, write_results
+from common import (
+    chat_workload,
+    draw_max_tokens,
+    load_mt_bench_prompts,
+    machine_info,
+    write_results,
+)
 from throughput import SEED, serve_engine
 
 from paged_backend import Engine, EngineConfig, attention, paged_cache
@@ -61,7 +67,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"paged attention {100 * shares['attention']:.1f} %, cache writes {100 * shares['cache_write']:.1f} %")
     report = {"num_prompts": args.num_prompts, "wall_s": wall, "seconds": totals, "shares": shares,
               "machine": machine_info(),
-              "command": " ".join(["python", "benchmarks/attention_share.py", *(sys.argv[1:] if argv is None else argv)])}
+              "command": " ".join(["python", "benchmarks/attention_share.py",
+                                   *(sys.argv[1:] if argv is None else argv)])}
     print(f"results: {write_results(report, 'attention_share', args.json)}")
     return shares
 

@@ -53,7 +53,8 @@ def machine_note(machine: dict[str, Any] | None) -> str:
     if not machine:
         return ""
     load = machine.get("uptime") or f"load average {machine.get('load_average_1m', float('nan')):.1f}"
-    return f"{machine.get('cpu_count')} CPUs, {machine.get('torch_threads')} torch threads, {load}, {machine.get('time_utc')}"
+    return (f"{machine.get('cpu_count')} CPUs, {machine.get('torch_threads')} torch threads, {load}, "
+            f"{machine.get('time_utc')}")
 
 
 def throughput_chart(report: dict[str, Any], path: Path) -> Path | None:
@@ -63,15 +64,17 @@ def throughput_chart(report: dict[str, Any], path: Path) -> Path | None:
     workload = report.get("workload", {})
     return bar_chart(path, f"Output tokens/s, {workload.get('num_prompts', '')} MT-bench chats, greedy, EOS ignored",
                      labels, [systems[n]["tokens_per_s"] for n in names], "output tokens/s",
-                     machine_note(report.get("machine")), highlight=names.index("engine") if "engine" in names else None)
+                     machine_note(report.get("machine")),
+                     highlight=names.index("engine") if "engine" in names else None)
 
 
 def prefix_cache_chart(report: dict[str, Any], path: Path) -> Path | None:
     off, on = report["off"], report["on"]
+    unit = "output tokens/s (median of alternating runs)" if "wall_s_runs" in off else "output tokens/s (one run each)"
     return bar_chart(path, f"Prefix caching, {report['args']['num_requests']} requests sharing a "
                            f"{report['args']['system_tokens']}-token system prompt",
                      ["caching off", "caching on"], [off["output_tokens_per_s"], on["output_tokens_per_s"]],
-                     "output tokens/s (median of alternating runs)", machine_note(report.get("machine")), highlight=1)
+                     unit, machine_note(report.get("machine")), highlight=1)
 
 
 def pipeline_chart(report: dict[str, Any], path: Path) -> Path | None:

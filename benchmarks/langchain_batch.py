@@ -28,8 +28,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 from paged_backend.default_model import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `charts` sit beside this script
-import charts  # noqa: E402
-from common import machine_info, write_results  # noqa: E402
+import charts
+from common import machine_info, write_results
 
 QUESTIONS = Path(__file__).resolve().parent / "data" / "mt_bench_questions.jsonl"
 
@@ -79,7 +79,8 @@ def main() -> None:
     args = parser.parse_args()
     conversations = load_conversations(args.questions)
 
-    sides = {"chat_paged": ChatPaged(temperature=0, max_tokens=args.max_tokens), "chat_huggingface": build_hf_chat(args.max_tokens)}
+    sides = {"chat_paged": ChatPaged(temperature=0, max_tokens=args.max_tokens),
+             "chat_huggingface": build_hf_chat(args.max_tokens)}
     tokenizer = sides["chat_huggingface"].tokenizer
     for model in sides.values():  # warm-up, untimed: loading and first calls land on neither side
         model.batch(conversations[:2])

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import charts  # noqa: E402
-from common import load_mt_bench_prompts, machine_info, write_results  # noqa: E402
+import charts
+from common import load_mt_bench_prompts, machine_info, write_results
 
-from paged_backend import LLM, SamplingParams  # noqa: E402
-from paged_backend.engine import Engine  # noqa: E402
+from paged_backend import LLM, SamplingParams
+from paged_backend.engine import Engine
 
 
 def build_prompts(llm: LLM, num_requests: int, system_tokens: int) -> list[list[int]]:

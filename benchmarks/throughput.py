@@ -29,7 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 
-import charts  # noqa: E402
+import charts
 from common import (
     RunMeter,
     Workload,

@@ -187,11 +187,11 @@ def reference_penalised_greedy(model, prompt: list[int], steps: int, params: Sam
 
 
 @pytest.mark.parametrize("kwargs, shift", [
-    (dict(frequency_penalty=0.5), None),
-    (dict(presence_penalty=0.8), None),
-    (dict(repetition_penalty=1.3), None),
-    (dict(repetition_penalty=1.3), all_negative),
-    (dict(frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.2), all_negative),
+    ({"frequency_penalty": 0.5}, None),
+    ({"presence_penalty": 0.8}, None),
+    ({"repetition_penalty": 1.3}, None),
+    ({"repetition_penalty": 1.3}, all_negative),
+    ({"frequency_penalty": 0.3, "presence_penalty": 0.2, "repetition_penalty": 1.2}, all_negative),
 ], ids=["frequency", "presence", "repetition", "repetition-negative", "all-negative"])
 def test_penalties_over_many_greedy_steps_match_a_bare_model_loop(model, engine, kwargs, shift):
     """40 greedy steps, so penalties built from earlier output tokens decide later ones."""

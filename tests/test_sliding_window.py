@@ -15,8 +15,8 @@ MAX_NEW = 12
 
 
 def common() -> dict:
-    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                max_position_embeddings=512, num_attention_heads=4, num_key_value_heads=2)
+    return {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "max_position_embeddings": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 CONFIGS = {
@@ -46,8 +46,8 @@ def test_the_window_changes_the_answer(case):
 
 
 @pytest.mark.parametrize("config", [
-    dict(num_kv_blocks=128, block_size=4),
-    dict(num_kv_blocks=128, block_size=4, max_num_batched_tokens=16),  # prompts prefilled in chunks
+    {"num_kv_blocks": 128, "block_size": 4},
+    {"num_kv_blocks": 128, "block_size": 4, "max_num_batched_tokens": 16},  # prompts prefilled in chunks
 ], ids=["whole-prompts", "chunked"])
 def test_engine_matches_hf_with_a_window_shorter_than_the_prompts(case, config):
     model, prompts, refs = case
