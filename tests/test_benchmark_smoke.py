@@ -137,3 +137,17 @@ def test_time_median_is_the_middle_timing():
         time.sleep(next(delays))
 
     assert 0.1 <= common.time_median(call, repeats=3, warmup=1) < 0.5
+
+
+def test_speculative_benchmark_compares_engines_on_a_tiny_model():
+    import speculative
+
+    from paged_backend import Engine, EngineConfig
+
+    assert len(speculative.grounded_prompts()) == 16
+    model = build("llama")
+    engines = {"plain": Engine(model, None, EngineConfig(num_kv_blocks=64)),
+               "ngram": Engine(model, None, EngineConfig(num_kv_blocks=64, speculative_config={"prompt_lookup_min": 1}))}
+    result = speculative.compare(engines, [[[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]]], 12, repeats=1)
+    assert result["outputs_identical"] and result["proposed"] > 0
+    assert {"plain_tokens_per_s", "ngram_tokens_per_s", "ratio", "acceptance_rate", "mean_accepted_length"} <= set(result)
