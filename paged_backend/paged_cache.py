@@ -98,14 +98,20 @@ class ShapeProbe(PackedStepCache):
         self.routes[layer_idx] = route
 
 
-def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
-    """Run one token through the model, check that every layer writes its K/V through the cache and
-    attends through the engine's step, and return the K/V shape the layers hand to the cache."""
+def probe_model(model: torch.nn.Module) -> ShapeProbe:
+    """Run one token through the model with a probe as both its cache and the engine's step."""
     probe = ShapeProbe()
     device = next(model.parameters()).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     with torch.inference_mode():
         model(input_ids=ids, position_ids=torch.zeros_like(ids), cache=probe, use_cache=True, paged_cache=probe)
+    return probe
+
+
+def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
+    """Probe the model, check that every layer writes its K/V through the cache and attends through
+    the engine's step, and return the K/V shape the layers hand to the cache."""
+    probe = probe_model(model)
     check_every_layer_driven(model, probe, num_layers)
     shapes = {(h, d) for h, d, _ in probe.seen.values()}
     if len(shapes) != 1:

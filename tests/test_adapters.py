@@ -113,6 +113,43 @@ def test_llm_loads_a_saved_checkpoint(name, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
 
 
+@pytest.mark.parametrize(("name", "route"), [("llama", "interface"), ("bloom", "adapter"), ("stablelm", "adapter")])
+def test_probe_records_how_each_layer_is_driven(name, route):
+    """The start-up probe sees every layer write K/V and receive the step, through the interface
+    function or the layer's adapter (StableLM's hands the step on to the interface function)."""
+    from tiny_models import CONFIGS
+
+    from paged_backend.model_check import prepare_model
+    from paged_backend.paged_cache import probe_model
+
+    model = build_from_config(CONFIGS.get(name) or ADAPTED_CONFIGS[name])
+    prepare_model(model, 2, self_check=False)
+    probe = probe_model(model)
+    assert probe.routes == {0: route, 1: route}
+    assert set(probe.seen) == {0, 1}
+
+
+def test_refused_adapted_model_gets_its_own_forward_back(monkeypatch):
+    """A refusal after the adapters went in (here a failing self-check) takes them out again."""
+    from paged_backend import UnsupportedArchitectureError, model_check
+
+    model = build_adapted("bloom")
+    x = torch.tensor([mixed_prompts(1)[0]])
+    with torch.no_grad():
+        before = model(x).logits
+
+    def refuse(*args):
+        raise UnsupportedArchitectureError("refused for the test")
+
+    monkeypatch.setattr(model_check, "check_paged_matches_dense", refuse)
+    with pytest.raises(UnsupportedArchitectureError, match="refused for the test"):
+        Engine(model, None, EngineConfig(num_kv_blocks=8))
+    attention = model.transformer.h[0].self_attention
+    assert "forward" not in vars(attention) and "_paged_original_forward" not in vars(attention)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, before)
+
+
 def test_registry_has_one_adapter_per_family():
     assert {"bloom", "mpt", "falcon", "baichuan"} <= set(ADAPTERS)
     assert not install_adapters(tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(
