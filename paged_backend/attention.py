@@ -15,9 +15,9 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from paged_backend.kernels import paged_attention
 from paged_backend.kernels.torch_attention import attend_one
 
+from . import custom_ops
 from .paged_cache import PagedCache, ShapeProbe
 
 ATTENTION_NAME = "paged_backend"
@@ -46,12 +46,8 @@ def paged_attention_forward(
             return eager_softcapped(module, query, key, value, attention_mask, scale, softcap, dropout), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
-    key_cache, value_cache = paged_cache.layer(module.layer_idx)
-    out = paged_attention(
-        query[0].transpose(0, 1), key_cache, value_cache, paged_cache.metadata, scale,
-        sliding_window=sliding_window, softcap=softcap,
-        new_key=key[0].transpose(0, 1), new_value=value[0].transpose(0, 1),
-    )
+    out = custom_ops.paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                     module.layer_idx, scale, sliding_window, softcap)
     return out.unsqueeze(0), None
 
 

@@ -16,6 +16,7 @@ import torch
 
 from paged_backend.kernels import AttentionMetadata
 
+from . import custom_ops
 from .paged_cache import PagedCache
 from .prompt_logprobs import PromptSpan, wanted_targets
 from .request import Request
@@ -51,8 +52,7 @@ class ModelRunner:
         return self.forward(inputs), inputs
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        self.cache.metadata = inputs.metadata
-        try:
+        with custom_ops.step_context(inputs.metadata, self.cache.kv):
             out = self.model(
                 input_ids=inputs.input_ids,
                 position_ids=inputs.position_ids,
@@ -61,8 +61,6 @@ class ModelRunner:
                 paged_cache=self.cache,
                 logits_to_keep=inputs.logits_indices,
             )
-        finally:
-            self.cache.metadata = None
         return out.logits[0]
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:

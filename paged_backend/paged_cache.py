@@ -3,7 +3,8 @@
 An unmodified HF attention module calls `cache.update(key, value, layer_idx)` and then the
 registered attention function. `update` writes the step's new K/V into their slots through
 `slot_mapping` and hands the same tensors back; the attention function reads the context through
-the block tables. The step's metadata is set on the cache by the model runner before each forward.
+the block tables. Both are custom ops (custom_ops.py) that read the step's metadata and this cache
+from `custom_ops.step_context`, which the model runner opens around each forward.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from paged_backend.errors import UnsupportedArchitectureError
-from paged_backend.kernels import AttentionMetadata, write_kv_cache
+
+from . import custom_ops
 
 
 @dataclass(slots=True)
@@ -60,19 +62,16 @@ class PagedCache(PackedStepCache):
             shape.num_layers, 2, shape.num_kv_heads, num_blocks * block_size, shape.head_dim,
             dtype=dtype, device=device,
         )
-        self.metadata: AttentionMetadata | None = None
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write the new K/V `[1, KVH, T, D]` into their slots; return them unchanged for attention."""
-        if self.metadata is None:
-            raise RuntimeError("PagedCache.update called outside an engine step")
-        key_cache, value_cache = self.layer(layer_idx)
-        write_kv_cache(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), key_cache, value_cache,
-                       self.metadata.slot_mapping)
-        return key_states, value_states
+        """Write the new K/V `[1, KVH, T, D]` into their slots; return them (as the write op hands them
+        back, which orders the write before attention) for the attention function."""
+        key, value = custom_ops.write_kv_cache(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1),
+                                               layer_idx)
+        return key.transpose(0, 1)[None], value.transpose(0, 1)[None]
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.num_blocks * self.block_size

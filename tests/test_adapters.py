@@ -18,8 +18,8 @@ from engine_helpers import (
 from test_engine_equivalence import MAX_NEW, check_engine
 from tiny_models import build_from_config
 
-from paged_backend import Engine, EngineConfig
-from paged_backend.adapters import ADAPTERS, install_adapters, registry
+from paged_backend import Engine, EngineConfig, custom_ops
+from paged_backend.adapters import ADAPTERS, install_adapters
 
 VOCAB = 256
 
@@ -55,8 +55,8 @@ def arch_case(request):
 def test_plain_batch_runs_through_the_adapter(arch_case, monkeypatch):
     name, model, prompts, refs = arch_case
     seen_slopes = []
-    kernel = registry.paged_attention
-    monkeypatch.setattr(registry, "paged_attention",
+    kernel = custom_ops.paged_attention
+    monkeypatch.setattr(custom_ops, "paged_attention",
                         lambda *a, **k: seen_slopes.append(k.get("alibi_slopes")) or kernel(*a, **k))
     check_engine(model, prompts, refs, EngineConfig(num_kv_blocks=64))
     assert seen_slopes, "the adapter's paged forward never ran"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paged_backend.kernels import paged_attention
+from paged_backend import custom_ops
 from paged_backend.kernels.torch_attention import attend_one
 from paged_backend.paged_cache import PackedStepCache, PagedCache, ShapeProbe
 
@@ -98,13 +98,12 @@ def attend(
 ) -> torch.Tensor:
     """Write this step's `key/value [T, KVH, D]` through the cache and attend `query [T, H, D]` over
     each sequence's context; returns `[T, H, D]`."""
-    cache.update(key.transpose(0, 1)[None], value.transpose(0, 1)[None], module.layer_idx)
+    key, value = cache.update(key.transpose(0, 1)[None], value.transpose(0, 1)[None], module.layer_idx)
+    key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)
     if isinstance(cache, ShapeProbe):
         cache.reached(module.layer_idx, "adapter")
     if isinstance(cache, PagedCache):
-        key_cache, value_cache = cache.layer(module.layer_idx)
-        return paged_attention(query, key_cache, value_cache, cache.metadata, scale,
-                               new_key=key, new_value=value, alibi_slopes=alibi_slopes)
+        return custom_ops.paged_attention(query, key, value, module.layer_idx, scale, alibi_slopes=alibi_slopes)
     # The engine's start-up shape probe: one causal sequence, no paged cache yet.
     out = attend_one(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), scale, None, None,
                      alibi_slopes)

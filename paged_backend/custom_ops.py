@@ -1,0 +1,84 @@
+"""The paged cache write and paged attention as registered torch custom ops.
+
+`torch.compile` sees each op as one opaque node with a fake (shape-only) implementation, so the
+graph around it is compiled while the attention keeps its per-step Python work (the CPU backend
+loops over sequences using host lists) and its Triton launches. The ops take tensors and per-layer
+constants only. Everything that changes per step (the `AttentionMetadata`, with its host lists) and
+the paged cache itself reach them through `step_context()`, never through their arguments: a
+compiled graph has nothing step-specific to guard on, so one graph serves every step, and the
+cache is never a graph input that the compiler would functionalize (it copied the whole cache per
+layer when it was one).
+
+The write returns the K/V it wrote and attention takes them: that data dependency is what orders
+each layer's write before its attention inside a compiled graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from paged_backend.kernels import AttentionMetadata
+from paged_backend.kernels import paged_attention as dispatch_attention
+from paged_backend.kernels import write_kv_cache as dispatch_write
+
+
+@dataclass(slots=True)
+class StepContext:
+    metadata: AttentionMetadata
+    kv: torch.Tensor  # the paged cache [layers, 2, KVH, slots, D]
+
+
+_current: StepContext | None = None  # set by step_context() around one step's forward
+
+
+@contextlib.contextmanager
+def step_context(metadata: AttentionMetadata, kv: torch.Tensor) -> Iterator[None]:
+    """Make `metadata` and the cache `kv` what the ops read while the block runs (one step's forward)."""
+    global _current
+    previous, _current = _current, StepContext(metadata, kv)
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def current_step() -> StepContext:
+    if _current is None:
+        raise RuntimeError("paged_backend ops called outside an engine step (no step_context)")
+    return _current
+
+
+@torch.library.custom_op("paged_backend::write_kv_cache", mutates_args=())
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write this step's `key/value [T, KVH, D]` into layer `layer` of the step's paged cache at the
+    step's slot mapping; return them (as new tensors: an op's outputs may not alias its inputs)."""
+    step = current_step()
+    dispatch_write(key, value, step.kv[layer, 0], step.kv[layer, 1], step.metadata.slot_mapping)
+    return key.clone(), value.clone()
+
+
+@write_kv_cache.register_fake
+def _(key, value, layer):
+    return torch.empty_like(key), torch.empty_like(value)
+
+
+@torch.library.custom_op("paged_backend::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: int,
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                    alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of packed `query [T, H, D]` over each sequence's context in layer `layer` of the step's
+    paged cache, where `new_key/new_value [T, KVH, D]` (what `write_kv_cache` returned) already are;
+    returns `[T, H, D]`."""
+    step = current_step()
+    # A contiguous query gives a contiguous output on every backend, as the fake promises.
+    return dispatch_attention(query.contiguous(), step.kv[layer, 0], step.kv[layer, 1], step.metadata, scale,
+                              sliding_window, softcap, new_key, new_value, alibi_slopes)
+
+
+@paged_attention.register_fake
+def _(query, new_key, new_value, layer, scale, sliding_window=None, softcap=None, alibi_slopes=None):
+    return query.new_empty(query.shape)

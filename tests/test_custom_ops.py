@@ -1,0 +1,47 @@
+"""The cache write and paged attention custom ops: torch's op checks (schema, fake implementation,
+autograd registration, dispatch under compile) and the step context they read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_backend.kernels import AttentionMetadata
+
+from paged_backend import custom_ops
+
+
+def step_metadata(seq_lens: list[int], new_tokens: list[int], block_size: int = 4) -> AttentionMetadata:
+    """Sequence i owns blocks i*8.. and its last `new_tokens[i]` positions are this step's queries."""
+    blocks = torch.arange(len(seq_lens) * 8, dtype=torch.int32).view(len(seq_lens), 8)
+    starts = [0]
+    slots = []
+    for i, (length, new) in enumerate(zip(seq_lens, new_tokens)):
+        starts.append(starts[-1] + new)
+        positions = torch.arange(length - new, length)
+        slots.append(blocks[i, positions // block_size].long() * block_size + positions % block_size)
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots), block_tables=blocks, query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_size=block_size, query_start_loc_host=starts,
+        seq_lens_host=list(seq_lens), max_query_len=max(new_tokens), max_seq_len=max(seq_lens))
+
+
+def test_opcheck_both_ops():
+    torch.manual_seed(0)
+    kv = torch.randn(2, 2, 2, 16 * 4, 8)  # 2 layers, 2 KV heads, 16 blocks of 4, head_dim 8
+    metadata = step_metadata([5, 3], [2, 3])
+    tokens = 5
+    key, value = torch.randn(tokens, 2, 8), torch.randn(tokens, 2, 8)
+    query = torch.randn(tokens, 4, 8)
+    with custom_ops.step_context(metadata, kv):
+        torch.library.opcheck(custom_ops.write_kv_cache, (key, value, 1))
+        torch.library.opcheck(custom_ops.paged_attention, (query, key, value, 1, 0.35))
+        torch.library.opcheck(custom_ops.paged_attention, (query, key, value, 1, 0.35),
+                              {"sliding_window": 2, "softcap": 5.0})
+        # The write reached layer 1 of the step's cache, at the slot mapping.
+        assert torch.equal(kv[1, 0, :, metadata.slot_mapping].transpose(0, 1), key)
+        assert torch.equal(kv[1, 1, :, metadata.slot_mapping].transpose(0, 1), value)
+
+
+def test_ops_refuse_to_run_outside_a_step():
+    with pytest.raises(RuntimeError, match="outside an engine step"):
+        custom_ops.write_kv_cache(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), 0)
