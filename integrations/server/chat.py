@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from paged_backend import RequestOutput, SamplingParams
-from paged_backend.request import LogitsProcessor
+from paged_backend import RequestOutput
 
-from ..guided_json import Writer, add_json_instruction
+from ..structured import add_json_instruction
 from .chat_template import render_chat
-from .errors import APIError, not_supported, request_field
+from .errors import APIError, request_field
 from .fanout import Job, collect_finals, merge_streams, new_id
-from .guided import (
-    GuidedAnswer,
-    guided_choice,
-    guided_writer,
-    stream_guided,
-    write_choices,
-)
 from .protocol import ChatCompletionRequest
 from .responses import DONE, chat_logprobs, positions, sse, sse_error, usage
 from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices
 from .state import ServerState
+from .structured import structured_spec
 from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
 
 
@@ -35,19 +28,17 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     state.check_model(body.model)
     state.check_sequences(1, body.n, "n")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.uses_tools else None
-    with request_field(guided_field(body)):
-        writer = guided_writer(body, tools)
-        schema = body.json_schema["schema"] if body.json_schema is not None else None
-        messages = add_json_instruction(body.messages, schema) if body.wants_json else body.messages
+    structured = structured_spec(body, tools)
+    messages = body.messages
+    if body.wants_json and not body.forces_tool:
+        schema = (body.json_schema or {}).get("schema")
+        messages = add_json_instruction(messages, schema if isinstance(schema, dict) else None)
     with request_field("messages"):
         prompt_ids = render_chat(state.tokenizer, messages, tools, body.add_generation_prompt,
                                  body.chat_template_kwargs)
-    params = to_sampling_params(body, body.output_limit, logprobs_wanted(body))
+    params = to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured)
     check_prompt(state.engine, prompt_ids, params, "messages")
     request_id = new_id("chatcmpl")
-    if writer is not None:
-        bias = bias_processor(state.engine, body.logit_bias)
-        return await guided_reply(state, body, prompt_ids, params, writer, request_id, bias)
     jobs = [Job(0, prompt_ids, with_choices(params, body.n), bias_processor(state.engine, body.logit_bias))]
     if body.stream:
         events = stream_chat(state, body, jobs, len(prompt_ids), request_id)
@@ -57,45 +48,6 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals.values())
     response = envelope(request_id, body.model, "chat.completion", choices)
     return JSONResponse(response | {"usage": usage(len(prompt_ids), completion_tokens)})
-
-
-async def guided_reply(state: ServerState, body: ChatCompletionRequest, prompt_ids: list[int], params: SamplingParams,
-                       make_writer: Callable[[], Writer], request_id: str, bias: LogitsProcessor | None):
-    """Forced tool calls or schema-shaped answers (n of them), written value by value (see guided.py)."""
-    if body.logprobs:
-        raise not_supported("logprobs with a forced tool call or a JSON response format",
-                            "the answer is written in pieces")
-    written: list[GuidedAnswer] = []  # filled once the answers are written, for continuous usage
-    answers = read_guided(body, write_choices(state, prompt_ids, params, make_writer, request_id, body.n, bias),
-                          written)
-    if body.stream:
-        def envelope_of(choices: list[dict[str, Any]]) -> dict[str, Any]:
-            event = envelope(request_id, body.model, "chat.completion.chunk", choices)
-            if body.continuous_usage and choices:
-                event["usage"] = usage(len(prompt_ids), sum(a.completion_tokens for a in written))
-            return event
-
-        return StreamingResponse(stream_guided(body, envelope_of, answers, len(prompt_ids)),
-                                 media_type="text/event-stream")
-    done = await answers
-    choices = [guided_choice(body, answer, i) for i, answer in enumerate(done)]
-    response = envelope(request_id, body.model, "chat.completion", choices)
-    return JSONResponse(response | {"usage": usage(len(prompt_ids), sum(a.completion_tokens for a in done))})
-
-
-def guided_field(body: ChatCompletionRequest) -> str:
-    """The field whose JSON shapes a guided answer: the tools when a call is forced, else the format."""
-    return "tools" if body.forces_tool else "response_format"
-
-
-async def read_guided(body: ChatCompletionRequest, answers: Awaitable[list[GuidedAnswer]],
-                      written: list[GuidedAnswer]) -> list[GuidedAnswer]:
-    """The guided answers, also left in `written`. The writers walk the schema as they write, so an
-    error they raise on the way is still the schema's: a 400 naming its field (engine failures stay
-    APIErrors, 500)."""
-    with request_field(guided_field(body)):
-        written.extend(await answers)
-    return written
 
 
 def logprobs_wanted(body: ChatCompletionRequest) -> int | None:

@@ -26,6 +26,7 @@ from .responses import (
 )
 from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices
 from .state import ServerState
+from .structured import structured_spec
 
 Prompt = str | list[int]
 
@@ -33,7 +34,7 @@ Prompt = str | list[int]
 async def create_completion(state: ServerState, body: CompletionRequest, http_request: Request):
     body.check_supported()
     state.check_model(body.model)
-    params = to_sampling_params(body, body.max_tokens, body.logprobs)
+    params = to_sampling_params(body, body.max_tokens, body.logprobs, structured_spec(body))
     if body.echo and body.logprobs is not None:  # the echoed prompt comes with its tokens' logprobs
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     texts = prompt_list(body.prompt)

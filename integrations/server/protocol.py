@@ -81,6 +81,13 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's structured outputs: {"json" | "json_object" | "regex" | "choice" | "grammar": ...,
+    # "disable_any_whitespace": bool}, or one of the older guided_* fields.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # vLLM's fields that this server takes only at their neutral value (see NEUTRAL_FIELDS).
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -203,10 +210,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        spec = self.json_schema
-        if spec is not None and not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
-            raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
-                           "response_format")
         if self.forces_tool and not self.tools:
             raise APIError(400, "tool_choice forces a tool call, but no tools were given", "tool_choice")
         if self.top_logprobs and not self.logprobs:

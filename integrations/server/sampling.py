@@ -9,12 +9,14 @@ import torch
 
 from paged_backend import Engine, SamplingParams
 from paged_backend.request import LogitsProcessor
+from paged_backend.structured_outputs import StructuredOutputsParams
 
 from .errors import APIError, bad_request
 from .protocol import SEED_MAX, SEED_MIN, SamplingFields
 
 
-def to_sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def to_sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                       structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """One choice's parameters; `with_choices` sets n."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     return build_params(
@@ -23,7 +25,7 @@ def to_sampling_params(request: SamplingFields, max_tokens: int | None, logprobs
         frequency_penalty=request.frequency_penalty, seed=request.seed, max_tokens=max_tokens,
         min_tokens=request.min_tokens, stop=stop, stop_token_ids=list(request.stop_token_ids or []),
         ignore_eos=request.ignore_eos, logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
-        include_stop_str_in_output=request.include_stop_str_in_output,
+        include_stop_str_in_output=request.include_stop_str_in_output, structured_outputs=structured,
     )
 
 
