@@ -6,9 +6,9 @@ Skipped groups, and why:
   there rather than drop them), so these run in test_langchain_tools.py, on the same weights with
   a template that renders tools.
 - json mode: the standard test needs the model to pick the keys its prompt names; ChatPaged's json
-  mode always answers valid JSON (guided without a schema, tested in test_guided_json.py), but the
-  135M model wrote only "setup" and stopped before "punchline". The schema-guided path (json_schema)
-  is tested in test_langchain_tools.py.
+  mode holds the answer to any JSON object (tested in test_langchain_tools.py), but the keys are the
+  model's choice and the 135M model names only "setup", not "punchline". The json_schema path, which
+  fixes the keys, is tested in test_langchain_tools.py.
 - image, audio, video and PDF inputs, image and PDF tool messages, Anthropic-format inputs:
   ChatPaged is text only and refuses other content blocks.
 - per-call model override: one ChatPaged drives one engine; a call's `model=` is refused.

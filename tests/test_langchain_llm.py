@@ -144,3 +144,16 @@ def test_bad_options_are_refused() -> None:
         PagedLLM(max_tokens=1, colour="red")
     with pytest.raises(ValueError, match="prompt 1"):
         PagedLLM(max_tokens=1).batch(["fine", ""])
+
+
+def test_structured_outputs_as_an_option_and_per_call() -> None:
+    import re
+
+    llm = PagedLLM(temperature=1.0, seed=0, max_tokens=12, structured_outputs={"choice": ["red", "green", "blue"]})
+    assert set(llm.batch([PROMPT, "My favourite colour is"])) <= {"red", "green", "blue"}
+    code = llm.invoke("A code:", structured_outputs={"regex": "[A-Z]{2}-[0-9]{2}"})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{2}", code)
+    streamed = "".join(llm.stream("A code:", structured_outputs={"regex": "[A-Z]{2}-[0-9]{2}"}))
+    assert streamed == code
+    with pytest.raises(ValueError, match="structured_outputs.regex is invalid"):
+        llm.invoke(PROMPT, structured_outputs={"regex": "[A-"})

@@ -6,8 +6,6 @@ the engine's continuous batch, so concurrent `ainvoke`s and a `batch` share forw
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,18 +37,9 @@ from pydantic import ConfigDict
 
 from paged_backend import SamplingParams
 
-from ..guided_json import (
-    Ask,
-    Writer,
-    add_json_instruction,
-    choose_writer,
-    value_params,
-    value_processor,
-    vocab_for,
-)
 from ..hermes import OPEN
+from ..structured import add_json_instruction, forced_tool_spec, response_format_spec
 from .completion import Completion, openai_logprobs
-from .guided import adrive, drive
 from .messages import to_chat_dicts
 from .options import PagedOptions, merge_stops
 from .submit import astream_outputs, run_batch, stream_outputs
@@ -65,11 +54,9 @@ from .tool_calls import (
 @dataclass(slots=True)
 class PreparedCall:
     prompt_text: str  # the rendered conversation, up to the assistant's turn
-    prefix: str  # assistant text written for the model ("{" for a JSON answer)
     tools: list[dict[str, Any]]
-    params: SamplingParams
+    params: SamplingParams  # with the grammar of a forced call or a JSON answer, if any
     timeout: float | None
-    guided: Callable[[], Writer] | None  # writes a forced call or a schema-shaped answer
 
 
 class ChatPaged(PagedOptions, BaseChatModel):
@@ -117,10 +104,10 @@ class ChatPaged(PagedOptions, BaseChatModel):
     def with_structured_output(self, schema: dict | type, *, include_raw: bool = False,
                                method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
                                strict: bool | None = None, **kwargs: Any) -> Runnable:
-        """function_calling forces a call of a tool shaped like `schema`; json_schema writes the
-        object's keys and asks the model for each value; json_mode lets the model choose keys and value
-        types. All three are guided JSON (each value held to a token rule), so the answer always parses;
-        json_mode does not know the schema, so a pydantic schema may still reject its keys."""
+        """function_calling forces a call of a tool shaped like `schema`; json_schema holds the answer to
+        the schema; json_mode to any JSON object. The engine constrains every token to the grammar, so an
+        answer that ends parses (one cut by max_tokens does not); json_mode does not know the schema, so
+        a pydantic schema may still reject its keys."""
         if method == "function_calling":
             return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
         if kwargs:
@@ -155,79 +142,41 @@ class ChatPaged(PagedOptions, BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         call = self.prepare(messages, stop, kwargs)
-        if call.guided is not None:
-            return self.to_result(call, [self.write_call(sample) for sample in samples_of(call)])
         return self.to_result(call, self.complete_all(call))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         call = self.prepare(messages, stop, kwargs)
-        if call.guided is not None:
-            return self.to_result(call, list(await asyncio.gather(*(self.awrite_call(s) for s in samples_of(call)))))
         return self.to_result(call, await self.acomplete_all(call))
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         # BaseChatModel fires on_llm_new_token for each chunk itself.
         call = self.prepare(messages, stop, kwargs, streaming=True)
-        if call.guided is not None:  # the call is written in pieces: it arrives whole, in one chunk
-            yield self.to_final_chunk(call, self.write_call(call))
-            return
         streamer = self.content_streamer(call)
-        for output in stream_outputs(self.async_engine, self.encode(call, call.prefix), call.params, call.timeout):
-            yield from self.to_chunks(call, Completion.of(output, call.prefix), streamer)
+        for output in stream_outputs(self.async_engine, self.encode(call), call.params, call.timeout):
+            yield from self.to_chunks(call, Completion.of(output), streamer)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         call = self.prepare(messages, stop, kwargs, streaming=True)
-        if call.guided is not None:
-            yield self.to_final_chunk(call, await self.awrite_call(call))
-            return
         streamer = self.content_streamer(call)
-        ids = self.encode(call, call.prefix)
-        async for output in astream_outputs(self.async_engine, ids, call.params, call.timeout):
-            for chunk in self.to_chunks(call, Completion.of(output, call.prefix), streamer):
+        async for output in astream_outputs(self.async_engine, self.encode(call), call.params, call.timeout):
+            for chunk in self.to_chunks(call, Completion.of(output), streamer):
                 yield chunk
 
-    def write_call(self, call: PreparedCall) -> Completion:
-        """A forced tool call or a schema-shaped answer, written by a guided-JSON writer with the model
-        filling in the values."""
-        return drive(call.guided(), lambda ask, used: self.complete(call, ask, used), self.count_prompt(call))
-
-    async def awrite_call(self, call: PreparedCall) -> Completion:
-        return await adrive(call.guided(), lambda ask, used: self.acomplete(call, ask, used), self.count_prompt(call))
-
-    def complete(self, call: PreparedCall, ask: Ask, used: int) -> Completion | None:
-        """One guided value: the model continues the prompt plus `ask.text` (text put in its mouth);
-        None when the call's max_tokens is spent."""
-        params = value_params(ask, call.params, used)
-        return None if params is None else self.complete_all(call, ask.text, params, self.processor(ask))[0]
-
-    async def acomplete(self, call: PreparedCall, ask: Ask, used: int) -> Completion | None:
-        params = value_params(ask, call.params, used)
-        return None if params is None else (await self.acomplete_all(call, ask.text, params, self.processor(ask)))[0]
-
-    def processor(self, ask: Ask):
-        return None if ask.rule is None else value_processor(ask.rule, vocab_for(self.tokenizer_))
-
-    def complete_all(self, call: PreparedCall, written: str | None = None, params: SamplingParams | None = None,
-                     processor=None) -> list[Completion]:
+    def complete_all(self, call: PreparedCall) -> list[Completion]:
         """Every sample (n of them) of one request, to the end."""
-        written = call.prefix if written is None else written
-        ids = self.encode(call, written)
-        for _, output in run_batch(self.async_engine, [ids], params or call.params, call.timeout, processor):
+        for _, output in run_batch(self.async_engine, [self.encode(call)], call.params, call.timeout):
             if output.finished:
-                return [Completion.of(output, written, i) for i in range(len(output.outputs))]
+                return [Completion.of(output, i) for i in range(len(output.outputs))]
         raise AssertionError("the engine ended a request without a finished output")
 
-    async def acomplete_all(self, call: PreparedCall, written: str | None = None,
-                            params: SamplingParams | None = None, processor=None) -> list[Completion]:
-        written = call.prefix if written is None else written
-        ids = self.encode(call, written)
-        async for output in astream_outputs(self.async_engine, ids, params or call.params, call.timeout, processor):
+    async def acomplete_all(self, call: PreparedCall) -> list[Completion]:
+        async for output in astream_outputs(self.async_engine, self.encode(call), call.params, call.timeout):
             if output.finished:
-                return [Completion.of(output, written, i) for i in range(len(output.outputs))]
+                return [Completion.of(output, i) for i in range(len(output.outputs))]
         raise AssertionError("the engine ended a request without a finished output")
 
     # ------------------------------------------------------------------ prompt
@@ -239,11 +188,8 @@ class ChatPaged(PagedOptions, BaseChatModel):
             raise ValueError("ChatPaged needs a tokenizer with a chat template; pass tokenizer=...")
         return tokenizer
 
-    def count_prompt(self, call: PreparedCall) -> int:
-        return len(self.encode(call, ""))
-
-    def encode(self, call: PreparedCall, written: str) -> list[int]:
-        return self.tokenizer_(call.prompt_text + written, add_special_tokens=False)["input_ids"]
+    def encode(self, call: PreparedCall) -> list[int]:
+        return self.tokenizer_(call.prompt_text, add_special_tokens=False)["input_ids"]
 
     def prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any],
                 streaming: bool = False) -> PreparedCall:
@@ -256,19 +202,19 @@ class ChatPaged(PagedOptions, BaseChatModel):
         if response_format is not None:
             if response_format.get("type") not in ("json_object", "json_schema"):
                 raise NotImplementedError(f"response_format type {response_format.get('type')!r}")
-            schema = response_format["json_schema"]["schema"] if response_format["type"] == "json_schema" else None
-            conversation = add_json_instruction(conversation, schema)
+            schema = (response_format.get("json_schema") or {}).get("schema")
+            conversation = add_json_instruction(conversation, schema if isinstance(schema, dict) else None)
         shown_tools = tools if tool_choice != "none" else []
         prompt_text = self.render(conversation, shown_tools)
+        shape = forced_tool_spec(shown_tools, tool_choice) or response_format_spec(response_format)
+        if shape is not None:
+            if kwargs.get("structured_outputs", self.structured_outputs) is not None:
+                raise ValueError("structured_outputs cannot be combined with a forced tool call or a response_format")
+            kwargs["structured_outputs"] = shape
         params = self.sampling_params(stop, kwargs, logprobs=self.top_logprobs or 0 if self.logprobs else None)
-        guided = choose_writer(shown_tools, tool_choice, response_format)
         if params.num_samples > 1 and streaming:
             raise NotImplementedError("n > 1 or best_of > 1 with streaming")
-        if params.num_samples > params.n and guided is not None:
-            raise NotImplementedError("best_of > n with a forced tool call or a JSON answer")
-        return PreparedCall(prompt_text=prompt_text, prefix="{" if response_format is not None else "",
-                            tools=shown_tools, params=params, timeout=timeout,
-                            guided=guided)
+        return PreparedCall(prompt_text=prompt_text, tools=shown_tools, params=params, timeout=timeout)
 
     def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
         def apply(with_tools: list[dict[str, Any]] | None) -> str:
@@ -336,12 +282,6 @@ class ChatPaged(PagedOptions, BaseChatModel):
         if done.logprobs is not None:
             metadata["logprobs"] = {"content": openai_logprobs(self.tokenizer_, done.token_ids, done.logprobs)}
         return metadata
-
-
-def samples_of(call: PreparedCall) -> list[PreparedCall]:
-    """A guided call's n samples, each written on its own; sample i is seeded seed + i, as n > 1 is."""
-    n = call.params.n
-    return [call] if n == 1 else [dataclasses.replace(call, params=call.params.for_sample(i)) for i in range(n)]
 
 
 def tool_call_chunk(call: dict[str, Any], index: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Completion: the assistant text of one chat call (written for the model, then by it) and its usage."""
+"""Completion: the assistant text of one chat call and its usage."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from paged_backend import CompletionOutput, RequestOutput
 
 @dataclass(slots=True)
 class Completion:
-    """The assistant text of one call (what was written for the model, then what it wrote), with usage."""
+    """The assistant text of one call (all of it, and the part new in this output), with usage."""
 
     text: str
     delta: str
@@ -20,19 +20,11 @@ class Completion:
     logprobs: list | None
 
     @classmethod
-    def of(cls, output: RequestOutput, written: str, index: int = 0) -> Completion:
+    def of(cls, output: RequestOutput, index: int = 0) -> Completion:
         completion = output.outputs[index]
-        first = len(completion.token_ids) == len(output.delta_token_ids)  # written text goes out with the first delta
-        return cls(text=written + completion.text, delta=(written if first else "") + output.delta_text,
+        return cls(text=completion.text, delta=output.delta_text,
                    finish_reason=completion.finish_reason if output.finished else None,
                    usage=usage(output, completion), token_ids=completion.token_ids, logprobs=completion.logprobs)
-
-    def then(self, later: Completion) -> Completion:
-        """This step followed by a later one of the same call: the later text, output tokens added up."""
-        output_tokens = self.usage["output_tokens"] + later.usage["output_tokens"]
-        summed = {**self.usage, "output_tokens": output_tokens, "total_tokens": self.usage["input_tokens"] + output_tokens}
-        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
-        return Completion(later.text, later.text, later.finish_reason, summed, self.token_ids + later.token_ids, logprobs)
 
 
 def usage(output: RequestOutput, completion: CompletionOutput) -> dict[str, Any]:

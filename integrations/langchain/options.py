@@ -16,7 +16,7 @@ from .engines import describe_model, get_async_engine
 
 # Fields copied one to one into SamplingParams.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed", "max_tokens", "min_tokens", "n", "best_of")
+                   "frequency_penalty", "seed", "max_tokens", "min_tokens", "n", "best_of", "structured_outputs")
 
 
 class PagedOptions(BaseModel):
@@ -44,11 +44,13 @@ class PagedOptions(BaseModel):
     n: int = 1
     best_of: int | None = None
     """Sample this many and keep the n with the best log probability per token (not with streaming)."""
+    structured_outputs: dict[str, Any] | None = None
+    """Hold every answer to a shape, in vLLM's vocabulary: {"json": schema}, {"json_object": True},
+    {"regex": ...}, {"choice": [...]} or {"grammar": EBNF}, optionally with "disable_any_whitespace"."""
     stop: list[str] | None = None
     """Stop strings; a call's `stop` is added to these, and the text is cut before the match."""
     timeout: float | None = None
-    """Seconds one engine request may take; past it the request is aborted and TimeoutError raised.
-    (A forced tool call is written in several requests, one per argument value.)"""
+    """Seconds one engine request may take; past it the request is aborted and TimeoutError raised."""
     streaming: bool = False
 
     _aengine: AsyncEngine | None = PrivateAttr(default=None)

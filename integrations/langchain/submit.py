@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 from paged_backend import AsyncEngine, RequestOutput, SamplingParams
 from paged_backend.engine import Prompt
-from paged_backend.request import LogitsProcessor
 
 
 def stream_outputs(aengine: AsyncEngine, prompt: Prompt, params: SamplingParams,
@@ -26,12 +25,11 @@ def stream_outputs(aengine: AsyncEngine, prompt: Prompt, params: SamplingParams,
 
 
 def run_batch(aengine: AsyncEngine, prompts: Sequence[Prompt], params: SamplingParams,
-              timeout: float | None, processor: LogitsProcessor | None = None) -> Iterator[tuple[int, RequestOutput]]:
+              timeout: float | None) -> Iterator[tuple[int, RequestOutput]]:
     """Queue every prompt before waiting on any; yield (prompt index, output) as outputs arrive."""
     validate_all(aengine, prompts, params)
     outputs: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
-    ids = [aengine.submit(p, params, None, lambda o, i=i: outputs.put((i, o)), processor)
-           for i, p in enumerate(prompts)]
+    ids = [aengine.submit(p, params, None, lambda o, i=i: outputs.put((i, o))) for i, p in enumerate(prompts)]
     deadline = make_deadline(timeout)
     pending = set(range(len(ids)))
     try:
@@ -46,13 +44,12 @@ def run_batch(aengine: AsyncEngine, prompts: Sequence[Prompt], params: SamplingP
             aengine.abort(ids[index])
 
 
-async def astream_outputs(aengine: AsyncEngine, prompt: Prompt, params: SamplingParams, timeout: float | None,
-                          processor: LogitsProcessor | None = None) -> AsyncIterator[RequestOutput]:
+async def astream_outputs(aengine: AsyncEngine, prompt: Prompt, params: SamplingParams,
+                          timeout: float | None) -> AsyncIterator[RequestOutput]:
     """The same as `stream_outputs`, awaiting on the caller's event loop."""
     loop = asyncio.get_running_loop()
     outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    request_id = aengine.submit(prompt, params, None, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
-                                processor)
+    request_id = aengine.submit(prompt, params, None, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
     deadline = make_deadline(timeout)
     finished = False
     try:
