@@ -88,6 +88,8 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
             for length, new_tokens in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
                 if length in generation_params and new_tokens not in generation_params:
                     generate_kwargs[length] = generation_params[length] + prefix_length
+        if generate_kwargs.get("structured_outputs") is not None:  # the grammar needs the vocabulary
+            generate_kwargs.setdefault("tokenizer", self.tokenizer)
         with torch.no_grad():
             job = prepare_job(self.model, input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
         context = {"input_ids": input_ids, "in_b": in_b, "prompt_text": model_inputs["prompt_text"]}

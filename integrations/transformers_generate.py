@@ -48,6 +48,7 @@ from paged_backend.engine import Engine
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.speculative_config import SpeculativeConfig
+from paged_backend.structured_outputs import StructuredOutputsParams
 
 PAGED = "paged"
 ORIGINAL_GENERATE = GenerationMixin.generate
@@ -140,6 +141,7 @@ class GenerateJob:
     output_scores: bool
     output_logits: bool
     speculative_config: dict | None = None  # prompt_lookup_num_tokens: the engine's n-gram speculation
+    vocabulary: Any = None  # the tokenizer structured outputs are constrained over, when asked for
 
     @property
     def needs_hook(self) -> bool:
@@ -167,6 +169,7 @@ def prepare_job(
                      negative_prompt_attention_mask=negative_prompt_attention_mask, custom_generate=custom_generate)
     tokenizer = kwargs.pop("tokenizer", None)
     kwargs.pop("cache_implementation", None)
+    structured = structured_outputs_of(kwargs.pop("structured_outputs", None), tokenizer)
     has_default_max_length, has_default_min_length = default_lengths(model, generation_config, kwargs)
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     speculative_config = take_prompt_lookup(config)
@@ -189,7 +192,8 @@ def prepare_job(
                                              "input_ids", width, input_ids)
     model._validate_generated_length(config, width, has_default_max_length)
     criteria = model._get_stopping_criteria(config, stopping_criteria or StoppingCriteriaList(), tokenizer)
-    job = build_job(config, input_ids, attention_mask, criteria, streamer)
+    job = build_job(config, input_ids, attention_mask, criteria, streamer, structured)
+    job.vocabulary = tokenizer if structured is not None else None
     job.processors = [row_processors(model, config, job, i, logits_processor) for i in range(len(job.prompts))]
     job.speculative_config = speculative_config
     return job
@@ -208,6 +212,15 @@ def take_prompt_lookup(config: GenerationConfig) -> dict | None:
     config.prompt_lookup_num_tokens = None
     return {"method": "ngram", "num_speculative_tokens": int(k),
             "prompt_lookup_max": int(config.max_matching_ngram_size or 2), "prompt_lookup_min": 1}
+
+
+def structured_outputs_of(spec: Any, tokenizer: Any) -> StructuredOutputsParams | None:
+    """`structured_outputs=` (a StructuredOutputsParams or its fields as a dict): every row's answer is
+    held to it. The grammar is over a vocabulary, so, as with `stop_strings`, `tokenizer=` is needed."""
+    spec = StructuredOutputsParams.of(spec)
+    if spec is not None and tokenizer is None:
+        raise ValueError("structured_outputs needs the tokenizer: pass tokenizer= to generate")
+    return spec
 
 
 def default_lengths(model: PreTrainedModel, config: GenerationConfig | None, kwargs: dict) -> tuple[bool, bool]:
@@ -232,13 +245,15 @@ def row_processors(model: PreTrainedModel, config: GenerationConfig, job: Genera
 
 
 def build_job(config: GenerationConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-              criteria: StoppingCriteriaList, streamer: Any) -> GenerateJob:
+              criteria: StoppingCriteriaList, streamer: Any,
+              structured: StructuredOutputsParams | None = None) -> GenerateJob:
     max_new = config.max_length - input_ids.shape[1]
     eos = config._eos_token_tensor
     eos_ids = [] if eos is None else eos.flatten().tolist()
     seeds = torch.randint(0, 2**62, (input_ids.shape[0],)).tolist() if config.do_sample else None
     params = [SamplingParams(temperature=1.0 if config.do_sample else 0.0, max_tokens=max_new,
-                             stop_token_ids=eos_ids, ignore_eos=True, seed=seeds[i] if seeds else None)
+                             stop_token_ids=eos_ids, ignore_eos=True, seed=seeds[i] if seeds else None,
+                             structured_outputs=structured)
               for i in range(input_ids.shape[0])]
     mask = attention_mask.bool().cpu()
     rows = input_ids.cpu()
@@ -450,6 +465,8 @@ class PagedGenerator:
             in_flight += len(job.prompts)
 
     def submit(self, job: GenerateJob) -> JobState:
+        if job.vocabulary is not None:
+            self.engine.enable_structured_outputs(job.vocabulary)
         for prompt, params in zip(job.prompts, job.params):
             self.engine.validate(prompt, params)  # every row is checked before any is queued
         state = JobState(job)

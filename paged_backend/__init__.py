@@ -9,6 +9,7 @@ from .llm import LLM
 from .model_loader import UnsupportedArchitectureError
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
+from .structured_outputs import StructuredOutputsParams
 from .integrations.pipeline import PagedTextGenerationPipeline, pipeline
 from .integrations.transformers_generate import disable, enable
 
@@ -29,6 +30,7 @@ __all__ = [
     "RequestOutput",
     "PagedTextGenerationPipeline",
     "SamplingParams",
+    "StructuredOutputsParams",
     "UnsupportedArchitectureError",
     "disable",
     "enable",

@@ -149,9 +149,15 @@ class Engine:
             self.scheduler.add(request)
             return
         if self.grammars is None:
-            self.grammars = Grammars(self.tokenizer, self.vocab_size)
+            self.enable_structured_outputs(self.tokenizer)
         request.grammar = self.grammars.state_for(spec.key)
         self.compiling.append(request)
+
+    def enable_structured_outputs(self, tokenizer) -> None:
+        """Constrain structured requests over this tokenizer's vocabulary (the engine's own by default;
+        an engine built without one, as `generate`'s is, gets it from the call)."""
+        if self.grammars is None:
+            self.grammars = Grammars(tokenizer, self.vocab_size)
 
     def schedule_compiled(self) -> None:
         """Hand requests whose grammar is ready to the scheduler; a grammar that failed ends its request."""
@@ -162,7 +168,7 @@ class Engine:
             self.compiling.remove(request)
             try:
                 request.grammar.start(sorted(request.stop_ids))
-            except Exception as exc:  # compiling failed: this request's error, not the engine's
+            except Exception as exc:  # noqa: BLE001  (compiling failed: this request's error, not the engine's)
                 self.compiling.append(request)  # abort_request finds it here
                 self.abort_request(request.external_id, f"structured_outputs could not be compiled: {exc}")
                 continue
@@ -211,7 +217,7 @@ class Engine:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        if params.structured_outputs is not None and self.tokenizer is None:
+        if params.structured_outputs is not None and self.tokenizer is None and self.grammars is None:
             raise ValueError("structured_outputs need a tokenizer (its vocabulary is what the grammar constrains)")
 
     def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:

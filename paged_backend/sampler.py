@@ -32,10 +32,10 @@ def sample(logits: torch.Tensor, requests: list[Request], grammar_mask: GrammarM
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any_wants_logprobs(requests) else None
     extras = extras or [()] * len(requests)
+    apply_bitmask(logits, grammar_mask)  # first, so that top-k and friends choose among allowed tokens
     apply_request_processors(logits, requests, extras)
     apply_penalties(logits, requests, extras)
     ban_stop_tokens_before_min(logits, requests, extras)
-    apply_bitmask(logits, grammar_mask)
     tokens = pick_tokens(logits, requests)
     if raw_logprobs is None:
         return SamplerOutput(tokens.tolist())

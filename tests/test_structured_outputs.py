@@ -253,3 +253,26 @@ def test_answers_validate_against_their_schemas(tiny, tokenizer, seed):
         "json": schema, "disable_any_whitespace": True})) for schema in SCHEMAS.values()])
     for name, (text,) in zip(SCHEMAS, got):
         jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+# ---------------------------------------------------------------- transformers entry points
+
+def test_generate_paged_takes_structured_outputs(tiny, tokenizer):
+    import torch
+
+    ids = torch.tensor([tokenizer("plate:")["input_ids"]] * 2)
+    out = tiny.generate(ids, cache_implementation="paged", max_new_tokens=20, do_sample=True,
+                        structured_outputs={"regex": PLATE}, tokenizer=tokenizer)
+    for row in out[:, ids.shape[1]:]:
+        assert re.fullmatch(PLATE, tokenizer.decode(row, skip_special_tokens=True))
+    with pytest.raises(ValueError, match="pass tokenizer= to generate"):
+        tiny.generate(ids, cache_implementation="paged", max_new_tokens=4, structured_outputs={"regex": PLATE})
+
+
+def test_the_pipeline_takes_structured_outputs(tiny, tokenizer):
+    from paged_backend import pipeline
+
+    pipe = pipeline(model=tiny, tokenizer=tokenizer, engine_config=EngineConfig(num_kv_blocks=64))
+    results = pipe(["plate:", "another plate:"], max_new_tokens=20, do_sample=True, return_full_text=False,
+                   structured_outputs={"choice": ["AB-12", "CD-34"]})
+    assert [r[0]["generated_text"] in ("AB-12", "CD-34") for r in results] == [True, True]
