@@ -62,13 +62,14 @@ def test_the_newest_running_request_is_preempted_and_resumes_before_later_arriva
 
 
 def test_finish_order_stays_first_come_first_served_with_bounded_preemptions():
-    """Eight equal requests through a cache that holds about two at full length: they finish in arrival
+    """Eight equal requests through a cache that holds two at full length: they finish in arrival
     order, and each is preempted at most a few times (a preempted request sent to the back of the queue
     would be overtaken, and preempted again, by later arrivals)."""
-    scheduler = make_scheduler(num_blocks=10, budget=16, max_seqs=4)
+    scheduler = make_scheduler(num_blocks=8, budget=16, max_seqs=4)  # some requests are preempted twice
     names = [f"r{i}" for i in range(8)]
-    for name in names:
-        scheduler.add(make_request(name, 6, 10))
+    requests = [make_request(name, 6, 10) for name in names]
+    for request in requests:
+        scheduler.add(request)
     order: list[str] = []
     steps = 0
     while scheduler.has_unfinished():
@@ -77,4 +78,21 @@ def test_finish_order_stays_first_come_first_served_with_bounded_preemptions():
         assert steps < 500
     assert order == names
     assert 0 < scheduler.num_preemptions <= 8
-    assert scheduler.kv.pool.num_free == 10
+    assert scheduler.num_preemptions == sum(r.metrics.num_preemptions for r in requests)
+    assert scheduler.kv.pool.num_free == 8
+
+
+def test_a_preempted_request_finished_while_waiting_leaves_the_queue():
+    """An abort can reach a request while it waits after a preemption: it must leave the queue too."""
+    scheduler = make_scheduler(num_blocks=6, max_seqs=2)
+    a, b = make_request("a", 4, 12), make_request("b", 4, 12)
+    scheduler.add(a)
+    scheduler.add(b)
+    while not scheduler.num_preemptions:
+        step(scheduler)
+    assert list(scheduler.waiting) == [b]
+    scheduler.finish(b)
+    assert not scheduler.waiting and b.is_finished
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert a.is_finished and scheduler.kv.pool.num_free == 6
