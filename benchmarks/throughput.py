@@ -44,12 +44,13 @@ from common import (
     write_results,
 )
 
-SYSTEMS: tuple[str, ...] = ("sequential", "static", "hf_cb", "engine")
+SYSTEMS: tuple[str, ...] = ("sequential", "static", "hf_cb", "engine", "engine_compiled")
 LABELS: dict[str, str] = {
     "sequential": "HF generate, one at a time",
     "static": "HF generate, static batches of 8",
     "hf_cb": "transformers continuous batching",
     "engine": "paged-backend engine",
+    "engine_compiled": "paged-backend engine, compiled",
 }
 REFERENCE = "sequential"
 STATIC_BATCH_SIZE = 8
@@ -62,6 +63,7 @@ MB = 1e6
 TARGETS: tuple[tuple[str, tuple[str, ...], str, float], ...] = (
     ("engine vs static batches (x)", ("ratios", "engine_vs_static"), ">=", 2.2),
     ("engine vs transformers CB (x)", ("ratios", "engine_vs_hf_cb"), ">=", 2.0),
+    ("compiled engine vs eager engine (x)", ("ratios", "compiled_vs_engine"), ">=", 1.2),
     ("engine time / dense floor", ("systems", "engine", "engine_over_floor"), "<=", 1.3),
     ("engine peak RSS (MB)", ("systems", "engine", "peak_rss_mb"), "<", 1500.0),
     ("engine first-request TTFT (s)", ("systems", "engine", "ttft_first_s"), "<=", 2.0),
@@ -234,9 +236,10 @@ def serve_hf_cb(manager, workload: Workload) -> list:
     return [results[str(i)] for i in range(n)]
 
 
-def run_engine(source: str, workload: Workload, options: Options) -> dict[str, Any]:
-    """This engine at its default EngineConfig; then the dense-forward floor of the steps it ran."""
-    engine, setup_s = timed(lambda: make_engine(source, options.block_size))
+def run_engine(source: str, workload: Workload, options: Options, compile: bool | None = None) -> dict[str, Any]:
+    """This engine at its default EngineConfig (`compile` overrides that knob); then the dense-forward floor
+    (eager) of the steps it ran."""
+    engine, setup_s = timed(lambda: make_engine(source, options.block_size, compile))
     steps = record_steps(engine)
     with RunMeter() as meter:
         outs = serve_engine(engine, workload, meter.start_epoch)
@@ -247,7 +250,8 @@ def run_engine(source: str, workload: Workload, options: Options) -> dict[str, A
                            kv_utilisation_mean=stats["kv_utilisation_mean"], num_preemptions=stats["num_preemptions"],
                            kv_cache_mb=engine.cache.kv.nbytes / MB, block_size=engine.config.block_size,
                            num_steps=len(steps), step_tokens=[t for t, _, _ in steps],
-                           step_s=[round(s, 4) for _, _, s in steps], forward_s=sum(s for _, _, s in steps))
+                           step_s=[round(s, 4) for _, _, s in steps], forward_s=sum(s for _, _, s in steps),
+                           compile_s=engine.compile_s)
     floor = measure_floor(engine.model, [(t, k) for t, k, _ in steps], options.floor_repeats)
     shape_cost = {(t, k): w for t, k, w in floor["floor_shape_s"]}
     result.update(floor, engine_over_floor=meter.wall_s / floor["floor_s"],
@@ -257,7 +261,12 @@ def run_engine(source: str, workload: Workload, options: Options) -> dict[str, A
     return result
 
 
-def make_engine(source: str, block_size: int | None = None):
+def run_engine_compiled(source: str, workload: Workload, options: Options) -> dict[str, Any]:
+    """The engine with `compile=True`: its compile and warm-up count in setup_s (and compile_s), not in wall_s."""
+    return run_engine(source, workload, options, compile=True)
+
+
+def make_engine(source: str, block_size: int | None = None, compile: bool | None = None):
     from paged_backend import Engine, EngineConfig
     from paged_backend.model_loader import load_model
 
@@ -268,7 +277,9 @@ def make_engine(source: str, block_size: int | None = None):
     while warm.has_unfinished_requests():
         warm.step()
     del warm
-    return Engine(model, tokenizer, EngineConfig() if block_size is None else EngineConfig(block_size=block_size))
+    config = EngineConfig(compile=compile) if block_size is None else EngineConfig(block_size=block_size,
+                                                                                    compile=compile)
+    return Engine(model, tokenizer, config)
 
 
 def engine_greedy(max_tokens: int):
@@ -338,6 +349,7 @@ RUNNERS: dict[str, Callable[[str, Workload, Options], dict[str, Any]]] = {
     "static": run_static,
     "hf_cb": run_hf_cb,
     "engine": run_engine,
+    "engine_compiled": run_engine_compiled,
 }
 
 
@@ -437,8 +449,11 @@ def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float | None]:
             return None
         return engine["tokens_per_s"] / systems[other]["tokens_per_s"]
 
+    compiled = systems.get("engine_compiled")
     return {"engine_vs_static": versus("static"), "engine_vs_hf_cb": versus("hf_cb"),
-            "engine_vs_sequential": versus("sequential")}
+            "engine_vs_sequential": versus("sequential"),
+            "compiled_vs_engine": (compiled["tokens_per_s"] / engine["tokens_per_s"]
+                                   if compiled is not None and engine is not None else None)}
 
 
 def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:

@@ -30,9 +30,13 @@ class EngineConfig:
     # At start-up, run a few tokens through chunked prefill and decode and refuse the model if its paged
     # logits differ from its own dense forward (the guard for architectures nobody has tested yet).
     self_check: bool = True
+    # torch.compile the model forward at start-up: True, False, or None (on CUDA only; see compilation.py).
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if self.compile not in (True, False, None):
+            raise ValueError(f"EngineConfig.compile={self.compile!r}: must be True, False or None")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

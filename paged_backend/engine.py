@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from . import prompt_logprobs
+from . import compilation, prompt_logprobs
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .distributed import agree_on_blocks
@@ -59,6 +59,8 @@ class Engine:
         self.speculator = Speculator(spec) if spec is not None else None
         self.scheduler = Scheduler(self.config, self.kv, self.speculator)
         self.runner = ModelRunner(model, self.cache, publish_step)
+        self.compile_s: float | None = None  # seconds the compile and warm-up took, when compiled
+        self.compiled = self.maybe_compile(param.device)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.context_note = ""  # why the context is shorter than the model's positions, when it is
         self.max_model_len = self.resolve_max_model_len(text_config)
@@ -70,6 +72,18 @@ class Engine:
         self.num_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
         self.grammars: Grammars | None = None  # built with the first structured-outputs request
         self.compiling: list[Request] = []  # structured requests whose grammar is not compiled yet
+
+    def maybe_compile(self, device: torch.device) -> bool:
+        """Compile the runner's forward when the config asks (or, by default, on CUDA); say how long it took."""
+        if not compilation.wants_compile(self.config.compile, device):
+            return False
+        reason = compilation.eager_reason()
+        if reason is not None:
+            logger.info("compile: %s", reason)
+            return False
+        self.compile_s = self.runner.compile()
+        logger.info("compiled the model forward and warmed it up in %.1f s", self.compile_s)
+        return True
 
     def choose_num_blocks(self, shape: KVShape, dtype: torch.dtype, device: torch.device) -> int:
         if self.config.num_kv_blocks is not None:

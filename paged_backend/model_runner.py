@@ -16,7 +16,7 @@ import torch
 
 from paged_backend.kernels import AttentionMetadata
 
-from . import custom_ops
+from . import compilation, custom_ops
 from .paged_cache import PagedCache
 from .prompt_logprobs import PromptSpan, wanted_targets
 from .request import Request
@@ -37,6 +37,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedCache,
                  publish: Callable[[StepInputs], None] | None = None) -> None:
         self.model = model
+        self.forward_model = model  # what runs the step: the model, or its compiled form (compile())
         self.cache = cache
         self.device = cache.kv.device
         self.publish = publish  # tensor parallelism: hands each step's inputs to the other ranks
@@ -53,15 +54,25 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         with custom_ops.step_context(inputs.metadata, self.cache.kv):
-            out = self.model(
-                input_ids=inputs.input_ids,
-                position_ids=inputs.position_ids,
-                cache=self.cache,
-                use_cache=True,
-                paged_cache=self.cache,
-                logits_to_keep=inputs.logits_indices,
-            )
+            return self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices)
+
+    def run_model(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  logits_indices: torch.Tensor) -> torch.Tensor:
+        """The packed forward `[1, T]` -> the logits rows `logits_indices`, inside a step context."""
+        out = self.forward_model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            cache=self.cache,
+            use_cache=True,
+            paged_cache=self.cache,
+            logits_to_keep=logits_indices,
+        )
         return out.logits[0]
+
+    def compile(self) -> float:
+        """Compile the model forward and warm it up on every shape class; return the seconds taken."""
+        self.forward_model = compilation.compile_model(self.model)
+        return compilation.warm_up(self.run_model, self.cache.kv, self.cache.block_size)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         requests, counts = batch.requests, np.asarray(batch.num_new_tokens, dtype=np.int64)
