@@ -43,9 +43,13 @@ def one_thread():
 
 @pytest.fixture(scope="module", autouse=True)
 def enabled():
+    """The hook is on for this module and left as it was found afterwards: importing the package turns it
+    on, and later modules (PEFT's generate test) rely on that."""
+    was_enabled = tg.is_enabled()
     tg.enable()
     yield
-    tg.disable()
+    if not was_enabled:
+        tg.disable()
 
 
 class Pair:
