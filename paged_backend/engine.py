@@ -21,10 +21,10 @@ from .detokenizer import IncrementalDetokenizer
 from .distributed import agree_on_blocks
 from .grammar import GrammarMask, Grammars
 from .kv_cache_manager import KVCacheManager
+from .model_check import prepare_model, usable_context
 from .model_loader import check_architecture, model_object
 from .model_runner import ModelRunner, StepInputs
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .model_check import prepare_model, usable_context
 from .paged_cache import KVShape, PagedCache
 from .request import LogitsProcessor, Request, RequestStatus
 from .sampler import SamplerOutput, sample
@@ -301,8 +301,8 @@ class Engine:
         outputs.extend(self.append_tokens(sampling_requests, sampled, kept, rows))
         if self.speculator:
             for request in sampling_requests:
-                if not request.is_finished:
-                    Speculator.release_rejected(self.kv, request)
+                if not request.is_finished:  # the next step allocates the room its own proposals need
+                    self.kv.trim(request, request.num_tokens)
         return outputs
 
     def sample_tokens(self, logits: torch.Tensor, requests: list[Request]

@@ -95,6 +95,14 @@ class KVCacheManager:
         request.block_ids.extend(self.pool.allocate(needed))
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the tail blocks beyond those `num_tokens` need: blocks that held only tokens the request
+        discarded (rejected speculative proposals). They were never full of kept tokens, so never cached."""
+        keep = self.blocks_needed(num_tokens)
+        if len(request.block_ids) > keep:
+            self.pool.free(request.block_ids[keep:][::-1])
+            del request.block_ids[keep:]
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so the pool evicts tails before shared heads."""
         self.pool.free(request.block_ids[::-1])

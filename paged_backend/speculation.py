@@ -23,7 +23,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .kv_cache_manager import KVCacheManager
 from .ngram_proposer import propose_ngram
 from .request import Request
 from .speculative_config import SpeculativeConfig
@@ -95,15 +94,6 @@ class Speculator:
         noise = torch.empty(vocab, dtype=torch.float32, device=generator.device)
         for _ in range(num_kept):
             noise.exponential_(generator=generator)
-
-    @staticmethod
-    def release_rejected(kv: KVCacheManager, request: Request) -> None:
-        """Free the tail blocks that held only rejected proposals; the next step needs room for the
-        request's tokens not yet computed (the last kept token) and allocates its own proposals."""
-        keep = kv.blocks_needed(request.num_tokens)
-        if len(request.block_ids) > keep:
-            kv.pool.free(request.block_ids[keep:][::-1])
-            del request.block_ids[keep:]
 
     # ------------------------------------------------------------ metrics
 
