@@ -4,14 +4,14 @@ alone (median of several runs), beside one plain 8-token forward and the engine'
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from common import uptime, write_results
 
-from paged_backend import Engine, EngineConfig
-from paged_backend import model_check
+from paged_backend import Engine, EngineConfig, model_check
 from paged_backend.model_loader import load_model
 
 
@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--json", type=Path, default=None, help="results file (default: benchmarks/results/self_check.json)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -39,12 +40,18 @@ def main() -> None:
         began = time.perf_counter()
         Engine(model, None, EngineConfig(num_kv_blocks=64, self_check=False))
         starts.append(time.perf_counter() - began)
-    print(f"default model, {args.dtype}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}: "
-          f"self-check median {statistics.median(checks) * 1e3:.0f} ms (runs: "
-          f"{', '.join(f'{c * 1e3:.0f}' for c in checks)}); one plain 8-token forward median "
-          f"{statistics.median(bare) * 1e3:.0f} ms; engine start without the check median "
-          f"{statistics.median(starts) * 1e3:.0f} ms")
-
+    result = {
+        "model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "self_check_ms": [round(c * 1e3, 1) for c in checks],
+        "self_check_median_ms": round(statistics.median(checks) * 1e3, 1),
+        "plain_8_token_forward_median_ms": round(statistics.median(bare) * 1e3, 1),
+        "engine_start_without_check_median_ms": round(statistics.median(starts) * 1e3, 1),
+        "uptime": uptime(),
+    }
+    print(f"self-check median {result['self_check_median_ms']:.0f} ms (runs: {result['self_check_ms']}); one plain "
+          f"8-token forward {result['plain_8_token_forward_median_ms']:.0f} ms; engine start without the check "
+          f"{result['engine_start_without_check_median_ms']:.0f} ms; {result['uptime']}")
+    print(f"wrote {write_results(result, 'self_check', args.json)}")
 
 if __name__ == "__main__":
     main()
