@@ -6,6 +6,7 @@ from .default_model import DEFAULT_MODEL
 from .async_engine import AsyncEngine
 from .engine import Engine
 from .llm import LLM
+from .lora import LoRARequest
 from .model_loader import UnsupportedArchitectureError
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
@@ -26,6 +27,7 @@ __all__ = [
     "EngineConfig",
     "LLM",
     "Logprob",
+    "LoRARequest",
     "RequestMetrics",
     "RequestOutput",
     "PagedTextGenerationPipeline",

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from .engine import Engine, Prompt
+from .lora import LoRAAdapter, LoRASpec
 from .outputs import RequestOutput
 from .request import LogitsProcessor
 from .sampling_params import SamplingParams
@@ -42,13 +43,13 @@ class AsyncEngine:
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-        logits_processor: LogitsProcessor | None = None,
+        logits_processor: LogitsProcessor | None = None, lora: LoRASpec | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as they change; the last one has `finished=True`."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = self.submit(prompt, params, request_id, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
-                                 logits_processor)
+                                 logits_processor, lora)
         finished = False
         try:
             while not finished:
@@ -61,11 +62,11 @@ class AsyncEngine:
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-        logits_processor: LogitsProcessor | None = None,
+        logits_processor: LogitsProcessor | None = None, lora: LoRASpec | None = None,
     ) -> Iterator[RequestOutput]:
         """The same as `generate`, for plain threads."""
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        request_id = self.submit(prompt, params, request_id, outputs.put, logits_processor)
+        request_id = self.submit(prompt, params, request_id, outputs.put, logits_processor, lora)
         finished = False
         try:
             while not finished:
@@ -77,15 +78,16 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, sink: Sink,
-               logits_processor: LogitsProcessor | None = None) -> str:
+               logits_processor: LogitsProcessor | None = None, lora: LoRASpec | None = None) -> str:
         """Validate in the caller's thread (a bad request raises here), then queue it for the engine.
-        `logits_processor` runs on the engine thread (see `Engine.add_request`)."""
+        `logits_processor` runs on the engine thread (see `Engine.add_request`); `lora` names an adapter."""
         params = params or SamplingParams()
         text, token_ids = self.engine.tokenize(prompt)
         self.engine.validate(token_ids, params)
+        adapter = self.engine.resolve_lora(lora)
         request_id = request_id if request_id is not None else f"async-{next(self.ids)}"
         self.commands.put(("add", (request_id, text if text is not None else token_ids, token_ids, params, sink,
-                                   logits_processor)))
+                                   logits_processor, adapter)))
         self.wakeup.set()
         return request_id
 
@@ -125,10 +127,10 @@ class AsyncEngine:
                 self.engine.abort_request(arg)
 
     def add(self, request_id: str, prompt: Prompt, token_ids: list[int], params: SamplingParams, sink: Sink,
-            logits_processor: LogitsProcessor | None) -> None:
+            logits_processor: LogitsProcessor | None, adapter: LoRAAdapter | None = None) -> None:
         try:
             self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=token_ids,
-                                    logits_processor=logits_processor)
+                                    logits_processor=logits_processor, lora=adapter)
         except ValueError as exc:  # e.g. a duplicate id: the caller gets a finished output with the error
             logger.warning("request %s refused: %s", request_id, exc)
             sink(refused_output(request_id, prompt, str(exc)))

@@ -13,8 +13,8 @@ from collections import OrderedDict
 from typing import NewType
 
 BlockHash = NewType("BlockHash", int)
-# (parent block's hash, this block's tokens, the request's cache salt for a first block)
-BlockKey = tuple[BlockHash | None, tuple[int, ...], str | None]
+# (parent block's hash, this block's tokens, and for a first block the request's cache salt and LoRA adapter id)
+BlockKey = tuple[BlockHash | None, tuple[int, ...], str | None, int | None]
 
 
 class BlockPool:

@@ -32,12 +32,17 @@ class EngineConfig:
     self_check: bool = True
     # torch.compile the model forward at start-up: True, False, or None (on CUDA only; see compilation.py).
     compile: bool | None = None
+    # LoRA adapters chosen per request (lora.py): at most max_loras distinct adapters run at once (more wait),
+    # each of rank at most max_lora_rank. With LoRA the step runs eagerly.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if self.compile not in (True, False, None):
             raise ValueError(f"EngineConfig.compile={self.compile!r}: must be True, False or None")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name}={value!r}: must be an int >= 1")

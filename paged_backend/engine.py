@@ -21,6 +21,7 @@ from .detokenizer import IncrementalDetokenizer
 from .distributed import agree_on_blocks
 from .grammar import GrammarMask, Grammars
 from .kv_cache_manager import KVCacheManager
+from .lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec
 from .model_check import prepare_model, usable_context
 from .model_loader import check_architecture, model_object
 from .model_runner import ModelRunner, StepInputs
@@ -57,8 +58,9 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         spec = self.config.speculative_config
         self.speculator = Speculator(spec) if spec is not None else None
-        self.scheduler = Scheduler(self.config, self.kv, self.speculator)
-        self.runner = ModelRunner(model, self.cache, publish_step)
+        self.loras, lora_slots = self.enable_lora(model)
+        self.scheduler = Scheduler(self.config, self.kv, self.speculator, lora_slots)
+        self.runner = ModelRunner(model, self.cache, publish_step, lora_slots)
         self.compile_s: float | None = None  # seconds the compile and warm-up took, when compiled
         self.compiled = self.maybe_compile(param.device)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -73,11 +75,23 @@ class Engine:
         self.grammars: Grammars | None = None  # built with the first structured-outputs request
         self.compiling: list[Request] = []  # structured requests whose grammar is not compiled yet
 
+    def enable_lora(self, model: PreTrainedModel) -> tuple[LoRARegistry | None, LoRASlots | None]:
+        config = self.config
+        if not config.enable_lora:
+            return None, None
+        if compilation.eager_reason() is not None:
+            raise ValueError("enable_lora=True does not run with tensor parallelism (the adapters' B matrices "
+                             "would have to be sharded like the layers they adapt)")
+        registry = LoRARegistry(model, config.max_lora_rank)
+        return registry, LoRASlots(model, config.max_loras, config.max_lora_rank)
+
     def maybe_compile(self, device: torch.device) -> bool:
         """Compile the runner's forward when the config asks (or, by default, on CUDA); say how long it took."""
         if not compilation.wants_compile(self.config.compile, device):
             return False
         reason = compilation.eager_reason()
+        if self.config.enable_lora:  # the per-step adapter segments are data-dependent Python in the hooks
+            reason = "LoRA steps run eagerly"
         if reason is not None:
             logger.info("compile: %s", reason)
             return False
@@ -118,6 +132,7 @@ class Engine:
         cache_salt: str | None = None,
         logits_processor: LogitsProcessor | None = None,
         prompt_token_ids: list[int] | None = None,
+        lora: LoRASpec | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); raise ValueError, leaving the engine untouched, if it is invalid.
 
@@ -126,7 +141,8 @@ class Engine:
         logprob are returned, in one final output (which samples win is known only at the end).
         `logits_processor(output_token_ids, row)` maps this request's logits row `[V]` to the row it is
         sampled from (vLLM's form; every sample of an n > 1 request is passed its own output ids).
-        `prompt_token_ids`, when the caller has already tokenized a text prompt, saves doing it twice."""
+        `prompt_token_ids`, when the caller has already tokenized a text prompt, saves doing it twice.
+        `lora` (an adapter name or a `LoRARequest`) runs the request with that adapter (see `add_lora`)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self.ids))
         if request_id in self.requests:
@@ -136,6 +152,7 @@ class Engine:
         else:
             text, token_ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         self.validate(token_ids, params)
+        adapter = self.resolve_lora(lora)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         group: list[Request] = []
         samples = params.num_samples
@@ -151,10 +168,35 @@ class Engine:
             if index:  # the samples share one prompt: sample 0 scores it, the others may use the cache
                 request.prompt_logprobs = None
             request.logits_processor = logits_processor
+            request.lora = adapter
             request.leader = group[0] if index else None
             self.enqueue(request)
         self.requests[request_id] = group
         return request_id
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    def add_lora(self, name: str, source, adapter_name: str | None = None) -> None:
+        """Register a LoRA adapter under `name` from a PEFT folder or a loaded PeftModel (its `adapter_name`,
+        by default the active one); ValueError if it does not fit the base model or max_lora_rank.
+        Safe from any thread: the engine loads it onto the device when a request first runs with it."""
+        self.require_lora().add(name, source, adapter_name)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter `name`: new requests cannot ask for it; requests already queued with it finish."""
+        self.require_lora().remove(name)
+
+    def list_loras(self) -> list[str]:
+        return self.loras.names() if self.loras is not None else []
+
+    def resolve_lora(self, lora: LoRASpec | None) -> LoRAAdapter | None:
+        """The adapter a request asks for (None: the base); ValueError for an unknown one."""
+        return None if lora is None else self.require_lora().resolve(lora)
+
+    def require_lora(self) -> LoRARegistry:
+        if self.loras is None:
+            raise ValueError("LoRA adapters need an engine built with enable_lora=True")
+        return self.loras
 
     def enqueue(self, request: Request) -> None:
         """A structured request waits for its grammar outside the scheduler, so it holds up no one."""

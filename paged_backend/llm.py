@@ -15,6 +15,7 @@ from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .config import EngineConfig
 from .distributed import TensorParallelGroup, broadcast_step, serve_steps
 from .engine import Engine, Prompt
+from .lora import LoRARequest, LoRASpec
 from .model_loader import load_model
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -58,6 +59,16 @@ class LLM:
         if self.tp_group is not None:
             self.tp_group.close()
 
+    def add_lora(self, name: str, source: Any, adapter_name: str | None = None) -> None:
+        """Register a LoRA adapter (a PEFT folder or a loaded PeftModel) under `name`; needs enable_lora=True."""
+        self.engine.add_lora(name, source, adapter_name)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
+
     @property
     def model(self):
         return self.engine.model
@@ -71,14 +82,16 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: LoRASpec | Sequence[LoRASpec | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids) at once; outputs come back in input order.
+        `lora`: one adapter (name or LoRARequest) for every prompt, or one per prompt (None: the base).
 
         Every prompt is validated before any is queued, so an invalid one raises ValueError (naming
         its index) without leaving half a batch in the engine."""
         prompts = normalise_prompts(prompts)
         params = normalise_params(sampling_params, len(prompts))
-        return self.run(prompts, params, use_tqdm)
+        return self.run(prompts, params, use_tqdm, normalise_loras(lora, len(prompts)))
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search per prompt, with transformers' scoring and stopping rules; sequences best first."""
@@ -122,17 +135,20 @@ class LLM:
                                                  return_dict=False, **extra)
         return list(ids)
 
-    def run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+            loras: list[LoRASpec | None] | None = None) -> list[RequestOutput]:
         engine = self.engine
+        loras = loras or [None] * len(prompts)
         token_ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
             try:
                 token_ids.append(engine.tokenize(prompt)[1])
                 engine.validate(token_ids[-1], p)
+                engine.resolve_lora(lora)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
-        ids = [engine.add_request(prompt, p, stream=False, prompt_token_ids=ids)
-               for prompt, p, ids in zip(prompts, params, token_ids)]
+        ids = [engine.add_request(prompt, p, stream=False, prompt_token_ids=ids, lora=lora)
+               for prompt, p, ids, lora in zip(prompts, params, token_ids, loras)]
         index = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         with tqdm(total=len(ids), disable=not use_tqdm, desc="Generating", unit="req") as bar:
@@ -164,6 +180,15 @@ def normalise_params(params: SamplingParams | Sequence[SamplingParams] | None, n
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def normalise_loras(lora: LoRASpec | Sequence[LoRASpec | None] | None, n: int) -> list[LoRASpec | None]:
+    if lora is None or isinstance(lora, (str, LoRARequest)):
+        return [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} LoRA choices for {n} prompts")
+    return loras
 
 
 def engine_config_fields() -> list[str]:

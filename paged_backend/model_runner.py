@@ -16,7 +16,7 @@ import torch
 
 from paged_backend.kernels import AttentionMetadata
 
-from . import compilation, custom_ops
+from . import compilation, custom_ops, lora
 from .paged_cache import PagedCache
 from .prompt_logprobs import PromptSpan, wanted_targets
 from .request import Request
@@ -31,12 +31,14 @@ class StepInputs(NamedTuple):
     metadata: AttentionMetadata
     # Kept logits rows after the sampling ones, scoring prompt tokens (rank 0 only; see prompt_logprobs.py).
     prompt_spans: tuple[PromptSpan, ...] = ()
+    lora: lora.LoRAStep | None = None  # the step's adapter segments (None: every token runs the base)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedCache,
-                 publish: Callable[[StepInputs], None] | None = None) -> None:
+                 publish: Callable[[StepInputs], None] | None = None, lora_slots: lora.LoRASlots | None = None) -> None:
         self.model = model
+        self.lora_slots = lora_slots
         self.forward_model = model  # what runs the step: the model, or its compiled form (compile())
         self.cache = cache
         self.device = cache.kv.device
@@ -53,7 +55,7 @@ class ModelRunner:
         return self.forward(inputs), inputs
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        with custom_ops.step_context(inputs.metadata, self.cache.kv):
+        with custom_ops.step_context(inputs.metadata, self.cache.kv), lora.step_context(inputs.lora):
             return self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices)
 
     def run_model(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -115,7 +117,14 @@ class ModelRunner:
             sampling_requests=[requests[i] for i in sampling],
             metadata=metadata,
             prompt_spans=tuple(spans),
+            lora=self.lora_step(requests, counts),
         )
+
+    def lora_step(self, requests: list[Request], counts: np.ndarray) -> lora.LoRAStep | None:
+        if self.lora_slots is None:
+            return None
+        slots = np.fromiter((r.lora_slot for r in requests), dtype=np.int64, count=len(requests))
+        return self.lora_slots.prepare_step(slots, counts, self.device)
 
     @staticmethod
     def sampling_rows(last_rows: np.ndarray, num_spec: np.ndarray) -> np.ndarray:

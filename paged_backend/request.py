@@ -15,6 +15,7 @@ from .sampling_params import SamplingParams
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
     from .grammar import GrammarState
+    from .lora import LoRAAdapter
 
 # vLLM's form: the request's output token ids so far and its logits row [V], returning the row to sample from.
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
@@ -51,6 +52,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, once computed
     cache_salt: str | None = None  # isolates this request's prefix-cache entries from other tenants'
+    lora: LoRAAdapter | None = None  # the adapter it runs with (None: the base model)
+    lora_slot: int = 0  # while running: the device slot of its adapter (0: the base)
     leader: Request | None = None  # for samples 1..n-1: wait until sample 0 has computed the prompt
     index: int = 0  # which of the n (or best_of) samples this is
     keep_best: int | None = None  # best_of > n: the group returns only its keep_best best-scoring samples

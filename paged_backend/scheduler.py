@@ -5,6 +5,7 @@ running requests (oldest first) the tokens they lack under one token budget, the
 requests in arrival order, slicing long prompts (chunked prefill). A request admitted for the
 first time starts after its longest cached prefix. When blocks run out, the newest
 running request is preempted: its blocks are freed and it is recomputed later from its tokens.
+With LoRA, a waiting request whose adapter has no device slot free stays waiting (others may pass it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import NamedTuple
 
 from .config import EngineConfig
 from .kv_cache_manager import KVCacheManager
+from .lora import LoRASlots
 from .request import Request, RequestStatus
 from .speculation import Speculator
 
@@ -25,8 +27,10 @@ class ScheduledBatch(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, speculator: Speculator | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, speculator: Speculator | None = None,
+                 lora: LoRASlots | None = None) -> None:
         self.max_tokens = config.max_num_batched_tokens
+        self.lora = lora
         self.speculator = speculator
         self.max_seqs = config.max_num_seqs
         self.kv = kv
@@ -90,7 +94,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
             request = self.waiting[i]
-            if request.is_waiting_for_leader():
+            if request.is_waiting_for_leader() or (self.lora is not None and not self.lora.can_run(request.lora)):
                 i += 1
                 continue
             if not self.admit(request, budget):
@@ -114,6 +118,8 @@ class Scheduler:
             request.num_computed_tokens = 0
             return False
         request.status = RequestStatus.RUNNING
+        if self.lora is not None:
+            request.lora_slot = self.lora.acquire(request.lora)
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.time()
         return True
@@ -121,6 +127,7 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Free the request's blocks and put it first in line; it will recompute its tokens."""
         self.running.remove(request)
+        self.release(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -132,7 +139,14 @@ class Scheduler:
         """Remove a request wherever it is and free its blocks."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self.release(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
+
+    def release(self, request: Request) -> None:
+        """A request that stops running gives back its use of its adapter's slot."""
+        if self.lora is not None:
+            self.lora.release(request.lora_slot)
+            request.lora_slot = 0

@@ -1,0 +1,370 @@
+"""Many LoRA adapters on one base model, chosen per request, mixed in one packed step.
+
+An adapter is registered once (`LoRARegistry.add`, from a PEFT folder or a loaded `PeftModel`): its
+weights are read, checked against the base model's modules and kept on the host. Up to `max_loras`
+adapters sit in device *slots* at a time (`LoRASlots`): per targeted `nn.Linear`, the stacked
+`A [max_loras + 1, max_rank, in]` and `B [max_loras + 1, out, max_rank]` of the loaded adapters, ranks
+padded with zeros; slot 0 is the base model (no delta). The scheduler admits a request only when its
+adapter has a slot (loaded already, or a slot no running request uses), so more distinct adapters
+than slots means waiting, never failing.
+
+Each packed token carries its request's slot. Per step, the runner turns those into one segment of
+row indices per distinct adapter of the step (`LoRAStep`), opened as a context around the forward
+the way the attention ops get their metadata. A forward hook on every targeted linear adds
+`(x[rows] @ A.T) @ B.T * scaling` for each segment: a loop over the step's distinct adapters, never
+over tokens. Outside a step the hooks add nothing, so the model object stays the base model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """Which adapter a request runs with (vLLM's name). With `path`, an adapter not registered yet
+    is registered under `name` from that PEFT folder on first use."""
+
+    name: str
+    path: str | None = None
+
+
+LoRASpec = str | LoRARequest
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LoRAAdapter:
+    """One registered adapter: per targeted module, `(A [r, in], B [out, r], scaling)` on the host."""
+
+    name: str
+    id: int  # unique per registration: a re-registered name never shares cached K/V with its predecessor
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+
+    @property
+    def rank(self) -> int:
+        return max(a.shape[0] for a, _, _ in self.weights.values())
+
+    @property
+    def target_modules(self) -> list[str]:
+        return sorted({name.rsplit(".", 1)[-1] for name in self.weights})
+
+
+# ------------------------------------------------------------------------ reading adapters
+
+_ids = itertools.count(1)
+_SUPPORTED_KEYS = (".lora_A.weight", ".lora_B.weight")
+
+
+def read_adapter(name: str, source: Any, model: nn.Module, max_rank: int,
+                 adapter_name: str | None = None) -> LoRAAdapter:
+    """Read a LoRA adapter from a PEFT folder or a loaded `PeftModel` (its `adapter_name`, by default
+    the active one) and check it against `model`; ValueError saying what does not fit."""
+    if isinstance(source, (str, os.PathLike)):
+        config, state = _read_folder(Path(source))
+    elif callable(getattr(source, "get_base_model", None)) and hasattr(source, "peft_config"):
+        config, state = _read_peft_model(source, adapter_name)
+    else:
+        raise TypeError(f"add_lora({name!r}, ...): expected a PEFT adapter folder or a PeftModel, "
+                        f"got {type(source).__name__}")
+    check_config(name, config)
+    weights = {}
+    for module_name, (a, b) in _pair_weights(name, state).items():
+        linear = _target_linear(name, model, module_name)
+        r = a.shape[0]
+        if a.shape != (r, linear.in_features) or b.shape != (linear.out_features, r):
+            raise ValueError(f"LoRA adapter {name!r} does not match the base model: {module_name} is "
+                             f"{linear.in_features} -> {linear.out_features}, the adapter's A is {tuple(a.shape)} "
+                             f"and B {tuple(b.shape)} (an adapter trained on another model?)")
+        if r > max_rank:
+            raise ValueError(f"LoRA adapter {name!r} has rank {r} at {module_name}, above max_lora_rank={max_rank}")
+        param = linear.weight
+        weights[module_name] = (a.to(param.dtype).contiguous(), b.to(param.dtype).contiguous(),
+                                _scaling(config, module_name, r))
+    if not weights:
+        raise ValueError(f"LoRA adapter {name!r} has no LoRA weights")
+    return LoRAAdapter(name, next(_ids), weights)
+
+
+def _read_folder(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path}: not a PEFT adapter folder (no adapter_config.json)")
+    config = json.loads(config_file.read_text())
+    from peft.utils import load_peft_weights
+
+    return config, load_peft_weights(str(path), device="cpu")
+
+
+def _read_peft_model(model: Any, adapter_name: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
+    from peft.utils import get_peft_model_state_dict
+
+    adapter_name = adapter_name or model.active_adapter
+    if adapter_name not in model.peft_config:
+        raise ValueError(f"the PeftModel has no adapter {adapter_name!r}; it has {sorted(model.peft_config)}")
+    config = model.peft_config[adapter_name].to_dict()
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    return config, {k: v.detach().cpu() for k, v in state.items()}
+
+
+def check_config(name: str, config: dict) -> None:
+    """Refuse the PEFT variants whose delta is not `B @ A * scaling` on a linear layer."""
+    peft_type = str(config.get("peft_type", ""))
+    if peft_type.split(".")[-1].upper() != "LORA":
+        raise ValueError(f"adapter {name!r} is a {peft_type or 'non-PEFT'} adapter: only LoRA adapters are served")
+    refusals = {
+        "use_dora": "DoRA adapters (use_dora=True) are not supported",
+        "lora_bias": "LoRA with a bias on B (lora_bias=True) is not supported",
+        "modules_to_save": "adapters that replace whole modules (modules_to_save) are not supported",
+        "trainable_token_indices": "adapters with trainable tokens are not supported",
+        "target_parameters": "LoRA on parameters (target_parameters) is not supported",
+        "layer_replication": "adapters with layer_replication are not supported",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D) LoRA is not supported",
+    }
+    for key, message in refusals.items():
+        if config.get(key):
+            raise ValueError(f"LoRA adapter {name!r}: {message}")
+
+
+def _pair_weights(name: str, state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT's saved keys `base_model.model.<module>.lora_A.weight` -> {module: (A, B)}."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        if "lora_embedding" in key:
+            raise ValueError(f"LoRA adapter {name!r} adapts an embedding ({key}): embedding LoRA is not supported")
+        suffix = next((s for s in _SUPPORTED_KEYS if key.endswith(s)), None)
+        if suffix is None:
+            raise ValueError(f"LoRA adapter {name!r}: unsupported weight {key!r} (only lora_A/lora_B of linear layers)")
+        module = key[: -len(suffix)].removeprefix("base_model.model.")
+        halves.setdefault(module, {})[suffix[6]] = tensor
+    pairs = {}
+    for module, ab in halves.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: {module} has lora_{next(iter(ab))} without its other half")
+        pairs[module] = (ab["A"], ab["B"])
+    return pairs
+
+
+def _target_linear(name: str, model: nn.Module, module_name: str) -> nn.Linear:
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        raise ValueError(f"LoRA adapter {name!r} does not match the base model ({type(model).__name__}): it targets "
+                         f"{module_name}, which this model does not have") from None
+    module = base_linear(module)
+    if type(module) is not nn.Linear:
+        raise ValueError(f"LoRA adapter {name!r} targets {module_name}, a {type(module).__name__}: "
+                         "only nn.Linear layers are supported")
+    return module
+
+
+def base_linear(module: nn.Module) -> nn.Module:
+    """The layer itself, or the base layer a PEFT tuner layer wraps (a base model that is itself a PeftModel)."""
+    get_base_layer = getattr(module, "get_base_layer", None)
+    return get_base_layer() if callable(get_base_layer) else module
+
+
+def _scaling(config: dict, module_name: str, r: int) -> float:
+    """PEFT's scaling: lora_alpha (or its alpha_pattern entry) over r, or over sqrt(r) with rslora."""
+    alpha = config.get("lora_alpha", 8)
+    patterns = config.get("alpha_pattern") or {}
+    if patterns:
+        from peft.utils.other import get_pattern_key
+
+        alpha = patterns.get(get_pattern_key(patterns.keys(), module_name), alpha)
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+class LoRARegistry:
+    """The adapters an engine knows by name (any number, on the host). Safe to call from any thread:
+    it only reads the base model's shapes; device slots are the engine thread's business."""
+
+    def __init__(self, model: nn.Module, max_rank: int) -> None:
+        self.model = model
+        self.max_rank = max_rank
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.lock = threading.Lock()
+
+    def add(self, name: str, source: Any, adapter_name: str | None = None) -> LoRAAdapter:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a LoRA adapter needs a non-empty name, got {name!r}")
+        adapter = read_adapter(name, source, self.model, self.max_rank, adapter_name)
+        with self.lock:
+            if name in self.adapters:
+                raise ValueError(f"a LoRA adapter named {name!r} is already registered; remove_lora it first")
+            self.adapters[name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> None:
+        """Forget `name`; requests already holding it finish with it."""
+        with self.lock:
+            if self.adapters.pop(name, None) is None:
+                raise ValueError(f"no LoRA adapter named {name!r}; known: {sorted(self.adapters)}")
+
+    def names(self) -> list[str]:
+        return sorted(self.adapters)
+
+    def resolve(self, spec: LoRASpec | None) -> LoRAAdapter | None:
+        """The adapter a request asked for (None: the base model); ValueError naming the known ones."""
+        if spec is None or isinstance(spec, LoRAAdapter):  # already resolved (AsyncEngine does it early)
+            return spec
+        if isinstance(spec, LoRARequest):
+            if spec.path is not None and spec.name not in self.adapters:
+                with contextlib.suppress(ValueError):  # registered meanwhile by another caller: use that one
+                    return self.add(spec.name, spec.path)
+            spec = spec.name
+        if not isinstance(spec, str):
+            raise ValueError(f"lora must be an adapter name or a LoRARequest, got {type(spec).__name__}")
+        adapter = self.adapters.get(spec)
+        if adapter is None:
+            raise ValueError(f"unknown LoRA adapter {spec!r}; known adapters: {self.names() or 'none'}")
+        return adapter
+
+
+# ------------------------------------------------------------------------ the step
+
+
+@dataclass(slots=True)
+class LoRAStep:
+    """Per distinct adapter of a step, its slot and the packed rows of its tokens (None: every row)."""
+
+    segments: list[tuple[int, torch.Tensor | None]]
+
+
+_current: LoRAStep | None = None  # set by step_context() around one step's forward
+
+
+@contextlib.contextmanager
+def step_context(step: LoRAStep | None) -> Iterator[None]:
+    global _current
+    previous, _current = _current, step
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+class LoRALinearHook:
+    """A forward hook on one targeted linear: adds each of the step's adapters' delta to its rows."""
+
+    def __init__(self, linear: nn.Linear, num_slots: int, max_rank: int) -> None:
+        weight = linear.weight
+        self.a = weight.new_zeros(num_slots, max_rank, linear.in_features)
+        self.b = weight.new_zeros(num_slots, linear.out_features, max_rank)
+        self.ranks = [0] * num_slots  # 0: the adapter in that slot does not target this module
+        self.scales = [0.0] * num_slots
+        self.handle = linear.register_forward_hook(self)
+
+    def load(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
+        if weights is None:
+            self.ranks[slot] = 0
+            return
+        a, b, scale = weights
+        r = a.shape[0]
+        self.a[slot, :r].copy_(a)
+        self.b[slot, :, :r].copy_(b)
+        self.ranks[slot], self.scales[slot] = r, scale
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        step = _current
+        if step is None:
+            return output
+        x = args[0].reshape(-1, self.a.shape[-1])
+        out = output.view(-1, output.shape[-1])
+        for slot, rows in step.segments:
+            r = self.ranks[slot]
+            if not r:
+                continue
+            xs = x if rows is None else x.index_select(0, rows)
+            # PEFT's order of operations: lora_B(lora_A(x)) * scaling, added to the base output.
+            delta = (xs @ self.a[slot, :r].T) @ self.b[slot, :, :r].T * self.scales[slot]
+            if rows is None:
+                out.add_(delta)
+            else:
+                out.index_add_(0, rows, delta)
+        return output
+
+
+class LoRASlots:
+    """The adapters loaded on the device (at most `max_loras`) and which running requests use them.
+    Engine thread only."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+        self.model = model
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.hooks: dict[str, LoRALinearHook] = {}
+        self.loaded: list[LoRAAdapter | None] = [None] * (max_loras + 1)  # index 0: the base, never loaded
+        self.users = [0] * (max_loras + 1)
+        self.last_used = [0] * (max_loras + 1)
+        self.clock = itertools.count(1)
+
+    def slot_of(self, adapter: LoRAAdapter) -> int | None:
+        return next((s for s in range(1, self.max_loras + 1) if self.loaded[s] is adapter), None)
+
+    def can_run(self, adapter: LoRAAdapter | None) -> bool:
+        """Whether a request with `adapter` can start now: the base, a loaded adapter, or a slot free to load into."""
+        if adapter is None or self.slot_of(adapter) is not None:
+            return True
+        return any(self.users[s] == 0 for s in range(1, self.max_loras + 1))
+
+    def acquire(self, adapter: LoRAAdapter | None) -> int:
+        """The slot a running request uses (0 for the base), loading the adapter into an idle slot if needed."""
+        if adapter is None:
+            return 0
+        slot = self.slot_of(adapter)
+        if slot is None:
+            idle = [s for s in range(1, self.max_loras + 1) if self.users[s] == 0]
+            if not idle:
+                raise RuntimeError("no idle LoRA slot (the scheduler checks can_run first)")
+            slot = min(idle, key=lambda s: (self.loaded[s] is not None, self.last_used[s]))  # empty, then LRU
+            self.load(slot, adapter)
+        self.users[slot] += 1
+        self.last_used[slot] = next(self.clock)
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot:
+            self.users[slot] -= 1
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        for module_name in adapter.weights:
+            if module_name not in self.hooks:
+                linear = base_linear(self.model.get_submodule(module_name))
+                self.hooks[module_name] = LoRALinearHook(linear, self.max_loras + 1, self.max_rank)
+        with torch.no_grad():
+            for module_name, hook in self.hooks.items():
+                hook.load(slot, adapter.weights.get(module_name))
+        self.loaded[slot] = adapter
+
+    def prepare_step(self, request_slots: np.ndarray, counts: np.ndarray,
+                     device: torch.device) -> LoRAStep | None:
+        """The step's segments from each request's slot and token count; None when every token is the base."""
+        used = np.unique(request_slots[request_slots > 0])
+        if not len(used):
+            return None
+        if len(used) == 1 and (request_slots > 0).all():
+            return LoRAStep([(int(used[0]), None)])
+        token_slots = np.repeat(request_slots, counts)
+        segments = []
+        for slot in used.tolist():
+            rows = torch.from_numpy(np.flatnonzero(token_slots == slot))
+            segments.append((slot, rows if device.type == "cpu" else rows.to(device, non_blocking=True)))
+        return LoRAStep(segments)
+
+    def remove_hooks(self) -> None:
+        for hook in self.hooks.values():
+            hook.handle.remove()
+        self.hooks.clear()
