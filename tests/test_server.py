@@ -123,10 +123,10 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(llm: LLM, name: str, api_key: str | None = None) -> Iterator[Served]:
+def serve(llm: LLM, name: str, api_key: str | None = None, **app_options) -> Iterator[Served]:
     """Run the app for `llm` under uvicorn in a thread, on a free port of 127.0.0.1."""
     aengine = AsyncEngine(llm.engine)
-    server = uvicorn.Server(uvicorn.Config(create_app(aengine, name, api_key), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(aengine, name, api_key, **app_options), log_level="warning"))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

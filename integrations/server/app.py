@@ -3,11 +3,12 @@ tokenizer routes and metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from paged_backend import AsyncEngine
 
@@ -16,7 +17,13 @@ from .completions import create_completion
 from .errors import APIError, JSONErrors, install_error_handlers
 from .legacy import generate
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from .state import DEFAULT_MAX_SEQS_PER_REQUEST, ServerState
 from .tokenization import (
     DetokenizeRequest,
@@ -29,10 +36,13 @@ from .tokenization import (
 
 
 def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None,
-               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> FastAPI:
-    """The app for `aengine`; `model_name` is what clients must send as `model`; with `api_key` set,
-    every /v1, /generate and tokenizer request needs `Authorization: Bearer <api_key>`; a request that
-    would start more than `max_seqs_per_request` sequences (prompts x choices) is a 400."""
+               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+               allow_runtime_lora_updating: bool = False) -> FastAPI:
+    """The app for `aengine`; `model_name` is what clients must send as `model` (or the name of one of the
+    engine's LoRA adapters); with `api_key` set, every /v1, /generate and tokenizer request needs
+    `Authorization: Bearer <api_key>`; a request that would start more than `max_seqs_per_request`
+    sequences (prompts x choices) is a 400. With `allow_runtime_lora_updating`, clients may load and
+    unload adapters (vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`)."""
     state = ServerState(aengine, model_name, ServerMetrics(aengine.engine), api_key, max_seqs_per_request)
     app = FastAPI(title="paged-backend", docs_url=None, redoc_url=None)
     app.state.server = state
@@ -40,6 +50,8 @@ def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None
     app.add_middleware(JSONErrors)  # inside the counter, so the 500s it writes are counted
     app.add_middleware(HTTPStatusCounter, metrics=state.metrics)
     add_routes(app, state)
+    if allow_runtime_lora_updating:
+        add_lora_routes(app, state)
     return app
 
 
@@ -56,7 +68,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", dependencies=authorised)
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card(state)]})
+        base = model_card(state)
+        adapters = [base | {"id": name, "parent": state.model_name} for name in state.lora_names()]
+        return JSONResponse({"object": "list", "data": [base, *adapters]})
 
     @app.post("/v1/completions", dependencies=authorised)
     async def completions(body: CompletionRequest, request: Request):
@@ -81,6 +95,31 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/tokenizer_info", dependencies=authorised)
     async def tokenizer_info_route() -> JSONResponse:
         return JSONResponse(tokenizer_info(state))
+
+
+def add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's runtime adapter routes (only when the deployer allows them: they read server-side paths)."""
+    authorised = [Depends(require_key(state))]
+
+    @app.post("/v1/load_lora_adapter", dependencies=authorised)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        if not state.engine_has_lora:
+            raise APIError(400, "this server's engine was started without LoRA (--enable-lora)", "lora_name")
+        if body.lora_name == state.model_name:
+            raise APIError(400, f"`{body.lora_name}` is the base model's name", "lora_name")
+        try:  # reading the weights takes a while: off the event loop
+            await asyncio.to_thread(state.engine.add_lora, body.lora_name, body.lora_path)
+        except (ValueError, TypeError, OSError) as exc:
+            raise APIError(400, str(exc), "lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=authorised)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        try:
+            state.engine.remove_lora(body.lora_name)
+        except ValueError as exc:
+            raise APIError(404, str(exc), "lora_name", "model_not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 def model_card(state: ServerState) -> dict:

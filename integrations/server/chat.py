@@ -25,7 +25,7 @@ from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, http_request: Request):
     body.check_supported()
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     state.check_sequences(1, body.n, "n")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.uses_tools else None
     structured = structured_spec(body, tools)
@@ -39,7 +39,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     params = to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured)
     check_prompt(state.engine, prompt_ids, params, "messages")
     request_id = new_id("chatcmpl")
-    jobs = [Job(0, prompt_ids, with_choices(params, body.n), bias_processor(state.engine, body.logit_bias))]
+    jobs = [Job(0, prompt_ids, with_choices(params, body.n), bias_processor(state.engine, body.logit_bias), lora)]
     if body.stream:
         events = stream_chat(state, body, jobs, len(prompt_ids), request_id)
         return StreamingResponse(events, media_type="text/event-stream")

@@ -29,8 +29,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--speculative-config", type=json.loads, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3, "prompt_lookup_min": 2}\'')
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=parse_lora_module,
+                      help="PEFT adapter folders to serve; clients send NAME as `model`")
+    lora.add_argument("--max-loras", type=int, default=None, help="distinct adapters in one step (more wait)")
+    lora.add_argument("--max-lora-rank", type=int, default=None)
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter (they read server-side paths)")
     engine.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="shard the model over N processes (spawned here; rank 0 serves HTTP)")
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH, got {text!r}")
+    return name, path
+
+
+def lora_config(args: argparse.Namespace) -> dict:
+    """The engine's LoRA fields from the flags: adapters to serve or runtime loading turn LoRA on."""
+    enabled = args.enable_lora or bool(args.lora_modules) or args.allow_runtime_lora_updating
+    if not enabled:
+        return {}
+    fields = {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+    return {"enable_lora": True} | {k: v for k, v in fields.items() if v is not None}
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -45,12 +69,14 @@ def run_serve(args: argparse.Namespace) -> None:
 
     config = {name: getattr(args, name) for name in ENGINE_INT_FLAGS + ("dtype", "device", "speculative_config")
               if getattr(args, name) is not None}
-    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **config)
+    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **config, **lora_config(args))
+    for lora_name, path in args.lora_modules:
+        llm.add_lora(lora_name, path)
     aengine = AsyncEngine(llm.engine)
     name = args.served_model_name or args.model or DEFAULT_MODEL
     try:
-        uvicorn.run(create_app(aengine, name, args.api_key, args.max_seqs_per_request), host=args.host,
-                    port=args.port)
+        app = create_app(aengine, name, args.api_key, args.max_seqs_per_request, args.allow_runtime_lora_updating)
+        uvicorn.run(app, host=args.host, port=args.port)
     finally:
         aengine.shutdown()
         llm.close()

@@ -33,7 +33,7 @@ Prompt = str | list[int]
 
 async def create_completion(state: ServerState, body: CompletionRequest, http_request: Request):
     body.check_supported()
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     params = to_sampling_params(body, body.max_tokens, body.logprobs, structured_spec(body))
     if body.echo and body.logprobs is not None:  # the echoed prompt comes with its tokens' logprobs
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
@@ -45,7 +45,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, http_re
     for _, ids in prompts:
         check_prompt(state.engine, ids, params)
     bias = bias_processor(state.engine, body.logit_bias)
-    jobs = [Job(i * body.n, ids, with_choices(params, body.n, body.best_of), bias) for i, (_, ids) in enumerate(prompts)]
+    jobs = [Job(i * body.n, ids, with_choices(params, body.n, body.best_of), bias, lora)
+            for i, (_, ids) in enumerate(prompts)]
     echoes = [echo_text(state, text, ids) if body.echo else "" for text, ids in prompts for _ in range(body.n)]
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     request_id = new_id("cmpl")

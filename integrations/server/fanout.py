@@ -37,6 +37,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     processor: LogitsProcessor | None = None  # the request's logits processor (logit_bias)
+    lora: str | None = None  # the LoRA adapter the request's `model` names (None: the base model)
 
     @property
     def choices(self) -> range:
@@ -72,8 +73,9 @@ async def pump(aengine: AsyncEngine, job: Job, request_id: str,
                queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]]) -> None:
     reported: set[int] = set()  # samples whose finished output has been passed on
     try:
+        lora = {"lora": job.lora} if job.lora is not None else {}  # engine fronts without adapters take no lora
         async for output in aengine.generate(job.prompt_ids, job.params, request_id=request_id,
-                                             logits_processor=job.processor):
+                                             logits_processor=job.processor, **lora):
             for sample, choice_output in split_samples(output, job.params.n, reported):
                 queue.put_nowait((job.index + sample, choice_output))
     except ValueError as exc:  # validated before, so only a race (e.g. a reused id) lands here

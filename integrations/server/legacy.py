@@ -28,7 +28,10 @@ BEAM_FIELDS = frozenset({"n", "best_of", "max_tokens", "length_penalty", "early_
 
 async def generate(state: ServerState, body: GenerateRequest, http_request: Request):
     fields = dict(body.model_extra or {})
+    lora = state.check_model(body.model) if body.model is not None else None
     if body.use_beam_search:
+        if lora is not None:
+            raise bad_request("beam search does not run LoRA adapters", "model")
         return await generate_beams(state, body, fields, http_request)
     unknown = sorted(set(fields) - PARAM_FIELDS)
     if unknown:
@@ -43,7 +46,7 @@ async def generate(state: ServerState, body: GenerateRequest, http_request: Requ
     text, ids = state.tokenize(body.prompt)
     check_prompt(state.engine, ids, params)
     prompt_text = text if text is not None else state.tokenizer.decode(ids)
-    jobs = [Job(0, ids, params)]
+    jobs = [Job(0, ids, params, lora=lora)]
     request_id = new_id("generate")
     if body.stream:
         return StreamingResponse(stream_texts(state, jobs, prompt_text, request_id), media_type="application/json")

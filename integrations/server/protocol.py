@@ -246,3 +246,19 @@ class GenerateRequest(BaseModel):
     prompt: str | list[int]
     stream: bool = False
     use_beam_search: bool = False
+    model: str | None = None  # optional here: the served name or one of its LoRA adapters
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's `/v1/load_lora_adapter` body."""
+
+    model_config = STRICT
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's `/v1/unload_lora_adapter` body."""
+
+    model_config = STRICT
+    lora_name: str

@@ -32,10 +32,24 @@ class ServerState:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                           "model", "model_not_found")
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter `model` names (None: the base model); 404 naming what is served otherwise."""
+        if model == self.model_name:
+            return None
+        adapters = self.lora_names()
+        if model in adapters:
+            return model
+        served = ", ".join(f"`{name}`" for name in [self.model_name, *adapters])
+        raise APIError(404, f"The model `{model}` does not exist. This server serves {served}.",
+                       "model", "model_not_found")
+
+    @property
+    def engine_has_lora(self) -> bool:
+        return getattr(self.engine, "loras", None) is not None
+
+    def lora_names(self) -> list[str]:
+        list_loras = getattr(self.engine, "list_loras", None)  # an engine front without adapters has none
+        return list_loras() if list_loras is not None else []
 
     def tokenize(self, prompt: str | list[int], param: str = "prompt") -> tuple[str | None, list[int]]:
         try:
