@@ -14,7 +14,7 @@ from engine_helpers import (
     mixed_prompts,
     run_to_completion,
 )
-from test_adapters import build_adapted
+from test_adapters import build_adapted, random_baichuan_weights, write_baichuan
 from tiny_models import build
 from torch._dynamo.utils import counters
 
@@ -23,7 +23,22 @@ from paged_backend import Engine, EngineConfig, compilation
 MAX_NEW = 10
 
 
-BUILDERS = {"llama": build, "qwen3": build, "gemma": build, "gpt2": build, "bloom": build_adapted}
+def build_baichuan_13b(name: str):
+    """Baichuan-13B's form (ALiBi, our own model class), loaded as a user's checkpoint would be."""
+    import tempfile
+    from pathlib import Path
+
+    from paged_backend.model_loader import load_model
+
+    with tempfile.TemporaryDirectory() as tmp:  # the weights are read into memory
+        model, _ = load_model(write_baichuan(Path(tmp) / name, "13b", random_baichuan_weights()), device="cpu")
+    model.generation_config.eos_token_id = None
+    return model
+
+
+# Every family with an attention adapter (BLOOM, MPT, Falcon, Baichuan) runs its adapter's code compiled.
+BUILDERS = {"llama": build, "qwen3": build, "gemma": build, "gpt2": build, "bloom": build_adapted,
+            "mpt": build_adapted, "falcon-7b": build_adapted, "baichuan-13b": build_baichuan_13b}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -30,9 +31,13 @@ def single_tokens(tiny_path):
     return [o.outputs[0].token_ids for o in llm.generate(mixed_prompts(), greedy(12), use_tqdm=False)]
 
 
-def test_spawned_workers_match_one_process(tiny_path, single_tokens):
-    llm = LLM(str(tiny_path), tensor_parallel_size=2, **ENGINE)
+def test_spawned_workers_match_one_process(tiny_path, single_tokens, caplog):
+    # compile=True: tensor parallelism runs eagerly (its collectives are inside the forward) and says so once.
+    with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
+        llm = LLM(str(tiny_path), tensor_parallel_size=2, compile=True, **ENGINE)
     try:
+        assert not llm.engine.compiled and llm.engine.runner.forward_model is llm.engine.model
+        assert sum("tensor parallelism runs eagerly" in r.message for r in caplog.records) == 1
         assert llm.engine.cache.kv.shape[2] == 1  # this rank holds 1 of the 2 KV heads
         outputs = llm.generate(mixed_prompts(), greedy(12), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == single_tokens
