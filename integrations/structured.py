@@ -31,14 +31,16 @@ def response_format_spec(response_format: dict[str, Any] | None) -> StructuredOu
     return None
 
 
-def forced_tool_spec(tools: list[dict[str, Any]], tool_choice: Any) -> StructuredOutputsParams | None:
-    """A grammar for the one call `tool_choice` forces (required: any bound tool; or the named one), in
-    the Hermes form the chat templates teach; None when the model may answer freely."""
+def forced_tool_spec(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool = True) -> StructuredOutputsParams | None:
+    """A grammar for the calls `tool_choice` forces, in the Hermes form the chat templates teach: with
+    required/any, one or more calls of any bound tool (one when `parallel` is off); with a named tool,
+    one call of it. None when the model may answer freely."""
     name = chosen_tool_name(tools, tool_choice)
     if name is None:
         return None
     chosen = [t for t in tools if name in ("", t["function"]["name"])]
-    return StructuredOutputsParams(grammar=tool_call_grammar(json.dumps(chosen, sort_keys=True)))
+    return StructuredOutputsParams(grammar=tool_call_grammar(json.dumps(chosen, sort_keys=True),
+                                                             single=bool(name) or not parallel))
 
 
 def chosen_tool_name(tools: list[dict[str, Any]], tool_choice: Any) -> str | None:
@@ -56,26 +58,31 @@ def chosen_tool_name(tools: list[dict[str, Any]], tool_choice: Any) -> str | Non
 
 
 @functools.lru_cache(maxsize=128)
-def tool_call_grammar(tools_json: str) -> str:
-    """EBNF of `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` for one of these tools."""
+def tool_call_grammar(tools_json: str, single: bool = False) -> str:
+    """EBNF of `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks, one per line, for
+    these tools: at least one, and exactly one when `single`."""
+    import xgrammar
+    from xgrammar.structural_tag import GrammarFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
+
+    tags = [TagFormat(begin=f'{OPEN}\n{{"name": {json.dumps(tool["function"]["name"])}, "arguments": ',
+                      content=GrammarFormat(grammar=arguments_grammar(tool["function"])), end=f"}}\n{CLOSE}")
+            for tool in json.loads(tools_json)]
+    calls = TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=single)
+    return str(xgrammar.Grammar.from_structural_tag(StructuralTag(format=calls)))
+
+
+def arguments_grammar(function: dict[str, Any]) -> str:
+    """The EBNF of one tool's arguments object. Compact JSON: a small model given free whitespace may
+    spend its tokens on it."""
     import xgrammar
 
-    calls = [call_schema(tool["function"]) for tool in json.loads(tools_json)]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    try:
-        body = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    except RuntimeError as exc:
-        raise ValueError(f"a tool's parameters are not a schema the grammar can follow: {reason_of(exc)}") from None
-    open_tag = xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(OPEN + chr(10))}")
-    close_tag = xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + CLOSE)}")
-    return str(xgrammar.Grammar.concat(open_tag, body, close_tag))
-
-
-def call_schema(function: dict[str, Any]) -> dict[str, Any]:
     parameters = function.get("parameters") or {}
-    arguments = {"type": "object", **parameters} if isinstance(parameters, dict) else parameters
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": arguments},
-            "required": ["name", "arguments"]}
+    schema = {"type": "object", **parameters} if isinstance(parameters, dict) else parameters
+    try:
+        return str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    except RuntimeError as exc:
+        raise ValueError(f"the parameters of tool {function['name']!r} are not a schema the grammar can follow: "
+                         f"{reason_of(exc)}") from None
 
 
 def add_json_instruction(messages: list[dict[str, Any]], schema: dict[str, Any] | None) -> list[dict[str, Any]]:

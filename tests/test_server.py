@@ -434,6 +434,15 @@ def test_parallel_tool_calls_and_their_stream(tiny: Served) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_required_tools_allow_several_calls_unless_parallel_calls_are_off(tiny: Served) -> None:
+    args = dict(model="tiny", messages=ROME_OSLO, tools=[WEATHER], tool_choice="required", **greedy())
+    both = tiny.client().chat.completions.create(**args)
+    one = tiny.client().chat.completions.create(parallel_tool_calls=False, **args)
+    cities = [[json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] for r in (both, one)]
+    assert cities == [["Rome", "Oslo"], ["Rome"]]
+    assert one.usage.completion_tokens < both.usage.completion_tokens  # the grammar ended it after one call
+
+
 def test_tools_offered_but_answered_in_text(tiny: Served) -> None:
     client = tiny.client()
     reply = client.chat.completions.create(model="tiny", messages=HELLO, tools=[WEATHER], **greedy())

@@ -19,6 +19,7 @@ from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import (
     Runnable,
@@ -97,30 +98,41 @@ class ChatPaged(PagedOptions, BaseChatModel):
     # ------------------------------------------------------------------ tools and structure
 
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
-                   tool_choice: str | dict | bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
-        """Render `tools` through the chat template; tool_choice "any"/"required"/a name forces a call."""
-        return self.bind(tools=[convert_to_openai_tool(t) for t in tools], tool_choice=tool_choice, **kwargs)
+                   tool_choice: str | dict | bool | None = None, parallel_tool_calls: bool = False,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Render `tools` through the chat template; tool_choice "any"/"required" forces a call of some
+        tool, a tool's name a call of it. A forced call is one call unless `parallel_tool_calls=True`:
+        allowed more, small models tend to repeat the call until max_tokens cuts it."""
+        return self.bind(tools=[convert_to_openai_tool(t) for t in tools], tool_choice=tool_choice,
+                         parallel_tool_calls=parallel_tool_calls, **kwargs)
 
     def with_structured_output(self, schema: dict | type, *, include_raw: bool = False,
                                method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
                                strict: bool | None = None, **kwargs: Any) -> Runnable:
-        """function_calling forces a call of a tool shaped like `schema`; json_schema holds the answer to
+        """function_calling forces one call of a tool shaped like `schema`; json_schema holds the answer to
         the schema; json_mode to any JSON object. The engine constrains every token to the grammar, so an
         answer that ends parses (one cut by max_tokens does not); json_mode does not know the schema, so
-        a pydantic schema may still reject its keys."""
-        if method == "function_calling":
-            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
-        if kwargs:
-            raise NotImplementedError(f"unsupported with_structured_output options: {', '.join(kwargs)}")
-        response_format: dict[str, Any] = {"type": "json_object"}
-        if method == "json_schema":
-            response_format = {"type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}}
-        elif method != "json_mode":
-            raise ValueError(f"method must be function_calling, json_schema or json_mode, not {method!r}")
-        model = self.bind(response_format=response_format,
-                          ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+        a pydantic schema may still reject its keys. Other keyword arguments are call options bound to
+        the model (e.g. `max_tokens`, `frequency_penalty`)."""
         is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
-        parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        if method == "function_calling":
+            tool = convert_to_openai_tool(schema)
+            name = tool["function"]["name"]
+            # One call, by name: the parser reads only the first, and "any" would let the grammar go on
+            # to a second call that max_tokens may cut.
+            model = self.bind_tools([tool], tool_choice=name, **kwargs,
+                                    ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
+                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        elif method in ("json_schema", "json_mode"):
+            response_format: dict[str, Any] = {"type": "json_object"}
+            if method == "json_schema":
+                response_format = {"type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}}
+            model = self.bind(response_format=response_format, **kwargs,
+                              ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        else:
+            raise ValueError(f"method must be function_calling, json_schema or json_mode, not {method!r}")
         if not include_raw:
             return model | parser
         parsed = RunnablePassthrough.assign(parsed=lambda x: parser.invoke(x["raw"]), parsing_error=lambda _: None)
@@ -196,6 +208,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
         kwargs = dict(kwargs)
         tools = kwargs.pop("tools", None) or []
         tool_choice = kwargs.pop("tool_choice", None)
+        parallel_tool_calls = kwargs.pop("parallel_tool_calls", False)
         response_format = kwargs.pop("response_format", None)
         timeout = self.call_timeout(kwargs)
         conversation = to_chat_dicts(messages)
@@ -206,7 +219,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
             conversation = add_json_instruction(conversation, schema if isinstance(schema, dict) else None)
         shown_tools = tools if tool_choice != "none" else []
         prompt_text = self.render(conversation, shown_tools)
-        shape = forced_tool_spec(shown_tools, tool_choice) or response_format_spec(response_format)
+        shape = forced_tool_spec(shown_tools, tool_choice, parallel_tool_calls) or response_format_spec(response_format)
         if shape is not None:
             if kwargs.get("structured_outputs", self.structured_outputs) is not None:
                 raise ValueError("structured_outputs cannot be combined with a forced tool call or a response_format")

@@ -46,6 +46,6 @@ def specs_of(body: SamplingFields, tools: list[dict[str, Any]] | None):
         yield field, None if value is None else (lambda kind=kind, value=value: StructuredOutputsParams.of({kind: value}))
     if isinstance(body, ChatCompletionRequest):
         if body.forces_tool:
-            yield "tools", lambda: forced_tool_spec(tools or [], body.tool_choice)
+            yield "tools", lambda: forced_tool_spec(tools or [], body.tool_choice, body.parallel_tool_calls)
         if body.wants_json:
             yield "response_format", lambda: response_format_spec(body.response_format.model_dump())
