@@ -62,7 +62,12 @@ def tool_call_grammar(tools_json: str, single: bool = False) -> str:
     """EBNF of `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks, one per line, for
     these tools: at least one, and exactly one when `single`."""
     import xgrammar
-    from xgrammar.structural_tag import GrammarFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
+    from xgrammar.structural_tag import (
+        GrammarFormat,
+        StructuralTag,
+        TagFormat,
+        TagsWithSeparatorFormat,
+    )
 
     tags = [TagFormat(begin=f'{OPEN}\n{{"name": {json.dumps(tool["function"]["name"])}, "arguments": ',
                       content=GrammarFormat(grammar=arguments_grammar(tool["function"])), end=f"}}\n{CLOSE}")
