@@ -1,7 +1,7 @@
 """StructuredOutputsParams: what shape a request's answer must take (vLLM's vocabulary).
 
 Exactly one of `json` (a JSON Schema), `json_object` (any JSON object), `regex`, `choice` (one of
-these strings) or `grammar` (EBNF/GBNF, xgrammar's dialect) is set. The spec is turned into an
+these strings) or `grammar` (EBNF/GBNF in xgrammar's dialect, or Lark) is set. The spec is turned into an
 xgrammar `Grammar` when it is validated: that step needs no tokenizer and takes well under a
 millisecond, so a malformed schema, regex or grammar is a ValueError at request time, naming what is
 wrong. Compiling the grammar against a vocabulary is the engine's business (`grammar.py`).
@@ -25,7 +25,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object
     regex: str | None = None
     choice: list[str] | None = None
-    grammar: str | None = None  # EBNF / GBNF
+    grammar: str | None = None  # EBNF / GBNF, or Lark
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
     key: GrammarKey = field(init=False, repr=False, compare=False, default=("", "", True))
 
@@ -99,7 +99,8 @@ def build_grammar(key: GrammarKey):
         if kind == "choice":
             # A JSON string literal is also a valid EBNF literal (same escapes).
             return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
-        return xgrammar.Grammar.from_ebnf(text)
+        # vLLM's `grammar` takes EBNF/GBNF or Lark; only EBNF defines its rules with "::=".
+        return xgrammar.Grammar.from_ebnf(text) if "::=" in text else xgrammar.Grammar.from_lark(text)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"structured_outputs.{kind} is invalid: {reason_of(exc)}") from None
 

@@ -371,6 +371,7 @@ def test_streamed_completion_logprobs_have_the_plain_text_offsets(served: Served
     ("/v1/completions", {"guided_regex": "(a"}, "guided_regex"),
     ("/v1/chat/completions", {"structured_outputs": {"choice": []}}, "structured_outputs"),
     ("/v1/chat/completions", {"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+    ("/v1/chat/completions", {"guided_json": {}, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt"),
     ("/v1/chat/completions", {"stop": 5}, "stop"),
 ])

@@ -57,6 +57,7 @@ def answers(engine: Engine, prompts_params: list[tuple[str, SamplingParams]]) ->
     ({"json": [1, 2]}, "must be a JSON Schema object"),
     ({"regex": "(ab"}, "parenthesis is not closed"),
     ({"grammar": 'root ::= item\n'}, 'Rule "item" is not defined'),
+    ({"grammar": 'start: ( "a"'}, "expected ')' after group"),
     ({"choice": []}, "non-empty list"),
     ({"choice": ["a", 3]}, "non-empty list of non-empty strings"),
     ({"json_object": True, "regex": "a"}, "exactly one of"),
@@ -115,6 +116,14 @@ def test_the_grammar_allows_only_its_tokens_and_logprobs_stay_the_models(tiny, t
     assert final.text in ("yes", "no") and final.finish_reason == "stop"
     first = final.logprobs[0][final.token_ids[0]].logprob
     assert first < 0  # the model's own log probability, not 0 from a renormalised one-token mask
+
+
+def test_a_lark_grammar_holds_the_answer_like_ebnf(tiny, tokenizer):
+    engine = make_engine(tiny, tokenizer)
+    lark = 'start: pair\npair: WORD "=" DIGIT\nWORD: /[a-c]{2}/\nDIGIT: /[0-9]/\n'
+    rid = engine.add_request("?", SamplingParams(temperature=0, max_tokens=10, structured_outputs={"grammar": lark}))
+    final = run_to_completion(engine)[rid].outputs[0]
+    assert re.fullmatch(r"[a-c]{2}=[0-9]", final.text) and final.finish_reason == "stop"
 
 
 def test_stop_strings_cut_a_constrained_answer(tiny, tokenizer):
