@@ -27,6 +27,7 @@ from .metadata import AttentionMetadata
 TRITON_MIN_HEAD_DIM = 16
 TRITON_MAX_HEAD_DIM = 256
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_CACHE_DTYPES = TRITON_DTYPES + (torch.int8,)  # int8 with a scale per token and head
 BACKENDS = ("torch", "triton")
 _forced: str | None = None  # set by use_backend()
 
@@ -64,7 +65,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> s
         return "torch"
     if _forced is not None:
         return _forced
-    if device.type != "cuda" or dtype not in TRITON_DTYPES:
+    if device.type != "cuda" or dtype not in TRITON_CACHE_DTYPES:
         return "torch"
     return "triton" if triton_modules() is not None else "torch"
 
@@ -75,12 +76,17 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
-    """Write the step's new K/V `[T, KVH, D]` into the paged caches `[KVH, num_slots, D]`."""
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's new K/V `[T, KVH, D]` into the paged caches `[KVH, num_slots, D]` (an int8 cache
+    with its scales `[KVH, num_slots]`). Returns the K/V for the PyTorch attention's no-context
+    shortcut: as the cache holds them on the PyTorch backend; the inputs on Triton, whose attention
+    reads every key from the cache and never looks at them."""
     if select_backend(key_cache.device, key_cache.dtype, key_cache.shape[-1]) == "triton":
-        triton_modules()[1].write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-    else:
-        torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        triton_modules()[1].write_kv_cache(key, value, key_cache, value_cache, slot_mapping, key_scales, value_scales)
+        return key, value
+    return torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, key_scales, value_scales)
 
 
 def paged_attention(
@@ -94,8 +100,13 @@ def paged_attention(
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed `query [T, H, D]` over the paged cache; returns `[T, H, D]`.
+
+    The cache may hold another dtype than the query (a low-precision KV cache): both backends read
+    it in the query's dtype, an int8 cache times its `key_scales/value_scales [KVH, num_slots]`.
 
     `alibi_slopes` `[H]` fp32 (BLOOM, MPT, Falcon-RW, Baichuan-13B) adds `slope * (key position -
     query position)` to each head's logits, after any soft-capping and before the causal mask.
@@ -106,8 +117,10 @@ def paged_attention(
     """
     if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
         return triton_modules()[0].paged_attention(
-            query, key_cache, value_cache, metadata, scale, sliding_window, softcap, alibi_slopes=alibi_slopes
+            query, key_cache, value_cache, metadata, scale, sliding_window, softcap, alibi_slopes=alibi_slopes,
+            key_scales=key_scales, value_scales=value_scales,
         )
     return torch_attention.paged_attention(
-        query, key_cache, value_cache, metadata, scale, sliding_window, softcap, new_key, new_value, alibi_slopes
+        query, key_cache, value_cache, metadata, scale, sliding_window, softcap, new_key, new_value, alibi_slopes,
+        key_scales, value_scales,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import dequantize_int8, quantize_int8
 from .metadata import AttentionMetadata
 
 
@@ -19,13 +20,42 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
-    """Write new `key`/`value` `[T, KVH, D]` into caches `[KVH, num_slots, D]`; negative slots are skipped."""
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write new `key`/`value` `[T, KVH, D]` into caches `[KVH, num_slots, D]`; negative slots are skipped.
+    An int8 cache stores each (token, head) row quantized, its scale in `key_scales/value_scales
+    [KVH, num_slots]`. Returns the K/V as the cache now holds them, in the input dtype (the inputs
+    themselves when the cache has their dtype), so attention reading them directly sees what a
+    later step will read from the cache."""
     keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    key_cache.index_copy_(1, slot_mapping, key.transpose(0, 1).to(key_cache.dtype))
-    value_cache.index_copy_(1, slot_mapping, value.transpose(0, 1).to(value_cache.dtype))
+    rows = None if bool(keep.all()) else keep
+    stored_key = write_one(key, key_cache, key_scales, slot_mapping, rows)
+    stored_value = write_one(value, value_cache, value_scales, slot_mapping, rows)
+    return stored_key, stored_value
+
+
+def write_one(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor,
+              rows: torch.Tensor | None) -> torch.Tensor:
+    """Store `x [T, KVH, D]` (only `rows`, when given) at `slot_mapping`; return it as stored."""
+    slots = slot_mapping if rows is None else slot_mapping[rows]
+    if cache.dtype == torch.int8:
+        values, scale = quantize_int8(x)
+        cache.index_copy_(1, slots, (values if rows is None else values[rows]).transpose(0, 1))
+        scales.index_copy_(1, slots, (scale if rows is None else scale[rows]).transpose(0, 1))
+        return dequantize_int8(values, scale, x.dtype)
+    converted = x.to(cache.dtype)
+    cache.index_copy_(1, slots, (converted if rows is None else converted[rows]).transpose(0, 1))
+    return x if cache.dtype == x.dtype else converted.to(x.dtype)
+
+
+def read_context(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The K or V `[KVH, L, D]` at `slots`, in the query's `dtype` (dequantized from an int8 cache)."""
+    values = cache.index_select(1, slots)
+    if scales is not None:
+        return dequantize_int8(values, scales.index_select(1, slots), dtype)
+    return values if values.dtype == dtype else values.to(dtype)
 
 
 def gather_indices(metadata: AttentionMetadata) -> list[torch.Tensor]:
@@ -138,12 +168,15 @@ def paged_attention(
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed `query [T, H, D]` over the paged cache; returns `[T, H, D]`.
 
-    `new_key`/`new_value` `[T, KVH, D]` (optional) are this step's keys, already in the cache: a
-    sequence with no earlier context reads them directly and skips the gather. `alibi_slopes` `[H]`
-    (optional) adds `slope * (key position - query position)` to each head's logits.
+    `new_key`/`new_value` `[T, KVH, D]` (optional) are this step's keys as the cache holds them
+    (what `write_kv_cache` returned): a sequence with no earlier context reads them directly and
+    skips the gather. `alibi_slopes` `[H]` (optional) adds `slope * (key position - query position)`
+    to each head's logits. `key_scales/value_scales [KVH, num_slots]` are given with an int8 cache.
     """
     out = torch.empty_like(query)
     starts = metadata.query_start_loc_host
@@ -158,7 +191,7 @@ def paged_attention(
             k, v = new_key[s:e].transpose(0, 1), new_value[s:e].transpose(0, 1)
         else:
             gathers = gathers or gather_indices(metadata)
-            k = key_cache.index_select(1, gathers[i])
-            v = value_cache.index_select(1, gathers[i])
+            k = read_context(key_cache, key_scales, gathers[i], query.dtype)
+            v = read_context(value_cache, value_scales, gathers[i], query.dtype)
         out[s:e] = attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes, masks).transpose(0, 1)
     return out

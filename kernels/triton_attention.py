@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_quant import check_scales
 from .metadata import AttentionMetadata
 
 
@@ -55,20 +56,20 @@ def tanh(x):
 def paged_attention_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, key_scale_ptr, value_scale_ptr,
     scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_c_h, stride_c_slot, stride_bt,
+    stride_c_h, stride_c_slot, stride_bt, stride_s_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KV_INT8: tl.constexpr,
 ):
     attend_query_block(
         out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr, key_scale_ptr, value_scale_ptr,
         scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
-        stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_c_h, stride_c_slot, stride_bt,
-        GROUP, GROUP_PAD, BLOCK_M, TILE_N, HEAD_PAD, NUM_SEGMENTS, USE_SOFTCAP, USE_WINDOW, False,
+        stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_c_h, stride_c_slot, stride_bt, stride_s_h,
+        GROUP, GROUP_PAD, BLOCK_M, TILE_N, HEAD_PAD, NUM_SEGMENTS, USE_SOFTCAP, USE_WINDOW, False, KV_INT8,
     )
 
 
@@ -78,20 +79,20 @@ def paged_attention_kernel(
 def paged_attention_alibi_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr, key_scale_ptr, value_scale_ptr,
     scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_c_h, stride_c_slot, stride_bt,
+    stride_c_h, stride_c_slot, stride_bt, stride_s_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KV_INT8: tl.constexpr,
 ):
     attend_query_block(
         out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr, key_scale_ptr, value_scale_ptr,
         scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
-        stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_c_h, stride_c_slot, stride_bt,
-        GROUP, GROUP_PAD, BLOCK_M, TILE_N, HEAD_PAD, NUM_SEGMENTS, USE_SOFTCAP, USE_WINDOW, True,
+        stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_c_h, stride_c_slot, stride_bt, stride_s_h,
+        GROUP, GROUP_PAD, BLOCK_M, TILE_N, HEAD_PAD, NUM_SEGMENTS, USE_SOFTCAP, USE_WINDOW, True, KV_INT8,
     )
 
 
@@ -99,13 +100,13 @@ def paged_attention_alibi_kernel(
 def attend_query_block(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr, key_scale_ptr, value_scale_ptr,
     scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_c_h, stride_c_slot, stride_bt,
+    stride_c_h, stride_c_slot, stride_bt, stride_s_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, KV_INT8: tl.constexpr,
 ):
     """One program: one query block of one sequence against one KV head (one segment of its keys)."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
@@ -158,8 +159,14 @@ def attend_query_block(
         slot = block.to(tl.int64) * block_size + k_pos % block_size
         kv_offs = head_base + slot[:, None] * stride_c_slot + dims[None, :]
         kv_mask = k_ok[:, None] & dim_ok[None, :]
-        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if KV_INT8:  # one scale per (slot, head) row
+            scale_offs = kv_head.to(tl.int64) * stride_s_h + slot
+            k = k.to(tl.float32) * tl.load(key_scale_ptr + scale_offs, mask=k_ok, other=0.0)[:, None]
+            v = v.to(tl.float32) * tl.load(value_scale_ptr + scale_offs, mask=k_ok, other=0.0)[:, None]
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         if USE_SOFTCAP:
@@ -261,9 +268,13 @@ def paged_attention(
     softcap: float | None = None,
     config: LaunchConfig | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed `query [T, H, D]` over caches `[KVH, num_slots, D]`; returns `[T, H, D]`.
 
+    The caches may be of a lower precision than the query (read and converted tile by tile), or int8
+    with fp32 `key_scales/value_scales [KVH, num_slots]`, one per (head, slot).
     `alibi_slopes` `[H]` fp32 adds `slope * (key position - query position)` to each head's logits.
     `config` overrides the tile choice (tests use it to reach every kernel variant on small inputs).
     """
@@ -294,15 +305,21 @@ def paged_attention(
     kernel, alibi = paged_attention_kernel, ()
     if alibi_slopes is not None:
         kernel, alibi = paged_attention_alibi_kernel, (alibi_slopes.to(query.device).contiguous(),)
+    kv_int8 = key_cache.dtype == torch.int8
+    if kv_int8:
+        check_scales(key_cache, key_scales, value_scales)
+    else:
+        key_scales = value_scales = key_cache  # unused placeholders
     kernel[grid](
         out, query, key_cache, value_cache,
-        metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, *parts, *alibi,
+        metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, *parts, *alibi, key_scales, value_scales,
         scale, softcap or 0.0, sliding_window or 0, metadata.num_seqs, metadata.block_size, num_heads, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), metadata.block_tables.stride(0),
+        key_scales.stride(0) if kv_int8 else 0,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=config.block_m, TILE_N=config.tile_n,
         HEAD_PAD=head_pad, NUM_SEGMENTS=segments,
-        USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None, KV_INT8=kv_int8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if segments > 1:

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .config import KV_CACHE_DTYPES
 from .sampling_params import SamplingParams
 
 
@@ -48,6 +49,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="what the KV cache stores (default auto: the model's dtype)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +85,7 @@ def make_llm(args: argparse.Namespace):
     return LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-               max_model_len=args.max_model_len)
+               max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def make_params(args: argparse.Namespace) -> SamplingParams:

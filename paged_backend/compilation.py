@@ -48,7 +48,7 @@ def compile_model(model: torch.nn.Module) -> torch.nn.Module:
     return torch.compile(model, dynamic=True)
 
 
-def warm_up(forward, kv: torch.Tensor, block_size: int) -> float:
+def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor | None = None) -> float:
     """Run `forward` on dummy steps of every specialised shape; return the seconds it took.
     The dummy K/V land in the first blocks, which hold nothing yet (no request has run) and which
     every later owner writes before reading."""
@@ -67,6 +67,6 @@ def warm_up(forward, kv: torch.Tensor, block_size: int) -> float:
                 block_size=block_size, query_start_loc_host=[0, tokens], seq_lens_host=[tokens],
                 max_query_len=tokens, max_seq_len=tokens,
             )
-            with custom_ops.step_context(metadata, kv):
+            with custom_ops.step_context(metadata, kv, kv_scales):
                 forward(ids, positions, torch.arange(tokens - rows, tokens, device=device))
     return time.perf_counter() - start

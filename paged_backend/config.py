@@ -10,6 +10,9 @@ from .speculative_config import SpeculativeConfig
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20  # a fixed budget: the KV cache never takes "most of the machine"
 DEFAULT_CUDA_KV_FRACTION = 0.4  # of the device memory free after loading the model
+# What the paged KV cache stores: "auto" is the model's dtype; int8 keeps a scale per token and head.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 
 
 @dataclass(slots=True)
@@ -37,9 +40,15 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    # The KV cache's storage: "auto" (the model's dtype), "bf16", "fp16" or "int8" (per token and head scaled);
+    # a lower precision than the model's halves (bf16/fp16 under fp32) or quarters (int8) KV memory.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}: must be one of "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
         if self.compile not in (True, False, None):
             raise ValueError(f"EngineConfig.compile={self.compile!r}: must be True, False or None")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank"):
@@ -50,3 +59,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"EngineConfig.{name}={value!r}: must be an int >= 1 or None")
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV cache stores for a model of `model_dtype`."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype

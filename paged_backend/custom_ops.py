@@ -30,16 +30,25 @@ from paged_backend.kernels import write_kv_cache as dispatch_write
 class StepContext:
     metadata: AttentionMetadata
     kv: torch.Tensor  # the paged cache [layers, 2, KVH, slots, D]
+    kv_scales: torch.Tensor | None = None  # an int8 cache's scales [layers, 2, KVH, slots]
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(key scales, value scales) `[KVH, slots]` of `layer`, or (None, None) for a float cache."""
+        if self.kv_scales is None:
+            return None, None
+        return self.kv_scales[layer, 0], self.kv_scales[layer, 1]
 
 
 _current: StepContext | None = None  # set by step_context() around one step's forward
 
 
 @contextlib.contextmanager
-def step_context(metadata: AttentionMetadata, kv: torch.Tensor) -> Iterator[None]:
-    """Make `metadata` and the cache `kv` what the ops read while the block runs (one step's forward)."""
+def step_context(metadata: AttentionMetadata, kv: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> Iterator[None]:
+    """Make `metadata` and the cache `kv` (with its scales, when int8) what the ops read while the
+    block runs (one step's forward)."""
     global _current
-    previous, _current = _current, StepContext(metadata, kv)
+    previous, _current = _current, StepContext(metadata, kv, kv_scales)
     try:
         yield
     finally:
@@ -55,10 +64,12 @@ def current_step() -> StepContext:
 @torch.library.custom_op("paged_backend::write_kv_cache", mutates_args=())
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Write this step's `key/value [T, KVH, D]` into layer `layer` of the step's paged cache at the
-    step's slot mapping; return them (as new tensors: an op's outputs may not alias its inputs)."""
+    step's slot mapping; return them as the cache holds them (rounded, with a lower-precision cache),
+    as new tensors: an op's outputs may not alias its inputs."""
     step = current_step()
-    dispatch_write(key, value, step.kv[layer, 0], step.kv[layer, 1], step.metadata.slot_mapping)
-    return key.clone(), value.clone()
+    stored = dispatch_write(key, value, step.kv[layer, 0], step.kv[layer, 1], step.metadata.slot_mapping,
+                            *step.scales(layer))
+    return tuple(s.clone() if s is given else s for s, given in zip(stored, (key, value)))
 
 
 @write_kv_cache.register_fake
@@ -75,8 +86,9 @@ def paged_attention(query: torch.Tensor, new_key: torch.Tensor, new_value: torch
     returns `[T, H, D]`."""
     step = current_step()
     # A contiguous query gives a contiguous output on every backend, as the fake promises.
+    key_scales, value_scales = step.scales(layer)
     return dispatch_attention(query.contiguous(), step.kv[layer, 0], step.kv[layer, 1], step.metadata, scale,
-                              sliding_window, softcap, new_key, new_value, alibi_slopes)
+                              sliding_window, softcap, new_key, new_value, alibi_slopes, key_scales, value_scales)
 
 
 @paged_attention.register_fake

@@ -53,8 +53,9 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         param = next(model.parameters())
-        num_blocks = agree_on_blocks(self.choose_num_blocks(shape, param.dtype, param.device), param.device)
-        self.cache = PagedCache(shape, num_blocks, self.config.block_size, param.dtype, param.device)
+        kv_dtype = self.config.resolve_kv_cache_dtype(param.dtype)
+        num_blocks = agree_on_blocks(self.choose_num_blocks(shape, kv_dtype, param.device), param.device)
+        self.cache = PagedCache(shape, num_blocks, self.config.block_size, kv_dtype, param.device)
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         spec = self.config.speculative_config
         self.speculator = Speculator(spec) if spec is not None else None

@@ -55,7 +55,8 @@ class ModelRunner:
         return self.forward(inputs), inputs
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        with custom_ops.step_context(inputs.metadata, self.cache.kv), lora.step_context(inputs.lora):
+        with (custom_ops.step_context(inputs.metadata, self.cache.kv, self.cache.kv_scales),
+              lora.step_context(inputs.lora)):
             return self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices)
 
     def run_model(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -74,7 +75,7 @@ class ModelRunner:
     def compile(self) -> float:
         """Compile the model forward and warm it up on every shape class; return the seconds taken."""
         self.forward_model = compilation.compile_model(self.model)
-        return compilation.warm_up(self.run_model, self.cache.kv, self.cache.block_size)
+        return compilation.warm_up(self.run_model, self.cache.kv, self.cache.block_size, self.cache.kv_scales)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         requests, counts = batch.requests, np.asarray(batch.num_new_tokens, dtype=np.int64)

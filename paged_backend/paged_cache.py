@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from paged_backend.errors import UnsupportedArchitectureError
+from paged_backend.kernels.kv_quant import SCALE_DTYPE
 
 from . import custom_ops
 
@@ -26,8 +27,10 @@ class KVShape:
     head_dim: int
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """K and V of one block in every layer, stored as `dtype` (int8: plus a scale per token and head)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * elem
+        row = self.head_dim * elem + (SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
+        return 2 * self.num_layers * self.num_kv_heads * block_size * row
 
 
 class PackedStepCache(Cache):
@@ -48,6 +51,9 @@ class PackedStepCache(Cache):
 
 
 class PagedCache(PackedStepCache):
+    """`dtype` is what the cache stores, which may be below the model's precision: a float dtype,
+    or int8 with one fp32 scale per (layer, k/v, head, slot) in `kv_scales`."""
+
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
@@ -62,6 +68,8 @@ class PagedCache(PackedStepCache):
             shape.num_layers, 2, shape.num_kv_heads, num_blocks * block_size, shape.head_dim,
             dtype=dtype, device=device,
         )
+        self.kv_scales = None if dtype != torch.int8 else torch.empty(
+            shape.num_layers, 2, shape.num_kv_heads, num_blocks * block_size, dtype=SCALE_DTYPE, device=device)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]

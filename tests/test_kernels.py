@@ -303,15 +303,19 @@ attention = {
     "scale": "fp32", "softcap": "fp32", "sliding_window": "i32", "num_seqs": "i32", "block_size": "i32",
     "num_heads": "i32", "head_dim": "i32", "stride_q_t": "i32", "stride_q_h": "i32", "stride_o_t": "i32",
     "stride_o_h": "i32", "stride_c_h": "i64", "stride_c_slot": "i32", "stride_bt": "i32",
+    "key_scale_ptr": "*fp32", "value_scale_ptr": "*fp32", "stride_s_h": "i32",
 }
 variants = [
-    ("bf16", dict(GROUP=4, GROUP_PAD=4, BLOCK_M=16, TILE_N=32, HEAD_PAD=64, NUM_SEGMENTS=4,
-                  USE_SOFTCAP=False, USE_WINDOW=False), 4),
-    ("fp16", dict(GROUP=3, GROUP_PAD=4, BLOCK_M=64, TILE_N=64, HEAD_PAD=128, NUM_SEGMENTS=1,
-                  USE_SOFTCAP=True, USE_WINDOW=True), 8),
+    ("bf16", "bf16", dict(GROUP=4, GROUP_PAD=4, BLOCK_M=16, TILE_N=32, HEAD_PAD=64, NUM_SEGMENTS=4,
+                          USE_SOFTCAP=False, USE_WINDOW=False, KV_INT8=False), 4),
+    ("fp16", "fp16", dict(GROUP=3, GROUP_PAD=4, BLOCK_M=64, TILE_N=64, HEAD_PAD=128, NUM_SEGMENTS=1,
+                          USE_SOFTCAP=True, USE_WINDOW=True, KV_INT8=False), 8),
+    ("bf16", "i8", dict(GROUP=4, GROUP_PAD=4, BLOCK_M=16, TILE_N=32, HEAD_PAD=64, NUM_SEGMENTS=1,
+                        USE_SOFTCAP=False, USE_WINDOW=False, KV_INT8=True), 4),
 ]
-for dtype, constexprs, warps in variants:
-    pointers = {name: "*" + dtype for name in ("out_ptr", "q_ptr", "key_cache_ptr", "value_cache_ptr")}
+for dtype, cache_dtype, constexprs, warps in variants:
+    pointers = {name: "*" + dtype for name in ("out_ptr", "q_ptr")}
+    pointers.update({name: "*" + cache_dtype for name in ("key_cache_ptr", "value_cache_ptr")})
     ptx = compile(triton_attention.paged_attention_kernel, {**pointers, **attention}, constexprs, warps).asm["ptx"]
     assert "mma" in ptx, "the dots do not run on tensor cores"
 compile(triton_attention.merge_segments_kernel,
@@ -319,11 +323,13 @@ compile(triton_attention.merge_segments_kernel,
          "num_heads": "i32", "head_dim": "i32", "stride_o_t": "i32", "stride_o_h": "i32"},
         dict(NUM_SEGMENTS=4, HEAD_PAD=128))
 strides = {"stride_%s_%s" % (t, d): "i32" for t in "kv" for d in "thd"}
-compile(triton_cache_write.write_kv_kernel,
-        {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
-         "slot_ptr": "*i64", "num_kv_heads": "i32", "head_dim": "i32", **strides, "stride_c_h": "i64",
-         "stride_c_slot": "i32", "stride_c_d": "i32"},
-        dict(HEADS_PAD=8, HEAD_PAD=128))
+for cache_dtype in ("bf16", "i8"):
+    compile(triton_cache_write.write_kv_kernel,
+            {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*" + cache_dtype,
+             "value_cache_ptr": "*" + cache_dtype, "slot_ptr": "*i64", "key_scale_ptr": "*fp32",
+             "value_scale_ptr": "*fp32", "num_kv_heads": "i32", "head_dim": "i32", **strides, "stride_c_h": "i64",
+             "stride_c_slot": "i32", "stride_c_d": "i32", "stride_s_h": "i32"},
+            dict(HEADS_PAD=8, HEAD_PAD=128, QUANTIZE=cache_dtype == "i8"))
 print("compiled")
 """
 
