@@ -42,6 +42,7 @@ from transformers.generation.utils import GenerationMixin
 
 from paged_backend.adapters import adapter_for
 from paged_backend.attention import ATTENTION_NAME
+from paged_backend.integrations import peft_generate
 from paged_backend.integrations.beam_generate import generate_beams, wants_beams
 from paged_backend.config import EngineConfig
 from paged_backend.engine import Engine
@@ -106,7 +107,20 @@ def generate_paged(model: PreTrainedModel, *args: Any, **kwargs: Any) -> torch.L
         with generator.lock:
             return generate_beams(model, generator.engine, *args, **kwargs)
     job = prepare_job(model, *args, **kwargs)
+    adapter_names = peft_generate.row_adapter_names(model)
+    if adapter_names is not None:
+        return generate_with_adapters(model, job, adapter_names)
     return next(generator_for(model, config_for_speculation(model, job.speculative_config)).run([job]))
+
+
+def generate_with_adapters(model: PreTrainedModel, job: GenerateJob, adapter_names: list[str]):
+    """A PEFT model's mixed-batch call (`adapter_names`): every row runs with its adapter (peft_generate.py)."""
+    with peft_generate.engine_runs_the_adapters(model):
+        slot = model.__dict__.get(ENGINE_SLOT)
+        current = slot.generator.engine.config if slot is not None and slot.generator is not None else None
+        generator = generator_for(model, peft_generate.lora_config(model, adapter_names, current))
+        job.loras = peft_generate.row_loras(generator.engine, model, adapter_names, len(job.prompts))
+        return next(generator.run([job]))
 
 
 def config_for_speculation(model: PreTrainedModel, spec: dict | None) -> EngineConfig | None:
@@ -142,6 +156,7 @@ class GenerateJob:
     output_logits: bool
     speculative_config: dict | None = None  # prompt_lookup_num_tokens: the engine's n-gram speculation
     vocabulary: Any = None  # the tokenizer structured outputs are constrained over, when asked for
+    loras: list[str | None] | None = None  # per row, the LoRA adapter of a PEFT mixed-batch call
 
     @property
     def needs_hook(self) -> bool:
@@ -475,7 +490,8 @@ class PagedGenerator:
         for i, (prompt, params) in enumerate(zip(job.prompts, job.params)):
             row = Row(state, i, self.new_request_id())
             self.engine.add_request(prompt, params, request_id=row.request_id, stream=stream,
-                                    logits_processor=self.hook(row) if job.needs_hook else None)
+                                    logits_processor=self.hook(row) if job.needs_hook else None,
+                                    lora=job.loras[i] if job.loras else None)
             state.rows.append(row)
             self.rows[row.request_id] = row
         return state

@@ -98,6 +98,33 @@ def read_adapter(name: str, source: Any, model: nn.Module, max_rank: int,
     return LoRAAdapter(name, next(_ids), weights)
 
 
+def read_lora_layers(name: str, model: nn.Module, adapter_name: str, max_rank: int) -> LoRAAdapter:
+    """Adapter `adapter_name` read from the PEFT LoRA layers inside `model` (a PeftModel's own model)."""
+    weights = {}
+    for module_name, module in model.named_modules():
+        if adapter_name in (getattr(module, "lora_embedding_A", None) or {}):
+            raise ValueError(f"LoRA adapter {adapter_name!r} adapts an embedding ({module_name}): "
+                             "embedding LoRA is not supported")
+        if adapter_name not in (getattr(module, "lora_A", None) or {}):
+            continue
+        if adapter_name in (getattr(module, "lora_variant", None) or {}):
+            raise ValueError(f"LoRA adapter {adapter_name!r} at {module_name} is a LoRA variant (e.g. DoRA): "
+                             "not supported")
+        linear = base_linear(module)
+        if type(linear) is not nn.Linear:
+            raise ValueError(f"LoRA adapter {adapter_name!r} targets {module_name}, a {type(linear).__name__}: "
+                             "only nn.Linear layers are supported")
+        a, b = module.lora_A[adapter_name].weight.detach(), module.lora_B[adapter_name].weight.detach()
+        if a.shape[0] > max_rank:
+            raise ValueError(f"LoRA adapter {adapter_name!r} has rank {a.shape[0]} at {module_name}, above "
+                             f"max_lora_rank={max_rank}")
+        weights[module_name] = (a.to(linear.weight.dtype).clone(), b.to(linear.weight.dtype).clone(),
+                                float(module.scaling[adapter_name]))
+    if not weights:
+        raise ValueError(f"the model has no LoRA layers for adapter {adapter_name!r}")
+    return LoRAAdapter(name, next(_ids), weights)
+
+
 def _read_folder(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
@@ -206,6 +233,11 @@ class LoRARegistry:
                 raise ValueError(f"a LoRA adapter named {name!r} is already registered; remove_lora it first")
             self.adapters[name] = adapter
         return adapter
+
+    def replace(self, adapter: LoRAAdapter) -> None:
+        """Register `adapter` under its name, in place of any adapter of that name."""
+        with self.lock:
+            self.adapters[adapter.name] = adapter
 
     def remove(self, name: str) -> None:
         """Forget `name`; requests already holding it finish with it."""

@@ -61,6 +61,7 @@ class PreparedCall:
     tools: list[dict[str, Any]]
     params: SamplingParams  # with the grammar of a forced call or a JSON answer, if any
     timeout: float | None
+    lora: Any = None  # the LoRA adapter the call answers with (None: the base model)
 
 
 class ChatPaged(PagedOptions, BaseChatModel):
@@ -169,7 +170,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
         # BaseChatModel fires on_llm_new_token for each chunk itself.
         call = self.prepare(messages, stop, kwargs, streaming=True)
         streamer = self.content_streamer(call)
-        for output in stream_outputs(self.async_engine, self.encode(call), call.params, call.timeout):
+        for output in stream_outputs(self.async_engine, self.encode(call), call.params, call.timeout, call.lora):
             yield from self.to_chunks(call, Completion.of(output), streamer)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -177,19 +178,21 @@ class ChatPaged(PagedOptions, BaseChatModel):
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         call = self.prepare(messages, stop, kwargs, streaming=True)
         streamer = self.content_streamer(call)
-        async for output in astream_outputs(self.async_engine, self.encode(call), call.params, call.timeout):
+        async for output in astream_outputs(self.async_engine, self.encode(call), call.params, call.timeout,
+                                             call.lora):
             for chunk in self.to_chunks(call, Completion.of(output), streamer):
                 yield chunk
 
     def complete_all(self, call: PreparedCall) -> list[Completion]:
         """Every sample (n of them) of one request, to the end."""
-        for _, output in run_batch(self.async_engine, [self.encode(call)], call.params, call.timeout):
+        for _, output in run_batch(self.async_engine, [self.encode(call)], call.params, call.timeout, call.lora):
             if output.finished:
                 return [Completion.of(output, i) for i in range(len(output.outputs))]
         raise AssertionError("the engine ended a request without a finished output")
 
     async def acomplete_all(self, call: PreparedCall) -> list[Completion]:
-        async for output in astream_outputs(self.async_engine, self.encode(call), call.params, call.timeout):
+        async for output in astream_outputs(self.async_engine, self.encode(call), call.params, call.timeout,
+                                             call.lora):
             if output.finished:
                 return [Completion.of(output, i) for i in range(len(output.outputs))]
         raise AssertionError("the engine ended a request without a finished output")
@@ -214,6 +217,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
         parallel_tool_calls = kwargs.pop("parallel_tool_calls", False)
         response_format = kwargs.pop("response_format", None)
         timeout = self.call_timeout(kwargs)
+        lora = self.call_lora(kwargs)
         conversation = to_chat_dicts(messages)
         if response_format is not None:
             if response_format.get("type") not in ("json_object", "json_schema"):
@@ -230,7 +234,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
         params = self.sampling_params(stop, kwargs, logprobs=self.top_logprobs or 0 if self.logprobs else None)
         if params.num_samples > 1 and streaming:
             raise NotImplementedError("n > 1 or best_of > 1 with streaming")
-        return PreparedCall(prompt_text=prompt_text, tools=shown_tools, params=params, timeout=timeout)
+        return PreparedCall(prompt_text=prompt_text, tools=shown_tools, params=params, timeout=timeout, lora=lora)
 
     def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
         def apply(with_tools: list[dict[str, Any]] | None) -> str:

@@ -53,7 +53,7 @@ class PagedLLM(PagedOptions, BaseLLM):
         # LangChain passes only the first prompt's run manager to a batched _generate, so token
         # callbacks are sent only when that is the whole batch.
         token_sink = run_manager if self.streaming and len(prompts) == 1 and params.n == 1 else None
-        for index, output in run_batch(self.async_engine, prompts, params, timeout):
+        for index, output in run_batch(self.async_engine, prompts, params, timeout, self.call_lora(kwargs)):
             if token_sink is not None and output.delta_text:
                 token_sink.on_llm_new_token(output.delta_text)
             if output.finished:
@@ -65,9 +65,10 @@ class PagedLLM(PagedOptions, BaseLLM):
         timeout = self.call_timeout(kwargs)
         params = self.sampling_params(stop, dict(kwargs), logprobs=self.logprobs)
         token_sink = run_manager if self.streaming and len(prompts) == 1 and params.n == 1 else None
+        lora = self.call_lora(kwargs)
 
         async def run(prompt: str) -> RequestOutput:
-            async for output in astream_outputs(self.async_engine, prompt, params, timeout):
+            async for output in astream_outputs(self.async_engine, prompt, params, timeout, lora):
                 if token_sink is not None and output.delta_text:
                     await token_sink.on_llm_new_token(output.delta_text)
                 if output.finished:
@@ -79,7 +80,8 @@ class PagedLLM(PagedOptions, BaseLLM):
     def _stream(self, prompt: str, stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
         params = self.stream_params(stop, dict(kwargs))
-        for output in stream_outputs(self.async_engine, prompt, params, self.call_timeout(kwargs)):
+        for output in stream_outputs(self.async_engine, prompt, params, self.call_timeout(kwargs),
+                                     self.call_lora(kwargs)):
             chunk = self.to_chunk(output)
             if chunk is not None:
                 if run_manager is not None:
@@ -98,7 +100,8 @@ class PagedLLM(PagedOptions, BaseLLM):
 
     def _astream_outputs(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> AsyncIterator[RequestOutput]:
         timeout = self.call_timeout(kwargs)
-        return astream_outputs(self.async_engine, prompt, self.stream_params(stop, kwargs), timeout)
+        return astream_outputs(self.async_engine, prompt, self.stream_params(stop, kwargs), timeout,
+                               self.call_lora(kwargs))
 
     def stream_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
         params = self.sampling_params(stop, kwargs, logprobs=self.logprobs)

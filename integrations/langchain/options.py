@@ -52,6 +52,9 @@ class PagedOptions(BaseModel):
     timeout: float | None = None
     """Seconds one engine request may take; past it the request is aborted and TimeoutError raised."""
     streaming: bool = False
+    lora: Any = None
+    """A LoRA adapter of the engine to answer with: its name, or a paged_backend.LoRARequest (whose path
+    registers it on first use); the engine needs engine_config={"enable_lora": True}. None: the base."""
 
     _aengine: AsyncEngine | None = PrivateAttr(default=None)
 
@@ -71,11 +74,16 @@ class PagedOptions(BaseModel):
         values = {name: overrides.pop(name, getattr(self, name)) for name in SAMPLING_FIELDS}
         call_stop = overrides.pop("stop", None) or stop
         overrides.pop("timeout", None)
+        overrides.pop("lora", None)
         refuse_unknown(overrides)
         return SamplingParams(**values, stop=merge_stops(self.stop, call_stop), **extra)
 
     def call_timeout(self, kwargs: dict[str, Any]) -> float | None:
         return kwargs.get("timeout", self.timeout)
+
+    def call_lora(self, kwargs: dict[str, Any]) -> Any:
+        """The call's adapter (`bind(lora=...)` or `invoke(..., lora=...)`), else the constructor's."""
+        return kwargs.get("lora", self.lora)
 
 
 def merge_stops(*groups: list[str] | None) -> list[str]:

@@ -15,21 +15,23 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 from paged_backend import AsyncEngine, RequestOutput, SamplingParams
 from paged_backend.engine import Prompt
+from paged_backend.lora import LoRASpec
 
 
 def stream_outputs(aengine: AsyncEngine, prompt: Prompt, params: SamplingParams,
-                   timeout: float | None) -> Iterator[RequestOutput]:
+                   timeout: float | None, lora: LoRASpec | None = None) -> Iterator[RequestOutput]:
     """Yield one request's outputs as they change (blocking); the last has finished=True."""
-    for _, output in run_batch(aengine, [prompt], params, timeout):
+    for _, output in run_batch(aengine, [prompt], params, timeout, lora):
         yield output
 
 
 def run_batch(aengine: AsyncEngine, prompts: Sequence[Prompt], params: SamplingParams,
-              timeout: float | None) -> Iterator[tuple[int, RequestOutput]]:
+              timeout: float | None, lora: LoRASpec | None = None) -> Iterator[tuple[int, RequestOutput]]:
     """Queue every prompt before waiting on any; yield (prompt index, output) as outputs arrive."""
-    validate_all(aengine, prompts, params)
+    validate_all(aengine, prompts, params, lora)
     outputs: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
-    ids = [aengine.submit(p, params, None, lambda o, i=i: outputs.put((i, o))) for i, p in enumerate(prompts)]
+    ids = [aengine.submit(p, params, None, lambda o, i=i: outputs.put((i, o)), **lora_option(lora))
+           for i, p in enumerate(prompts)]
     deadline = make_deadline(timeout)
     pending = set(range(len(ids)))
     try:
@@ -45,11 +47,12 @@ def run_batch(aengine: AsyncEngine, prompts: Sequence[Prompt], params: SamplingP
 
 
 async def astream_outputs(aengine: AsyncEngine, prompt: Prompt, params: SamplingParams,
-                          timeout: float | None) -> AsyncIterator[RequestOutput]:
+                          timeout: float | None, lora: LoRASpec | None = None) -> AsyncIterator[RequestOutput]:
     """The same as `stream_outputs`, awaiting on the caller's event loop."""
     loop = asyncio.get_running_loop()
     outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    request_id = aengine.submit(prompt, params, None, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+    request_id = aengine.submit(prompt, params, None, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
+                                **lora_option(lora))
     deadline = make_deadline(timeout)
     finished = False
     try:
@@ -66,13 +69,21 @@ async def astream_outputs(aengine: AsyncEngine, prompt: Prompt, params: Sampling
             aengine.abort(request_id)
 
 
-def validate_all(aengine: AsyncEngine, prompts: Sequence[Prompt], params: SamplingParams) -> None:
-    """Check the whole batch first, so a bad prompt never leaves half a batch running."""
+def validate_all(aengine: AsyncEngine, prompts: Sequence[Prompt], params: SamplingParams,
+                 lora: LoRASpec | None = None) -> None:
+    """Check the whole batch first, so a bad prompt (or an unknown adapter) never leaves half a batch running."""
+    if lora is not None:
+        aengine.engine.resolve_lora(lora)
     for i, prompt in enumerate(prompts):
         try:
             aengine.engine.validate(aengine.engine.tokenize(prompt)[1], params)
         except ValueError as exc:
             raise ValueError(f"prompt {i}: {exc}") from None
+
+
+def lora_option(lora: LoRASpec | None) -> dict:
+    """Only a call with an adapter passes one, so engine fronts without LoRA (Ray replicas) keep working."""
+    return {} if lora is None else {"lora": lora}
 
 
 def get_before(outputs: queue.SimpleQueue, deadline: float | None, timeout: float | None):
