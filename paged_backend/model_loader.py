@@ -12,6 +12,7 @@ is loaded from a local folder without running that code.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -33,6 +34,7 @@ from paged_backend.adapters.baichuan import is_baichuan, load_baichuan
 from paged_backend.attention import ATTENTION_NAME
 from paged_backend.default_model import DEFAULT_MODEL, default_model_path
 from paged_backend.errors import UnsupportedArchitectureError
+from paged_backend.precision import preferred_dtype
 
 # Each of these has a decoder-only *ForCausalLM whose attention module calls
 # ALL_ATTENTION_FUNCTIONS.get_interface (checked in transformers 5.24's
@@ -84,6 +86,8 @@ _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
 }
 
+logger = logging.getLogger(__name__)
+
 # Any of these in a folder means AutoTokenizer can load from it offline.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -124,26 +128,19 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
-def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype | str:
-    """Turn ``dtype`` into a torch dtype (or ``"auto"``), defaulting by device."""
-    if dtype is None:
-        return _default_dtype(device)
+def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """Turn ``dtype`` into a torch dtype; None and ``"auto"`` are the device's preferred one (precision.py)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    name = dtype.strip().lower().removeprefix("torch.")
+    name = "auto" if dtype is None else dtype.strip().lower().removeprefix("torch.")
     if name == "auto":
-        return "auto"
+        chosen, why = preferred_dtype(device)
+        logger.info("dtype auto: %s (%s)", str(chosen).removeprefix("torch."), why)
+        return chosen
     resolved = _DTYPE_ALIASES.get(name, getattr(torch, name, None))
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise ValueError(f"Unknown or non-floating dtype {dtype!r}; use e.g. 'float32', 'float16', 'bf16' or 'auto'.")
     return resolved
-
-
-def _default_dtype(device: torch.device) -> torch.dtype:
-    """Return bfloat16 on CUDA (float16 on GPUs without it) and float32 elsewhere."""
-    if device.type != "cuda":
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
 def load_model(
@@ -278,11 +275,7 @@ def _load_baichuan_folder(
     can be chosen), the ALiBi form as our adapter model (whose attention is the adapter's)."""
     if tp_plan is not None:
         raise NotImplementedError("tensor parallelism is not available for Baichuan checkpoints")
-    resolved = _resolve_dtype(dtype, device)
-    if resolved == "auto":
-        raw = json.loads((folder / "config.json").read_text())
-        resolved = getattr(torch, str(raw.get("torch_dtype") or raw.get("dtype") or "float32"))
-    model = load_baichuan(folder, resolved, device)
+    model = load_baichuan(folder, _resolve_dtype(dtype, device), device)
     if attn_implementation is not None and model.config.model_type == "llama":
         model.set_attn_implementation(attn_implementation)
     return model
@@ -299,7 +292,7 @@ def _adopt_model(
         model.to(device)  # nn.Module.to works in place, so the caller's object is returned
     if dtype is not None:
         wanted = _resolve_dtype(dtype, model.device)
-        if wanted != "auto" and wanted != model.dtype:
+        if wanted != model.dtype:
             model.to(wanted)
     attn_implementation = _attention_to_load(model.config, attn_implementation)
     # The engine switches an adopted model to the paged attention itself, once it accepts the model,

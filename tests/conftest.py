@@ -16,6 +16,16 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fp32_default_on_cpu():
+    """The suite's equality tests are written for fp32 weights, so `dtype=None`/"auto" means fp32 on CPU
+    in every test, on every machine: a CPU with native bf16 (where the engine would pick bf16) runs the
+    same tests as one without. test_precision.py tests the choice itself by patching it back."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("paged_backend.precision.cpu_has_native_bf16", lambda: False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def default_llm():
     from paged_backend import LLM

@@ -103,12 +103,6 @@ def test_dtype_arguments(saved_llama: Path, name: str | torch.dtype, expected: t
     assert model.dtype == expected
 
 
-def test_dtype_auto_keeps_checkpoint_dtype(tmp_path: Path, tiny_llama: LlamaForCausalLM) -> None:
-    tiny_llama.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    model, _ = load_model(tmp_path / "bf16", dtype="auto", device="cpu")
-    assert model.dtype == torch.bfloat16
-
-
 def test_bad_dtype_is_rejected(saved_llama: Path) -> None:
     with pytest.raises(ValueError, match="int8"):
         load_model(saved_llama, dtype="int8", device="cpu")
