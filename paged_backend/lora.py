@@ -2,17 +2,17 @@
 
 An adapter is registered once (`LoRARegistry.add`, from a PEFT folder or a loaded `PeftModel`): its
 weights are read, checked against the base model's modules and kept on the host. Up to `max_loras`
-adapters sit in device *slots* at a time (`LoRASlots`): per targeted `nn.Linear`, the stacked
-`A [max_loras + 1, max_rank, in]` and `B [max_loras + 1, out, max_rank]` of the loaded adapters, ranks
-padded with zeros; slot 0 is the base model (no delta). The scheduler admits a request only when its
+adapters sit in device *slots* at a time (`LoRASlots`): per targeted `nn.Linear`, the stacked A and
+B of the loaded adapters, ranks padded to `max_lora_rank` with zeros, zeros where an adapter does not
+target the module; slot 0 is the base model (no delta). The scheduler admits a request only when its
 adapter has a slot (loaded already, or a slot no running request uses), so more distinct adapters
 than slots means waiting, never failing.
 
-Each packed token carries its request's slot. Per step, the runner turns those into one segment of
-row indices per distinct adapter of the step (`LoRAStep`), opened as a context around the forward
-the way the attention ops get their metadata. A forward hook on every targeted linear adds
-`(x[rows] @ A.T) @ B.T * scaling` for each segment: a loop over the step's distinct adapters, never
-over tokens. Outside a step the hooks add nothing, so the model object stays the base model.
+Each packed token carries its request's slot. Per step, the runner turns those into a mask of each
+token's rank columns (`LoRAStep`), opened as a context around the forward the way the attention ops
+get their metadata. A forward hook on every targeted linear adds the whole batch's delta with two
+matmuls (see `LoRALinearHook`): no loop over tokens or adapters. Outside a step the hooks add
+nothing, so the model object stays the base model.
 """
 
 from __future__ import annotations
@@ -270,9 +270,10 @@ class LoRARegistry:
 
 @dataclass(slots=True)
 class LoRAStep:
-    """Per distinct adapter of a step, its slot and the packed rows of its tokens (None: every row)."""
+    """Which adapter each packed token runs with, as a mask over the stacked slots' rank columns:
+    `mask[t, s * max_rank + j]` is 1 when token t runs with the adapter in slot s, else 0."""
 
-    segments: list[tuple[int, torch.Tensor | None]]
+    mask: torch.Tensor  # [T, (max_loras + 1) * max_rank]
 
 
 _current: LoRAStep | None = None  # set by step_context() around one step's forward
@@ -289,43 +290,40 @@ def step_context(step: LoRAStep | None) -> Iterator[None]:
 
 
 class LoRALinearHook:
-    """A forward hook on one targeted linear: adds each of the step's adapters' delta to its rows."""
+    """A forward hook on one targeted linear, holding every slot's adapter for it, stacked:
+    `a [slots * max_rank, in]` and `b [slots * max_rank, out]` (B transposed, scaling folded in), ranks
+    padded with zero rows, zeros for a slot whose adapter does not target this module.
+
+    The delta of the whole packed batch is `((x @ a.T) * mask) @ b`: the first product projects every
+    token onto every loaded adapter's rank space (a few dozen columns beside the layer's hundreds),
+    the mask keeps each token's own adapter's columns, the second adds that adapter's B. Two matmuls
+    per layer whatever the mix of adapters, no loop over adapters or tokens; base tokens get exact
+    zeros. The cost grows with max_loras x max_lora_rank, which is why both are bounded."""
 
     def __init__(self, linear: nn.Linear, num_slots: int, max_rank: int) -> None:
         weight = linear.weight
-        self.a = weight.new_zeros(num_slots, max_rank, linear.in_features)
-        self.b = weight.new_zeros(num_slots, linear.out_features, max_rank)
-        self.ranks = [0] * num_slots  # 0: the adapter in that slot does not target this module
-        self.scales = [0.0] * num_slots
+        self.max_rank = max_rank
+        self.a = weight.new_zeros(num_slots * max_rank, linear.in_features)
+        self.b = weight.new_zeros(num_slots * max_rank, linear.out_features)
         self.handle = linear.register_forward_hook(self)
 
     def load(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
-        if weights is None:
-            self.ranks[slot] = 0
-            return
-        a, b, scale = weights
-        r = a.shape[0]
-        self.a[slot, :r].copy_(a)
-        self.b[slot, :, :r].copy_(b)
-        self.ranks[slot], self.scales[slot] = r, scale
+        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        self.a[rows].zero_()
+        self.b[rows].zero_()
+        if weights is not None:
+            a, b, scale = weights
+            r = a.shape[0]
+            self.a[rows][:r].copy_(a)
+            self.b[rows][:r].copy_(b.T * scale)
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         step = _current
         if step is None:
             return output
-        x = args[0].reshape(-1, self.a.shape[-1])
-        out = output.view(-1, output.shape[-1])
-        for slot, rows in step.segments:
-            r = self.ranks[slot]
-            if not r:
-                continue
-            xs = x if rows is None else x.index_select(0, rows)
-            # PEFT's order of operations: lora_B(lora_A(x)) * scaling, added to the base output.
-            delta = (xs @ self.a[slot, :r].T) @ self.b[slot, :, :r].T * self.scales[slot]
-            if rows is None:
-                out.add_(delta)
-            else:
-                out.index_add_(0, rows, delta)
+        x = args[0].reshape(-1, self.a.shape[1])
+        projected = torch.mm(x, self.a.T).mul_(step.mask)
+        output.view(-1, output.shape[-1]).addmm_(projected, self.b)
         return output
 
 
@@ -342,6 +340,7 @@ class LoRASlots:
         self.users = [0] * (max_loras + 1)
         self.last_used = [0] * (max_loras + 1)
         self.clock = itertools.count(1)
+        self.dtype = next(model.parameters()).dtype
 
     def slot_of(self, adapter: LoRAAdapter) -> int | None:
         return next((s for s in range(1, self.max_loras + 1) if self.loaded[s] is adapter), None)
@@ -383,18 +382,14 @@ class LoRASlots:
 
     def prepare_step(self, request_slots: np.ndarray, counts: np.ndarray,
                      device: torch.device) -> LoRAStep | None:
-        """The step's segments from each request's slot and token count; None when every token is the base."""
-        used = np.unique(request_slots[request_slots > 0])
-        if not len(used):
+        """The step's token-to-adapter mask from each request's slot and token count; None when every
+        token runs the base (the hooks then add nothing)."""
+        if not request_slots.any():
             return None
-        if len(used) == 1 and (request_slots > 0).all():
-            return LoRAStep([(int(used[0]), None)])
         token_slots = np.repeat(request_slots, counts)
-        segments = []
-        for slot in used.tolist():
-            rows = torch.from_numpy(np.flatnonzero(token_slots == slot))
-            segments.append((slot, rows if device.type == "cpu" else rows.to(device, non_blocking=True)))
-        return LoRAStep(segments)
+        columns = np.repeat(np.arange(self.max_loras + 1), self.max_rank)
+        mask = (token_slots[:, None] == columns[None, :]) & (token_slots[:, None] > 0)
+        return LoRAStep(torch.from_numpy(mask).to(device=device, dtype=self.dtype, non_blocking=True))
 
     def remove_hooks(self) -> None:
         for hook in self.hooks.values():

@@ -5,6 +5,8 @@ run; more distinct adapters than slots wait; bad adapters are refused with a cle
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from engine_helpers import (
@@ -246,3 +248,10 @@ def test_unsupported_adapter_types_are_refused(config, message):
 def test_engine_config_checks_lora_fields():
     with pytest.raises(ValueError, match="max_loras"):
         EngineConfig(enable_lora=True, max_loras=0)
+
+
+def test_compile_with_lora_runs_eagerly(caplog):
+    with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
+        engine = Engine(build("llama"), None, EngineConfig(enable_lora=True, compile=True, num_kv_blocks=16))
+    assert not engine.compiled
+    assert "LoRA steps run eagerly" in caplog.text
