@@ -100,7 +100,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(f"load before: {uptime()}")
-    llm = LLM(None, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, num_threads=args.threads)
+    # fp32 for both, as the PEFT model is loaded (LLM would pick bf16 on a CPU with native bf16).
+    llm = LLM(None, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, num_threads=args.threads,
+              dtype=torch.float32)
     peft = make_adapters(default_model_path())
     names = [f"adapter{i}" for i in range(NUM_ADAPTERS)]
     for name in names:
