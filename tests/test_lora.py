@@ -19,7 +19,14 @@ from engine_helpers import (
 from peft import IA3Config, LoraConfig, get_peft_model
 from tiny_models import build
 
-from paged_backend import LLM, AsyncEngine, Engine, EngineConfig, LoRARequest
+from paged_backend import (
+    LLM,
+    AsyncEngine,
+    Engine,
+    EngineConfig,
+    LoRARequest,
+    SamplingParams,
+)
 
 MAX_NEW = 8
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -255,3 +262,18 @@ def test_compile_with_lora_runs_eagerly(caplog):
         engine = Engine(build("llama"), None, EngineConfig(enable_lora=True, compile=True, num_kv_blocks=16))
     assert not engine.compiled
     assert "LoRA steps run eagerly" in caplog.text
+
+
+def test_samples_and_speculation_keep_their_adapter(case):
+    """n > 1 samples share their request's adapter (and its prefix blocks); n-gram proposals run with it too."""
+    _, _, prompts, names, refs = case
+    engine = lora_engine(case, num_kv_blocks=64, block_size=4,
+                         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                                             "prompt_lookup_min": 1})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, n=2)
+    ids = [engine.add_request(p, params, lora=n) for p, n in zip(prompts[:4], names[:4])]
+    finals = run_to_completion(engine)
+    for rid, ref in zip(ids, refs[:4]):
+        assert [c.token_ids for c in finals[rid].outputs] == [ref, ref]
+    assert engine.stats()["spec_num_draft_tokens"] > 0, "random prompts should still give some n-gram proposals"
+    assert_all_blocks_free(engine)
