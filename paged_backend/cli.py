@@ -51,6 +51,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="what the KV cache stores (default auto: the model's dtype)")
+    parser.add_argument("--quantization", default=None, choices=["int8"],
+                        help="weight-only quantization of the linear layers (needs torchao; compiles the forward)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +87,8 @@ def make_llm(args: argparse.Namespace):
     return LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-               max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
+               max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+               quantization=args.quantization)
 
 
 def make_params(args: argparse.Namespace) -> SamplingParams:

@@ -18,6 +18,7 @@ from .engine import Engine, Prompt
 from .lora import LoRARequest, LoRASpec
 from .model_loader import load_model
 from .outputs import RequestOutput
+from .quantization import check_method, quantize_weights
 from .sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -26,13 +27,18 @@ LOAD_KEYS = ("dtype", "device", "trust_remote_code")
 
 class LLM:
     """`LLM(model)` where model is a hub id, a folder, a `.gguf` file, None (the default model) or a
-    loaded `PreTrainedModel` (used as it is); extra keywords are EngineConfig fields."""
+    loaded `PreTrainedModel` (used as it is); extra keywords are EngineConfig fields.
+    `quantization="int8"` quantizes the linear layers' weights after loading (a loaded model's in place;
+    quantization.py) and then compiles the forward unless `compile=False`."""
 
     def __init__(self, model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1,
-                 **engine_config: Any) -> None:
+                 quantization: str | None = None, **engine_config: Any) -> None:
         spawn_args = (model, tokenizer, dict(engine_config))
         load_kwargs = {k: engine_config.pop(k) for k in LOAD_KEYS if k in engine_config}
         config = EngineConfig(**engine_config)
+        check_method(quantization)
+        if quantization is not None and tensor_parallel_size > 1:
+            raise ValueError("quantization= with tensor_parallel_size > 1 is not supported")
         register()
         self.tp_group = None
         if tensor_parallel_size > 1:
@@ -41,6 +47,10 @@ class LLM:
             if config.num_threads is None and not torch.cuda.is_available():
                 config.num_threads = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
         model, tokenizer = load_model(model, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
+        if quantization is not None:
+            quantize_weights(model, quantization)
+            # Eager quantized matmuls are slower than the original weights; compiled they fuse.
+            config.compile = True if config.compile is None else config.compile
         leader = self.tp_group is None or self.tp_group.rank == 0
         self.engine = Engine(model, tokenizer, config, publish_step=None if self.tp_group is None or not leader
                              else broadcast_step)

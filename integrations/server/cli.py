@@ -24,10 +24,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     for name in ENGINE_INT_FLAGS:
         engine.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    engine.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: the model's)")
+    engine.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: the engine's pick, "
+                        "README 'Precision')")
     engine.add_argument("--device", default=None, help="e.g. cpu, cuda (default: the model's)")
     engine.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bf16", "fp16", "int8"],
                         help="what the KV cache stores (default auto: the model's dtype)")
+    engine.add_argument("--quantization", default=None, choices=["int8"],
+                        help="weight-only quantization of the linear layers (needs torchao; compiles the forward)")
     engine.add_argument("--speculative-config", type=json.loads, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3, "prompt_lookup_min": 2}\'')
@@ -70,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> None:
     from .app import create_app
 
     config = {name: getattr(args, name) for name in ENGINE_INT_FLAGS + ("dtype", "device", "kv_cache_dtype",
-                                                                   "speculative_config")
+                                                                   "quantization", "speculative_config")
               if getattr(args, name) is not None}
     llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **config, **lora_config(args))
     for lora_name, path in args.lora_modules:
