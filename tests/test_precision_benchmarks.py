@@ -1,0 +1,43 @@
+"""Smoke tests of the precision benchmarks: benchmarks/quality.py on a tiny random model (fp32 is its own
+reference, the other variants report their differences to it), and benchmarks/cpu_vs_llamacpp.py's
+clean skip without llama-cpp-python."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from engine_helpers import mixed_prompts
+from tiny_models import build
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import cpu_vs_llamacpp  # noqa: E402
+import quality  # noqa: E402
+
+
+def test_quality_report(tmp_path: Path) -> None:
+    pytest.importorskip("torchao")
+    build("llama").save_pretrained(tmp_path / "tiny")
+    report = quality.run_quality(str(tmp_path / "tiny"), mixed_prompts(3), ["kv_int8", "int8"], max_tokens=6,
+                                 speed_tokens=4, repeats=1, num_kv_blocks=64)
+    assert list(report) == ["fp32", "kv_int8", "int8"]
+    fp32 = report["fp32"]
+    assert fp32["mean_abs_dlogprob"] == 0 and fp32["agreement"] == 1 and fp32["identical_prefix_mean"] == 6
+    assert report["kv_int8"]["kv_cache_dtype"] == "torch.int8" and report["int8"]["dtype"] == "torch.float32"
+    for name in ("kv_int8", "int8"):
+        assert 0 < report[name]["mean_abs_dlogprob"] < 0.5 and 0 <= report[name]["agreement"] <= 1
+        assert report[name]["tokens_per_s"] > 0
+
+
+def test_llamacpp_comparison_says_how_to_install_when_missing(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    assert cpu_vs_llamacpp.main(["--repeats", "1"]) is None
+    assert "pip install 'paged-backend[compare]'" in capsys.readouterr().out
+
+
+def test_engine_options_parse_into_llm_keywords() -> None:
+    assert cpu_vs_llamacpp.parse_engine_options("dtype=float32,quantization=int8,compile=false") == {
+        "dtype": "float32", "quantization": "int8", "compile": False}
+    assert cpu_vs_llamacpp.parse_engine_options("") == {}
