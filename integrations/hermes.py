@@ -3,6 +3,7 @@
 
 Shared by the server and the LangChain adapter, which differ only in what they do with a block that
 is not a valid call (the server keeps the whole answer as text; LangChain reports an invalid call).
+`CallStream` lets both stream each call's name and arguments as the model writes them.
 """
 
 from __future__ import annotations
@@ -57,3 +58,72 @@ def partial_open(text: str) -> int:
         if text.endswith(OPEN[:n]):
             return n
     return 0
+
+
+def partial_close(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of the closing tag."""
+    for n in range(min(len(CLOSE) - 1, len(text)), 0, -1):
+        if text.endswith(CLOSE[:n]):
+            return n
+    return 0
+
+
+# A block written name first, up to where its arguments begin.
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+TRAILING_BRACES = re.compile(r"[}\s]*\Z")
+
+
+@dataclass(frozen=True, slots=True)
+class CallDelta:
+    index: int  # which call of the answer, from 0
+    name: str | None  # on a call's first delta only
+    arguments: str  # the next piece of the arguments' JSON text
+
+
+class CallStream:
+    """Each block's name and argument text as they are written, for blocks written name first
+    (`{"name": ..., "arguments": ...}`: the form the templates teach and the forcing grammar holds to);
+    other blocks stream nothing and are left to the final parse. A block's last `}` closes the call,
+    not its arguments, so a trailing run of `}` and whitespace (and a partial closing tag) is held
+    back until the text goes on or the block closes."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []  # per block that streams: characters of its arguments sent
+        self.closed = 0  # blocks closed (and wholly sent)
+        self.offset = 0  # where the first block not yet closed starts: the text before is done with
+        self.stopped = False  # a block not written name first: it and the rest go to the final parse
+
+    def update(self, text: str) -> list[CallDelta]:
+        """The deltas that the answer's text so far adds."""
+        deltas: list[CallDelta] = []
+        for match in BLOCK.finditer(text, self.offset):
+            body, closed = match.group(1), match.group(0).endswith(CLOSE)
+            header = HEADER.match(body)
+            if self.stopped or header is None:
+                self.stopped = self.stopped or closed  # an open block may still become a header
+                break
+            index = self.closed
+            if index == len(self.sent):
+                self.sent.append(0)
+                deltas.append(CallDelta(index, json.loads(header.group(1)), ""))
+            arguments = self.arguments_so_far(body[header.end():], closed)
+            if len(arguments) > self.sent[index]:
+                deltas.append(CallDelta(index, None, arguments[self.sent[index]:]))
+                self.sent[index] = len(arguments)
+            if not closed:
+                break
+            self.closed, self.offset = self.closed + 1, match.end()
+        return deltas
+
+    @staticmethod
+    def arguments_so_far(text: str, closed: bool) -> str:
+        if closed:
+            text = text.rstrip()
+            return text[:-1].rstrip() if text.endswith("}") else text
+        text = text[:len(text) - partial_close(text)]
+        return text[:TRAILING_BRACES.search(text).start()]
+
+    @property
+    def streamed(self) -> int:
+        """How many calls have started streaming."""
+        return len(self.sent)

@@ -202,6 +202,10 @@ def test_streamed_tool_call_matches_invoke() -> None:
     assert [c["args"] for c in full.tool_calls] == [c["args"] for c in invoked.tool_calls]
     assert full.content == invoked.content
     assert sum(1 for c in chunks if c.usage_metadata) == 1
+    # The call streams as it is written: its name first, then its arguments piece by piece.
+    pieces = [p for c in chunks for p in c.tool_call_chunks]
+    assert pieces[0]["name"] == "get_weather" and pieces[0]["id"] and pieces[0]["args"] == ""
+    assert sum(1 for p in pieces if p["args"]) > 2
 
 
 def test_a_forced_call_is_one_call_unless_parallel_calls_are_allowed() -> None:

@@ -443,6 +443,21 @@ def test_required_tools_allow_several_calls_unless_parallel_calls_are_off(tiny: 
     assert one.usage.completion_tokens < both.usage.completion_tokens  # the grammar ended it after one call
 
 
+def test_a_forced_call_streams_its_arguments_as_they_are_written(tiny: Served) -> None:
+    args = dict(model="tiny", messages=ROME_OSLO, tools=[WEATHER], tool_choice="required", **greedy())
+    whole = tiny.client().chat.completions.create(**args).choices[0].message.tool_calls
+    chunks = list(tiny.client().chat.completions.create(stream=True, **args))
+    pieces = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    firsts = [p for p in pieces if p.id]
+    assert [(p.index, p.type, p.function.name) for p in firsts] == [(0, "function", "get_weather"),
+                                                                      (1, "function", "get_weather")]
+    streamed = ["".join(p.function.arguments or "" for p in pieces if p.index == k) for k in (0, 1)]
+    assert [json.loads(a) for a in streamed] == [json.loads(c.function.arguments) for c in whole]
+    assert sum(1 for p in pieces if p.index == 0 and p.function.arguments) > 2  # piece by piece, not whole
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_tools_offered_but_answered_in_text(tiny: Served) -> None:
     client = tiny.client()
     reply = client.chat.completions.create(model="tiny", messages=HELLO, tools=[WEATHER], **greedy())
@@ -489,8 +504,8 @@ def test_forced_tool_calls_follow_the_tools_grammar(tiny: Served) -> None:
     chunks = list(client.chat.completions.create(model="tiny", messages=PARIS, tools=[WEATHER], tool_choice=named,
                                                  stream=True, stream_options={"include_usage": True}, **greedy()))
     streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in streamed] == [("get_weather",
-                                                                                          {"city": "Paris"})]
+    assert [tc.function.name for tc in streamed if tc.id] == ["get_weather"]
+    assert json.loads("".join(tc.function.arguments for tc in streamed)) == {"city": "Paris"}
     assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens > 0
     wait_all_blocks_free(tiny.aengine)
 

@@ -6,7 +6,6 @@ the engine's continuous batch, so concurrent `ainvoke`s and a `batch` share forw
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,7 +40,7 @@ from pydantic import ConfigDict
 
 from paged_backend import SamplingParams
 
-from ..hermes import OPEN
+from ..hermes import OPEN, CallStream
 from ..structured import add_json_instruction, forced_tool_spec, response_format_spec
 from .completion import Completion, openai_logprobs
 from .messages import to_chat_dicts
@@ -52,6 +51,7 @@ from .tool_calls import (
     ParsedResponse,
     parse_hermes,
     parse_with_tokenizer,
+    tool_call_chunk,
 )
 
 
@@ -257,33 +257,37 @@ class ChatPaged(PagedOptions, BaseChatModel):
         return parse_hermes(text)
 
     def content_streamer(self, call: PreparedCall) -> ContentStreamer | None:
-        """With tools, only certain content streams; tool calls come parsed in the last chunk."""
+        """With tools, only certain content streams, and each Hermes call's name and arguments as they
+        are written; what is left comes parsed in the last chunk."""
         if not call.tools:
             return None
         if getattr(self.tokenizer_, "response_template", None) is None:
-            return ContentStreamer()
+            return ContentStreamer(calls=CallStream())
         return ContentStreamer(OPEN)  # transformers' parser runs on the whole text: hold everything back
 
     def to_chunks(self, call: PreparedCall, done: Completion, streamer: ContentStreamer | None) -> Iterator[ChatGenerationChunk]:
         delta = done.delta if streamer is None else streamer.feed(done.delta)
         if done.finish_reason is None:
-            if delta:
-                yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            calls = streamer.call_chunks() if streamer is not None else []
+            if delta or calls:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=delta, tool_call_chunks=calls))
             return
         if streamer is None:
-            yield self.to_final_chunk(call, done, content=delta, parsed=ParsedResponse(content=""))
+            yield self.to_final_chunk(call, done, content=delta, calls=[])
             return
         parsed = self.parse(call, done.text)
-        yield self.to_final_chunk(call, done, content=delta + streamer.finish(parsed.content), parsed=parsed)
+        calls = streamer.final_call_chunks(done.text) if streamer.calls is not None else self.call_chunks(parsed)
+        yield self.to_final_chunk(call, done, content=delta + streamer.finish(parsed.content), calls=calls)
 
-    def to_final_chunk(self, call: PreparedCall, done: Completion, content: str | None = None,
-                       parsed: ParsedResponse | None = None) -> ChatGenerationChunk:
-        parsed = parsed or self.parse(call, done.text)
-        calls = parsed.tool_calls + parsed.invalid_tool_calls
-        message = AIMessageChunk(content=parsed.content if content is None else content, usage_metadata=done.usage,
-                                 response_metadata=self.response_metadata(done), chunk_position="last",
-                                 tool_call_chunks=[tool_call_chunk(c, i) for i, c in enumerate(calls)])
+    def to_final_chunk(self, call: PreparedCall, done: Completion, content: str,
+                       calls: list[dict[str, Any]]) -> ChatGenerationChunk:
+        message = AIMessageChunk(content=content, usage_metadata=done.usage, response_metadata=self.response_metadata(done),
+                                 chunk_position="last", tool_call_chunks=calls)
         return ChatGenerationChunk(message=message)
+
+    @staticmethod
+    def call_chunks(parsed: ParsedResponse) -> list[dict[str, Any]]:
+        return [tool_call_chunk(c, i) for i, c in enumerate(parsed.tool_calls + parsed.invalid_tool_calls)]
 
     def to_result(self, call: PreparedCall, dones: list[Completion]) -> ChatResult:
         """One ChatGeneration per sample (n > 1 gives several)."""
@@ -302,8 +306,3 @@ class ChatPaged(PagedOptions, BaseChatModel):
         if done.logprobs is not None:
             metadata["logprobs"] = {"content": openai_logprobs(self.tokenizer_, done.token_ids, done.logprobs)}
         return metadata
-
-
-def tool_call_chunk(call: dict[str, Any], index: int) -> dict[str, Any]:
-    args = call["args"] if isinstance(call["args"], str) else json.dumps(call["args"], ensure_ascii=False)
-    return {"type": "tool_call_chunk", "name": call["name"], "args": args, "id": call["id"], "index": index}

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..hermes import OPEN, HermesCall, parse_call, partial_open, split_calls
+from ..hermes import OPEN, CallStream, HermesCall, parse_call, partial_open, split_calls
 
 # ChatML with tools rendered Hermes/Qwen style, for models whose own template ignores tools.
 # Without tools it renders what SmolLM2's template renders.
@@ -82,7 +82,7 @@ def parse_with_tokenizer(tokenizer: Any, text: str, prompt_text: str, tools: lis
 
 def add_call(result: ParsedResponse, call: HermesCall) -> None:
     """A valid call as a LangChain ToolCall; anything else as an InvalidToolCall keeping the raw text."""
-    call_id = f"call_{uuid.uuid4().hex[:24]}"
+    call_id = new_call_id()
     if call.valid:
         result.tool_calls.append({"type": "tool_call", "name": call.name, "args": call.arguments, "id": call_id})
     else:
@@ -92,11 +92,13 @@ def add_call(result: ParsedResponse, call: HermesCall) -> None:
 
 class ContentStreamer:
     """Releases streamed text that is certainly content: never a tool-call block, nor the start of
-    one, nor whitespace that parsing would strip. The rest comes from the final parse."""
+    one, nor whitespace that parsing would strip. With `calls`, each call's name and arguments stream
+    too, as LangChain tool-call chunks; the rest comes from the final parse."""
 
-    def __init__(self, text: str = "") -> None:
+    def __init__(self, text: str = "", calls: CallStream | None = None) -> None:
         self.text = text
         self.released = ""
+        self.calls = calls
 
     def feed(self, delta: str) -> str:
         self.text += delta
@@ -108,6 +110,33 @@ class ContentStreamer:
         self.released = visible
         return new
 
+    def call_chunks(self) -> list[dict[str, Any]]:
+        """Tool-call chunks for what the calls' text so far adds."""
+        if self.calls is None:
+            return []
+        return [{"type": "tool_call_chunk", "name": d.name, "args": d.arguments, "index": d.index,
+                 "id": new_call_id() if d.name is not None else None} for d in self.calls.update(self.text)]
+
+    def final_call_chunks(self, text: str) -> list[dict[str, Any]]:
+        """The calls' last pieces: the rest of those that streamed, and whole the blocks after them."""
+        chunks = self.call_chunks()
+        streamed = self.calls.streamed if self.calls is not None else 0
+        later = ParsedResponse(content="")
+        for call in split_calls(text)[1][streamed:]:
+            add_call(later, call)
+        for index, call in enumerate(later.tool_calls + later.invalid_tool_calls, start=streamed):
+            chunks.append(tool_call_chunk(call, index))
+        return chunks
+
     def finish(self, content: str) -> str:
         """The part of the final content not released yet."""
         return content[len(self.released):] if content.startswith(self.released) else ""
+
+
+def tool_call_chunk(call: dict[str, Any], index: int) -> dict[str, Any]:
+    args = call["args"] if isinstance(call["args"], str) else json.dumps(call["args"], ensure_ascii=False)
+    return {"type": "tool_call_chunk", "name": call["name"], "args": args, "id": call["id"], "index": index}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_backend import RequestOutput
 
+from ..hermes import CallDelta, CallStream
 from ..structured import add_json_instruction
 from .chat_template import render_chat
 from .errors import APIError, request_field
@@ -20,7 +21,7 @@ from .responses import DONE, chat_logprobs, positions, sse, sse_error, usage
 from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices
 from .state import ServerState
 from .structured import structured_spec
-from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
+from .tool_calls import ToolCall, ToolCallStreamer, new_call_id, parse_tool_calls
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, http_request: Request):
@@ -90,6 +91,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: lis
         return sse(event)
 
     streamers = [ToolCallStreamer() if body.uses_tools else None for _ in range(body.n)]
+    # A forced call is held to the grammar, so it is a call from its first token: stream it as it comes.
+    call_streams = [CallStream() if body.forces_tool else None for _ in range(body.n)]
     for index in range(body.n):
         yield chunk(index, {"role": "assistant", "content": ""})
     async for index, output in merge_streams(state.aengine, jobs, request_id, state.metrics):
@@ -102,8 +105,12 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: lis
         logprobs = stream_logprobs(state, body, output)
         if text or logprobs:
             yield chunk(index, {"content": text}, logprobs=logprobs)
+        if call_streams[index] is not None and not output.finished:
+            deltas = call_streams[index].update(streamer.text)
+            if deltas:
+                yield chunk(index, {"tool_calls": [call_delta(d) for d in deltas]})
         if output.finished:
-            for event in final_chunks(body, index, output, streamer, chunk):
+            for event in final_chunks(body, index, output, streamer, chunk, call_streams[index]):
                 yield event
     if body.include_usage:
         yield sse(envelope(request_id, body.model, "chat.completion.chunk", [])
@@ -118,19 +125,33 @@ def stream_logprobs(state: ServerState, body: ChatCompletionRequest, output: Req
     return chat_logprobs(state.tokenizer, pairs, body.top_logprobs or 0)
 
 
-def final_chunks(body: ChatCompletionRequest, index: int, output: RequestOutput,
-                 streamer: ToolCallStreamer | None, chunk) -> list[str]:
-    """The tail of one choice: any held-back content, the tool calls, then the finish reason."""
+def final_chunks(body: ChatCompletionRequest, index: int, output: RequestOutput, streamer: ToolCallStreamer | None,
+                 chunk, call_stream: CallStream | None) -> list[str]:
+    """The tail of one choice: any held-back content, the tool calls (or, for calls that streamed,
+    their last pieces), then the finish reason."""
     events = []
     finish_reason = output.outputs[0].finish_reason
     if streamer is not None:
         rest, calls = streamer.finish()
         calls = calls if body.parallel_tool_calls else calls[:1]
+        if call_stream is not None and call_stream.streamed:
+            deltas = [call_delta(d) for d in call_stream.update(streamer.text)]
+            rest = ""  # the held-back text was the calls, already sent as such
+        else:
+            deltas = [dict(call.to_openai(), index=k) for k, call in enumerate(calls)]
         if rest:
             events.append(chunk(index, {"content": rest}))
-        if calls:
-            deltas = [dict(call.to_openai(), index=k) for k, call in enumerate(calls)]
+        if deltas:
             events.append(chunk(index, {"tool_calls": deltas}))
+        if calls:
             finish_reason = "tool_calls"
     events.append(chunk(index, {}, finish_reason))
     return events
+
+
+def call_delta(delta: CallDelta) -> dict[str, Any]:
+    """OpenAI's shape of a streamed call piece: the first carries the call's id, type and name."""
+    if delta.name is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {"index": delta.index, "id": new_call_id(), "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments}}

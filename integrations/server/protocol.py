@@ -42,8 +42,8 @@ NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "priority": ((0,), "requests are scheduled first come, first served"),
     "logits_processors": ((None,), "no server-side logits processors"),
     "return_tokens_as_token_ids": ((None, False), "logprobs carry token text"),
-    "guided_whitespace_pattern": ((None,), "the grammar engine takes no whitespace pattern; "
-                                           "structured_outputs.disable_any_whitespace turns free whitespace off"),
+    "guided_whitespace_pattern": ((None,), ("the grammar engine takes no whitespace pattern; "
+                                            "structured_outputs.disable_any_whitespace turns free whitespace off")),
 }
 CHAT_NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((False,), "the answer never repeats the last message"),

@@ -36,7 +36,11 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def to_tool_call(call: HermesCall) -> ToolCall:
-    return ToolCall(call.name, json.dumps(call.arguments, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+    return ToolCall(call.name, json.dumps(call.arguments, ensure_ascii=False), new_call_id())
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ToolCallStreamer:
