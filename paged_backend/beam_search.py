@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .engine import Engine
+from .lora import LoRAAdapter, LoRASpec
 from .sampling_params import SamplingParams
 
 NEG = -1.0e9  # transformers' stand-in for minus infinity in beam scores
@@ -61,23 +62,28 @@ class PromptBeams:
     done: bool = False
 
 
-def beam_search(engine: Engine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(engine: Engine, prompts: list[list[int]], params: BeamSearchParams,
+                lora: LoRASpec | None = None) -> list[BeamSearchOutput]:
+    """Beam search per prompt; with `lora`, every beam runs with that adapter."""
+    adapter = engine.resolve_lora(lora)
     states = [PromptBeams(prompt, [([], 0.0)]) for prompt in prompts]
     eos = frozenset() if params.ignore_eos else frozenset(params.eos_token_ids or engine.eos_token_ids)
     for step in range(params.max_tokens):
         live = [s for s in states if not s.done]
         if not live:
             break
-        top = expand(engine, live, max(2, 1 + len(eos)) * params.beam_width)
+        top = expand(engine, live, max(2, 1 + len(eos)) * params.beam_width, adapter)
         for state, beam_tops in zip(live, top):
             advance(state, beam_tops, step + 1, eos, params)
     return [finalise(s, params) for s in states]
 
 
-def expand(engine: Engine, states: list[PromptBeams], k: int) -> list[list[list[tuple[int, float]]]]:
+def expand(engine: Engine, states: list[PromptBeams], k: int,
+           adapter: LoRAAdapter | None = None) -> list[list[list[tuple[int, float]]]]:
     """Top-k (token, log-prob) of the next token of every live beam, in one engine run."""
     sampling = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True)
-    ids = [[engine.add_request(s.prompt + tokens, sampling, stream=False) for tokens, _ in s.running] for s in states]
+    ids = [[engine.add_request(s.prompt + tokens, sampling, stream=False, lora=adapter) for tokens, _ in s.running]
+           for s in states]
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})

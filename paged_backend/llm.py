@@ -103,8 +103,10 @@ class LLM:
         params = normalise_params(sampling_params, len(prompts))
         return self.run(prompts, params, use_tqdm, normalise_loras(lora, len(prompts)))
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search per prompt, with transformers' scoring and stopping rules; sequences best first."""
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora: LoRASpec | None = None) -> list[BeamSearchOutput]:
+        """Beam search per prompt, with transformers' scoring and stopping rules; sequences best first.
+        With `lora`, every prompt's beams run with that adapter."""
         token_lists = []
         for i, prompt in enumerate(normalise_prompts(prompts)):
             try:
@@ -113,7 +115,7 @@ class LLM:
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
             token_lists.append(ids)
-        outputs = beam_search(self.engine, token_lists, params)
+        outputs = beam_search(self.engine, token_lists, params, lora)
         if self.tokenizer is not None:
             for output in outputs:
                 for sequence in output.sequences:

@@ -27,6 +27,7 @@ from paged_backend import (
     LoRARequest,
     SamplingParams,
 )
+from paged_backend.beam_search import beam_search
 
 MAX_NEW = 8
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -276,4 +277,21 @@ def test_samples_and_speculation_keep_their_adapter(case):
     for rid, ref in zip(ids, refs[:4]):
         assert [c.token_ids for c in finals[rid].outputs] == [ref, ref]
     assert engine.stats()["spec_num_draft_tokens"] > 0, "random prompts should still give some n-gram proposals"
+    assert_all_blocks_free(engine)
+
+
+def test_beam_search_with_an_adapter_equals_peft_beams(case):
+    from paged_backend import BeamSearchParams
+
+    model, _, prompts, _, _ = case
+    engine = lora_engine(case, num_kv_blocks=128, block_size=4)
+    model.set_adapter("beta")
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompts[1]]), num_beams=2, num_return_sequences=2, do_sample=False,
+                             max_new_tokens=5, min_new_tokens=5)
+    (result,) = beam_search(engine, [prompts[1]], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True),
+                            lora="beta")
+    assert [s.token_ids for s in result.sequences] == out[:, len(prompts[1]):].tolist()
+    (base,) = beam_search(engine, [prompts[1]], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
+    assert [s.token_ids for s in base.sequences] != out[:, len(prompts[1]):].tolist()
     assert_all_blocks_free(engine)
