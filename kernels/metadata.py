@@ -30,6 +30,9 @@ class AttentionMetadata:
     # Backends memoise what they derive once per step (gather indices, masks) here, so the work is
     # shared by every layer of the forward instead of being redone per layer.
     derived: dict[str, Any] = field(default_factory=dict)
+    # Split-KV segments of a pure decode step, fixed by the caller: a captured CUDA graph replays one
+    # launch grid, so it cannot follow the step's max_seq_len. None: the backend chooses per step.
+    num_kv_segments: int | None = None
 
     @property
     def num_seqs(self) -> int:

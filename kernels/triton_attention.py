@@ -249,13 +249,24 @@ def choose_config(
     tile_n = 32 if head_pad > 128 or not prefill else 64
     num_warps = 8 if block_m * head_pad >= 64 * 128 else 4
     num_segments = 1
-    if metadata.is_pure_decode and query.is_cuda:
-        programs = metadata.num_seqs * num_kv_heads
-        sms = multiprocessor_count(query.device.index or 0)
-        max_segments = metadata.max_seq_len // (4 * tile_n)  # keep several tiles per segment
-        while num_segments < 16 and programs * num_segments < sms and num_segments * 2 <= max_segments:
-            num_segments *= 2
+    if metadata.is_pure_decode and metadata.num_kv_segments is not None:
+        num_segments = metadata.num_kv_segments
+    elif metadata.is_pure_decode and query.is_cuda:
+        num_segments = decode_segments(metadata.num_seqs, num_kv_heads, metadata.max_seq_len, query.device, tile_n)
     return LaunchConfig(block_m, tile_n, num_segments, num_warps, num_stages=2 if head_pad > 128 else 3)
+
+
+def decode_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                    tile_n: int = 32) -> int:
+    """Split-KV segments (a power of two, at most 16) for a decode batch: enough (sequence, KV head,
+    segment) programs to fill the GPU's multiprocessors, while each segment keeps several key tiles."""
+    programs = num_seqs * num_kv_heads
+    sms = multiprocessor_count(device.index or 0)
+    max_segments = max_seq_len // (4 * tile_n)  # keep several tiles per segment
+    segments = 1
+    while segments < 16 and programs * segments < sms and segments * 2 <= max_segments:
+        segments *= 2
+    return segments
 
 
 def paged_attention(

@@ -13,6 +13,7 @@ DEFAULT_CUDA_KV_FRACTION = 0.4  # of the device memory free after loading the mo
 # What the paged KV cache stores: "auto" is the model's dtype; int8 keeps a scale per token and head.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 @dataclass(slots=True)
@@ -43,6 +44,14 @@ class EngineConfig:
     # The KV cache's storage: "auto" (the model's dtype), "bf16", "fp16" or "int8" (per token and head scaled);
     # a lower precision than the model's halves (bf16/fp16 under fp32) or quarters (int8) KV memory.
     kv_cache_dtype: str = "auto"
+    # Decode-only steps are padded to the next of these batch sizes and, on CUDA, replayed from a CUDA graph
+    # captured for that size at start-up (decode_padding.py, cuda_graphs.py). None: 1, 2, 4, ..., 256, capped at
+    # max_num_seqs; [] turns padding and capture off. Mixed prefill/decode steps are never padded.
+    cuda_graph_sizes: list[int] | None = None
+    # Pad decode-only steps to cuda_graph_sizes: None pads where the steps are captured (CUDA); True pads on
+    # any device (on CPU nothing is captured: this runs the padded path to check it); False never pads (so
+    # nothing is captured either).
+    pad_decode: bool | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
@@ -51,6 +60,8 @@ class EngineConfig:
                              f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
         if self.compile not in (True, False, None):
             raise ValueError(f"EngineConfig.compile={self.compile!r}: must be True, False or None")
+        if self.pad_decode not in (True, False, None):
+            raise ValueError(f"EngineConfig.pad_decode={self.pad_decode!r}: must be True, False or None")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -59,7 +70,23 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"EngineConfig.{name}={value!r}: must be an int >= 1 or None")
+        self.cuda_graph_sizes = resolve_graph_sizes(self.cuda_graph_sizes, self.max_num_seqs)
+        if self.pad_decode and not self.cuda_graph_sizes:
+            raise ValueError("EngineConfig.pad_decode=True needs cuda_graph_sizes to pad to (it is empty)")
 
     def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the KV cache stores for a model of `model_dtype`."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
+
+
+def resolve_graph_sizes(sizes: list[int] | None, max_num_seqs: int) -> list[int]:
+    """The padded decode batch sizes, ascending, none above max_num_seqs; a batch larger than every
+    size but within max_num_seqs gets max_num_seqs itself as its size, so every decode batch has one."""
+    given = DEFAULT_CUDA_GRAPH_SIZES if sizes is None else sizes
+    if not isinstance(given, (list, tuple)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in given):
+        raise ValueError(f"EngineConfig.cuda_graph_sizes={sizes!r}: must be a list of ints >= 1 (or [] for none)")
+    kept = {s for s in given if s <= max_num_seqs}
+    if len(kept) < len(set(given)):
+        kept.add(max_num_seqs)
+    return sorted(kept)

@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from . import compilation, prompt_logprobs
+from . import compilation, cuda_graphs, prompt_logprobs
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
+from .decode_padding import DecodePadding
 from .detokenizer import IncrementalDetokenizer
 from .distributed import agree_on_blocks
 from .grammar import GrammarMask, Grammars
@@ -55,18 +56,26 @@ class Engine:
         param = next(model.parameters())
         kv_dtype = self.config.resolve_kv_cache_dtype(param.dtype)
         num_blocks = agree_on_blocks(self.choose_num_blocks(shape, kv_dtype, param.device), param.device)
-        self.cache = PagedCache(shape, num_blocks, self.config.block_size, kv_dtype, param.device)
+        self.graph_refusal = cuda_graphs.refusal(param.device, param.dtype, shape.head_dim,
+                                                 compilation.eager_reason() is not None, self.config.enable_lora)
+        pad = self.wants_padding(param.device)
+        # A padded decode step's padding rows write to one block beyond those the block pool hands out.
+        self.cache = PagedCache(shape, num_blocks + pad, self.config.block_size, kv_dtype, param.device)
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.context_note = ""  # why the context is shorter than the model's positions, when it is
+        self.max_model_len = self.resolve_max_model_len(text_config)
         spec = self.config.speculative_config
         self.speculator = Speculator(spec) if spec is not None else None
         self.loras, lora_slots = self.enable_lora(model)
         self.scheduler = Scheduler(self.config, self.kv, self.speculator, lora_slots)
         self.runner = ModelRunner(model, self.cache, publish_step, lora_slots)
+        if pad:
+            self.runner.padding = self.make_padding(shape, scratch_block=num_blocks)
         self.compile_s: float | None = None  # seconds the compile and warm-up took, when compiled
         self.compiled = self.maybe_compile(param.device)
+        self.capture_s: float | None = None  # seconds the CUDA graph capture took, when captured
+        self.captured = self.maybe_capture()
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.context_note = ""  # why the context is shorter than the model's positions, when it is
-        self.max_model_len = self.resolve_max_model_len(text_config)
         self.eos_token_ids = find_eos_ids(model, tokenizer)
         self.requests: dict[str, list[Request]] = {}  # user's id -> its samples
         self.pending_outputs: list[RequestOutput] = []
@@ -98,6 +107,40 @@ class Engine:
             return False
         self.compile_s = self.runner.compile()
         logger.info("compiled the model forward and warmed it up in %.1f s", self.compile_s)
+        return True
+
+    def wants_padding(self, device: torch.device) -> bool:
+        """Pad decode-only steps: where they are captured (CUDA), or anywhere when the config says so."""
+        config = self.config
+        if not config.cuda_graph_sizes or config.pad_decode is False:
+            return False
+        if device.type == "cuda" and self.graph_refusal is not None:
+            logger.info("CUDA graphs: %s; decode steps run uncaptured", self.graph_refusal)
+        return bool(config.pad_decode) or self.graph_refusal is None
+
+    def make_padding(self, shape: KVShape, scratch_block: int) -> DecodePadding:
+        sizes = self.config.cuda_graph_sizes
+        device = self.cache.kv.device
+        segments = (cuda_graphs.segments_per_size(sizes, shape.num_kv_heads, self.max_model_len, device)
+                    if self.graph_refusal is None else None)
+        return DecodePadding(sizes, -(-self.max_model_len // self.config.block_size), scratch_block,
+                             self.config.block_size, device, segments)
+
+    def maybe_capture(self) -> bool:
+        """Capture the padded decode step of every size in a CUDA graph, when this engine can; say how long
+        it took. A failed capture is logged and the engine runs uncaptured."""
+        if self.runner.padding is None or self.graph_refusal is not None:
+            return False
+        graphs = cuda_graphs.DecodeGraphs(self.runner.padding, self.runner.run_model, self.cache.kv,
+                                          self.cache.kv_scales)
+        try:
+            self.capture_s = graphs.capture()
+        except Exception as exc:  # noqa: BLE001  (the engine still runs, uncaptured)
+            logger.warning("CUDA graph capture failed (%s: %s); decode steps run uncaptured", type(exc).__name__, exc)
+            return False
+        self.runner.graphs = graphs
+        logger.info("captured CUDA graphs of decode steps for batch sizes %s in %.1f s",
+                    self.config.cuda_graph_sizes, self.capture_s)
         return True
 
     def choose_num_blocks(self, shape: KVShape, dtype: torch.dtype, device: torch.device) -> int:

@@ -9,7 +9,7 @@ the positions of the proposed tokens a request carries, which speculation verifi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -22,6 +22,10 @@ from .prompt_logprobs import PromptSpan, wanted_targets
 from .request import Request
 from .scheduler import ScheduledBatch
 
+if TYPE_CHECKING:
+    from .cuda_graphs import DecodeGraphs
+    from .decode_padding import DecodePadding
+
 
 class StepInputs(NamedTuple):
     input_ids: torch.Tensor  # [1, T]
@@ -32,6 +36,9 @@ class StepInputs(NamedTuple):
     # Kept logits rows after the sampling ones, scoring prompt tokens (rank 0 only; see prompt_logprobs.py).
     prompt_spans: tuple[PromptSpan, ...] = ()
     lora: lora.LoRAStep | None = None  # the step's adapter segments (None: every token runs the base)
+    # A padded decode step (decode_padding.py): the first `real_rows` logits rows are its own, the rest
+    # padding's. None: not padded.
+    real_rows: int | None = None
 
 
 class ModelRunner:
@@ -43,6 +50,8 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.kv.device
         self.publish = publish  # tensor parallelism: hands each step's inputs to the other ranks
+        self.padding: DecodePadding | None = None  # pads decode-only steps, when the engine asks
+        self.graphs: DecodeGraphs | None = None  # replays padded decode steps on CUDA, once captured
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepInputs]:
         """Run one forward; return the kept logits and the step's inputs: the first rows are those of
@@ -50,6 +59,9 @@ class ModelRunner:
         carrying proposed tokens), then those of `inputs.prompt_spans`.
         The caller holds `torch.inference_mode()` over this and the sampling that follows."""
         inputs = self.prepare_inputs(batch)
+        size = self.padding.size_for(inputs) if self.padding is not None else None
+        if size is not None:  # before publishing: every tensor-parallel rank runs the same padded step
+            inputs = self.padding.pad(inputs, size)
         if self.publish is not None:
             self.publish(inputs)
         return self.forward(inputs), inputs
@@ -57,7 +69,10 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         with (custom_ops.step_context(inputs.metadata, self.cache.kv, self.cache.kv_scales),
               lora.step_context(inputs.lora)):
-            return self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices)
+            logits = self.graphs.replay(inputs) if self.graphs is not None and inputs.real_rows is not None else None
+            if logits is None:
+                logits = self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices)
+        return logits if inputs.real_rows is None else logits[: inputs.real_rows]
 
     def run_model(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                   logits_indices: torch.Tensor) -> torch.Tensor:

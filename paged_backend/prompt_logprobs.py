@@ -16,6 +16,7 @@ import torch
 
 from .outputs import Logprob
 from .request import Request
+from .sampler import on_device, to_host
 
 
 class PromptSpan(NamedTuple):
@@ -38,16 +39,17 @@ def record(logits: torch.Tensor, spans: list[PromptSpan]) -> None:
     """Append each span's entries to its request, from the span rows of `logits [R, V]` in order."""
     if not spans:
         return
-    targets = torch.tensor([t for s in spans for t in s.request.prompt_token_ids[s.first:s.first + s.count]],
-                           device=logits.device)
+    target_list = [t for s in spans for t in s.request.prompt_token_ids[s.first:s.first + s.count]]
+    targets = on_device(target_list, logits.device, torch.long)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, targets[:, None])
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     k = max(s.request.params.prompt_logprobs for s in spans)
     top = logprobs.topk(k, dim=-1) if k else None
-    chosen_list, rank_list, target_list = chosen[:, 0].tolist(), ranks.tolist(), targets.tolist()
-    top_ids = top.indices.tolist() if top is not None else None
-    top_values = top.values.tolist() if top is not None else None
+    if top is None:
+        (chosen_list, rank_list), top_ids, top_values = to_host(chosen[:, 0], ranks), None, None
+    else:
+        chosen_list, rank_list, top_ids, top_values = to_host(chosen[:, 0], ranks, top.indices, top.values)
     row = 0
     for span in spans:
         k_here = span.request.params.prompt_logprobs

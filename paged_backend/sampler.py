@@ -3,6 +3,10 @@
 Greedy rows are an argmax. Random rows use the exponential race (argmax of p / q with
 q ~ Exp(1)), which samples from p exactly; a seeded request draws its q row from its own
 generator, so its tokens do not depend on what else is in the batch.
+
+On a GPU the step waits for the device once, for the sampled ids (and the logprobs asked for, in
+the same wait): per-row values go to the device as non-blocking copies, results come back through
+`to_host`, and nothing reads a device value on the way.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def sample(logits: torch.Tensor, requests: list[Request], grammar_mask: GrammarM
     ban_stop_tokens_before_min(logits, requests, extras)
     tokens = pick_tokens(logits, requests)
     if raw_logprobs is None:
-        return SamplerOutput(tokens.tolist())
+        return SamplerOutput(to_host(tokens)[0])
     return gather_logprobs(raw_logprobs, tokens, requests)
 
 
@@ -50,7 +54,7 @@ def pick_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     greedy = [r.params.temperature == 0.0 for r in requests]
     if all(greedy):
         return logits.argmax(dim=-1)
-    temps = torch.tensor([r.params.temperature or 1.0 for r in requests], device=logits.device)
+    temps = on_device([r.params.temperature or 1.0 for r in requests], logits.device)
     scaled = filter_logits(logits / temps[:, None], requests)
     probs = torch.softmax(scaled, dim=-1)
     q = torch.empty_like(probs).exponential_()
@@ -60,7 +64,7 @@ def pick_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     sampled = (probs / q).argmax(dim=-1)
     if not any(greedy):
         return sampled
-    greedy_rows = torch.tensor(greedy, device=logits.device)
+    greedy_rows = on_device(greedy, logits.device)
     return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
 
 
@@ -79,16 +83,16 @@ def filter_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     ranks = torch.arange(vocab, device=device)
     if use_k:
-        remove |= ranks[None, :] >= torch.tensor(top_k, device=device)[:, None]
+        remove |= ranks[None, :] >= on_device(top_k, device)[:, None]
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     if use_p:
         probs = torch.softmax(sorted_logits, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_p = on_device([p.top_p for p in params], device)
         remove |= before >= top_p[:, None]
     if use_min_p:
         probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        min_p = on_device([p.min_p for p in params], device)
         remove |= probs < min_p[:, None] * probs[:, :1]
     remove[:, 0] = False  # the most likely token always survives
     return logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
@@ -121,7 +125,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], extras: list)
 
 def with_extra_tokens(state: PenaltyState, extra: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The seen mask and counts as if `extra` followed the output (the request's state is left as it is)."""
-    ids = torch.tensor(extra, dtype=torch.long, device=state.counts.device)
+    ids = on_device(extra, state.counts.device, torch.long)
     seen = state.seen.clone()
     seen[ids] = True
     return seen, state.counts.clone().index_add_(0, ids, torch.ones(len(extra), device=ids.device))
@@ -137,10 +141,10 @@ def sync_penalty_state(request: Request, vocab: int, device: torch.device) -> Pe
             counts=torch.zeros(vocab, device=device),
             synced=0,
         )
-        state.seen[torch.tensor(request.prompt_token_ids, dtype=torch.long, device=device)] = True
+        state.seen[on_device(request.prompt_token_ids, device, torch.long)] = True
     new = request.output_token_ids[state.synced:]
     if new:
-        ids = torch.tensor(new, dtype=torch.long, device=device)
+        ids = on_device(new, device, torch.long)
         state.seen[ids] = True
         state.counts.index_add_(0, ids, torch.ones(len(new), device=device))
         state.synced = len(request.output_token_ids)
@@ -150,16 +154,28 @@ def sync_penalty_state(request: Request, vocab: int, device: torch.device) -> Pe
 def ban_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request], extras: list) -> None:
     for i, request in enumerate(requests):
         if request.num_output_tokens + len(extras[i]) < request.params.min_tokens and request.stop_ids:
-            logits[i, list(request.stop_ids)] = float("-inf")
+            logits[i, on_device(sorted(request.stop_ids), logits.device, torch.long)] = float("-inf")
 
 
 def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     k = max(r.params.logprobs or 0 for r in requests)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     top = logprobs.topk(k, dim=-1) if k > 0 else None
-    return SamplerOutput(
-        tokens.tolist(),
-        chosen.tolist(),
-        top.indices.tolist() if top is not None else None,
-        top.values.tolist() if top is not None else None,
-    )
+    if top is None:
+        return SamplerOutput(*to_host(tokens, chosen))
+    return SamplerOutput(*to_host(tokens, chosen, top.indices, top.values))
+
+
+def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values as a tensor on `device`, copied without waiting for the device's queued work."""
+    tensor = torch.tensor(values, dtype=dtype)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+
+
+def to_host(*tensors: torch.Tensor) -> list[list]:
+    """The tensors as Python lists, waiting for the device once: every copy is queued before the wait."""
+    if tensors[0].device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    copies = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [c.tolist() for c in copies]

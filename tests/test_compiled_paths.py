@@ -107,3 +107,13 @@ def test_speculative_decoding(model, graphs):
     assert [o.outputs[0].token_ids for o in run(compiled, prompts, greedy(12))] == eager
     assert compiled.stats()["spec_num_draft_tokens"] > 0
     assert_no_recompiles(graphs)
+
+
+def test_padded_decode_steps(model, graphs):
+    """Decode-only steps padded to fixed sizes (what CUDA graphs replay; here on CPU, nothing captured)."""
+    prompts = mixed_prompts(9, seed=13)
+    eager = [o.outputs[0].token_ids for o in run(Engine(model, None, EngineConfig(**CONFIG)), prompts, greedy(10))]
+    _, compiled = eager_and_compiled(model, graphs, pad_decode=True, cuda_graph_sizes=[1, 2, 4, 8])
+    assert [o.outputs[0].token_ids for o in run(compiled, prompts, greedy(10))] == eager
+    assert compiled.runner.padding.num_padded_steps > 0
+    assert_no_recompiles(graphs)

@@ -205,3 +205,25 @@ def test_penalties_over_many_greedy_steps_match_a_bare_model_loop(model, engine,
     finals = run_to_completion(engine)
     assert finals[rid].outputs[0].token_ids == ref
     assert finals[neighbour].outputs[0].token_ids == plain
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist on a CUDA device only")
+def test_sampler_waits_for_the_device_once():
+    """Per-row values go to the device without a wait; sampled ids and logprobs come back in one wait,
+    which CUDA's sync debug mode does not count (an explicit stream synchronize)."""
+    from types import SimpleNamespace
+
+    from paged_backend.sampler import sample
+
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2, seed=1),
+              SamplingParams(temperature=0.0, logprobs=1, repetition_penalty=1.2)]
+    requests = [SimpleNamespace(params=p, generator=torch.Generator("cuda").manual_seed(1), logits_processor=None,
+                                output_token_ids=[3], prompt_token_ids=[1, 2], penalty_state=None,
+                                num_output_tokens=1, stop_ids=frozenset({0}), wants_logprob=True) for p in params]
+    logits = torch.randn(2, 64, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sample(logits, requests)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(out.token_ids) == 2 and len(out.top_ids[0]) == 2

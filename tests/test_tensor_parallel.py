@@ -55,9 +55,12 @@ def test_torchrun_launch_matches_one_process(tiny_path, single_tokens, tmp_path)
         f"sys.path.insert(0, {tests_dir!r})",
         "from engine_helpers import greedy, mixed_prompts",
         "from paged_backend import LLM",
-        f"llm = LLM({str(tiny_path)!r}, tensor_parallel_size=2, **{ENGINE!r})",
+        # Padded decode steps: rank 0 pads before it broadcasts, so both ranks run the same shapes.
+        f"llm = LLM({str(tiny_path)!r}, tensor_parallel_size=2, pad_decode=True, **{ENGINE!r})",
+        "assert llm.engine.runner.padding is not None",
         "outputs = llm.generate(mixed_prompts(), greedy(12), use_tqdm=False)  # only rank 0 gets here",
         "print('TOKENS', json.dumps([o.outputs[0].token_ids for o in outputs]))",
+        "print('PADDED_STEPS', llm.engine.runner.padding.num_padded_steps)",
         "llm.close()",
     ]))
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -67,3 +70,5 @@ def test_torchrun_launch_matches_one_process(tiny_path, single_tokens, tmp_path)
     lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS")]
     assert len(lines) == 1, "exactly one process faces the user"
     assert json.loads(lines[0][len("TOKENS "):]) == single_tokens
+    padded = [int(line.split()[1]) for line in run.stdout.splitlines() if line.startswith("PADDED_STEPS")]
+    assert len(padded) == 1 and padded[0] > 0
