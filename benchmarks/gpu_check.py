@@ -12,6 +12,11 @@ Sections (each prints PASS/FAIL or its figures; the exit code is 1 if any check 
 - throughput: a Llama-shaped random model of about 1.2B parameters in bf16: this engine against HF
   `generate` with static batches and transformers' `generate_batch`, on the same requests; the
   engine's pure-decode steps' achieved bandwidth (weights + KV read) as a fraction of peak.
+- steps: the same model and requests through the engine's eager, compiled (`torch.compile`) and
+  captured (compiled, decode steps replayed from CUDA graphs) steps: throughput, start-up cost,
+  greedy equality with the eager engine (in bf16 a near-tie can flip a token late in a request; a
+  broken step mismatches early in most requests), and the median decode step against the bare HF
+  forward of the same batch captured in a CUDA graph (the issue's floor: a step within 1.5x of it).
 
     python benchmarks/gpu_check.py                 # on a CUDA machine: about 4-7 minutes
     python benchmarks/gpu_check.py --only micro    # one or more sections, comma-separated
@@ -37,7 +42,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("kernel_tests", "greedy", "micro", "throughput")
+SECTIONS = ("kernel_tests", "greedy", "micro", "throughput", "steps")
 # Peak HBM bandwidth (bytes/s) by device-name fragment; the first match wins. --peak-bandwidth overrides.
 PEAK_BANDWIDTH = (
     ("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H20", 4.0e12), ("GH200", 4.0e12),
@@ -441,9 +446,9 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int) -> int:
     return sum(len(finals[i].outputs[0].token_ids) for i in ids)
 
 
-def record_decode_steps(engine, device: torch.device) -> list[tuple[float, int]]:
-    """Wrap the model runner: (seconds, total context) of every step where all sequences decode."""
-    steps: list[tuple[float, int]] = []
+def record_decode_steps(engine, device: torch.device) -> list[tuple[float, int, int]]:
+    """Wrap the model runner: (seconds, total context, sequences) of every step where all sequences decode."""
+    steps: list[tuple[float, int, int]] = []
     execute = engine.runner.execute
 
     def recording_execute(batch):
@@ -453,23 +458,23 @@ def record_decode_steps(engine, device: torch.device) -> list[tuple[float, int]]
         synchronize(device)
         if all(n == 1 for n in batch.num_new_tokens):
             context = sum(r.num_computed_tokens + 1 for r in batch.requests)
-            steps.append((time.perf_counter() - start, context))
+            steps.append((time.perf_counter() - start, context, len(batch.requests)))
         return out
 
     engine.runner.execute = recording_execute
     return steps
 
 
-def decode_bandwidth(model: torch.nn.Module, steps: list[tuple[float, int]], peak: float | None) -> dict:
+def decode_bandwidth(model: torch.nn.Module, steps: list[tuple[float, int, int]], peak: float | None) -> dict:
     """Bytes a decode step must read (all weights + every K/V of the batch) over its time."""
     if not steps:
         return {}
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     per_token_kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
-    rates = sorted((weight_bytes + ctx * per_token_kv) / s for s, ctx in steps)
+    rates = sorted((weight_bytes + ctx * per_token_kv) / s for s, ctx, _ in steps)
     median_rate = statistics.median(rates)
-    result = {"decode_steps": len(steps), "median_step_ms": round(1e3 * statistics.median(s for s, _ in steps), 2),
+    result = {"decode_steps": len(steps), "median_step_ms": round(1e3 * statistics.median(s for s, _, _ in steps), 2),
               "achieved_GBps": round(median_rate / 1e9, 1)}
     if peak:
         result["fraction_of_peak"] = round(median_rate / peak, 3)
@@ -512,6 +517,110 @@ def benchmark_throughput(sizes: Sizes, device: torch.device, peak: float | None,
     return result
 
 
+# ------------------------------------------------------------------ eager, compiled and captured steps
+
+# EngineConfig per variant. On CPU (the dry run) nothing is captured: "captured" pads its decode steps
+# as a captured engine does, which is the part of it that runs without a GPU.
+STEP_VARIANTS = {
+    "eager": {"compile": False, "cuda_graph_sizes": []},
+    "compiled": {"compile": True, "cuda_graph_sizes": []},
+    "captured": {"compile": True},
+}
+
+
+def benchmark_steps(sizes: Sizes, device: torch.device, dry_run: bool) -> dict[str, Any]:
+    from paged_backend import Engine, EngineConfig
+
+    model = build_random_llama(sizes, device)
+    prompts = make_workload(sizes)
+    variants: dict[str, Any] = {}
+    tokens: dict[str, list[list[int]]] = {}
+    for name, knobs in STEP_VARIANTS.items():
+        if dry_run and name == "captured":
+            knobs = {**knobs, "pad_decode": True}
+        start = time.perf_counter()
+        engine = Engine(model, config=EngineConfig(**sizes.engine, **knobs))
+        setup_s = time.perf_counter() - start
+        engine_tokens(engine, prompts[: min(4, len(prompts))], 4)  # first calls: kernels, allocator
+        steps = record_decode_steps(engine, device)
+        run = timed_run(lambda engine=engine, name=name: count(tokens.setdefault(name, engine_tokens(
+            engine, prompts, sizes.max_tokens))), device)
+        variants[name] = {**run, "setup_s": round(setup_s, 1), "compile_s": engine.compile_s,
+                          "capture_s": engine.capture_s, "captured": engine.captured,
+                          "padded_steps": engine.runner.padding.num_padded_steps if engine.runner.padding else 0,
+                          "decode_step_ms": decode_step_ms(steps)}
+        del engine
+        gc.collect()
+    for name in ("compiled", "captured"):
+        variants[name]["tokens_equal_eager"] = compare_tokens(tokens[name], tokens["eager"])
+    batch, step_ms = variants["captured"]["decode_step_ms"]
+    floor = bare_forward_ms(model, batch, device, sizes.repeats) if batch else None
+    result = {"variants": variants, "bare_forward": floor,
+              "decode_step_over_bare_graph": round(step_ms / floor["ms"], 2) if floor and floor["captured"] else None,
+              "compiled_vs_eager": round(variants["compiled"]["tokens_per_s"] / variants["eager"]["tokens_per_s"], 2),
+              "captured_vs_eager": round(variants["captured"]["tokens_per_s"] / variants["eager"]["tokens_per_s"], 2)}
+    expected = len(prompts) * sizes.max_tokens
+    result["ok"] = all(v["tokens"] == expected for v in variants.values()) and all(
+        variants[n]["tokens_equal_eager"]["equal"] == len(prompts) for n in ("compiled", "captured"))
+    return result
+
+
+def engine_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from paged_backend import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params, stream=False) for p in prompts]
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    return [list(finals[i].outputs[0].token_ids) for i in ids]
+
+
+def count(tokens: list[list[int]]) -> int:
+    return sum(map(len, tokens))
+
+
+def decode_step_ms(steps: list[tuple[float, int, int]]) -> tuple[int, float]:
+    """(the most common decode batch size, the median milliseconds of the decode steps of that size)."""
+    if not steps:
+        return 0, 0.0
+    batch = statistics.mode(n for _, _, n in steps)
+    return batch, round(1e3 * statistics.median(s for s, _, n in steps if n == batch), 3)
+
+
+def compare_tokens(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:
+    mismatched = [i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b]
+    first = None
+    if mismatched:
+        i = mismatched[0]
+        first = {"request": i, "position": next((j for j, (a, b) in enumerate(zip(tokens[i], reference[i])) if a != b),
+                                                min(len(tokens[i]), len(reference[i])))}
+    return {"equal": len(reference) - len(mismatched), "of": len(reference), "first_mismatch": first}
+
+
+def bare_forward_ms(model: torch.nn.Module, batch: int, device: torch.device, repeats: int) -> dict[str, Any]:
+    """The bare HF forward of `batch` packed tokens `[1, batch]` (SDPA, no cache, logits for every row, as a
+    decode step of `batch` sequences computes), replayed from a CUDA graph; eager on CPU."""
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, model.config.vocab_size, (1, batch), device=device)
+
+    def forward():
+        return model(input_ids=ids, use_cache=False).logits
+
+    with torch.inference_mode():
+        if device.type != "cuda":
+            return {"batch": batch, "ms": round(time_ms(forward, device, repeats), 3), "captured": False}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        return {"batch": batch, "ms": round(time_ms(graph.replay, device, repeats), 3), "captured": True}
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -527,6 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "greedy": lambda: check_greedy(sizes, device, args.dry_run),
         "micro": lambda: benchmark_kernels(sizes, device, peak),
         "throughput": lambda: benchmark_throughput(sizes, device, peak, args.dry_run),
+        "steps": lambda: benchmark_steps(sizes, device, args.dry_run),
     }
     for name in args.sections:
         start = time.perf_counter()

@@ -81,6 +81,20 @@ def test_all_systems_report_their_fields(tiny_model_dir, workload, tmp_path):
         assert chart == path.with_suffix(".png") and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compiled_engine_system(tiny_model_dir, workload):
+    """`engine_compiled` compiles at set-up (counted in setup_s and compile_s, not in the timed run) and
+    gives the eager engine's tokens; its ratio and target are judged."""
+    options = throughput.Options(floor_repeats=1)
+    results = throughput.run_systems(workload, ["engine", "engine_compiled"], tiny_model_dir, options, isolate=False)
+    compiled = results["engine_compiled"]
+    assert compiled["tokens"] == results["engine"]["tokens"]
+    assert compiled["compile_s"] > 0 and compiled["setup_s"] >= compiled["compile_s"]
+    assert results["engine"]["compile_s"] is None
+    report = throughput.summarise(workload, results)
+    assert report["ratios"]["compiled_vs_engine"] > 0
+    assert next(t for t in report["targets"] if "compiled" in t["target"])["met"] is not None
+
+
 def test_isolated_worker_returns_the_same_tokens(tiny_model_dir, workload):
     options = throughput.Options(floor_repeats=1, block_size=8)  # a non-default block size reaches the worker
     isolated = throughput.run_systems(workload, ["engine"], tiny_model_dir, options, isolate=True)["engine"]

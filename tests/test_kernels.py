@@ -282,6 +282,26 @@ def test_gpu_check_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert report["throughput"]["systems"]["engine"]["tokens"] == 4 * 3
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU, run the script itself")
+def test_gpu_check_steps_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steps section on CPU: eager, compiled and padded (the captured variant's CPU part) engines agree
+    token for token, and the report carries what a GPU run reads (capture itself needs CUDA)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)
+    spec.loader.exec_module(gpu_check)
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--dry-run", "--only", "steps", "--json", str(out)]) == 0
+    steps = json.loads(out.read_text())["steps"]
+    variants = steps["variants"]
+    assert variants["compiled"]["compile_s"] > 0 and variants["eager"]["compile_s"] is None
+    assert variants["captured"]["padded_steps"] > 0 and not variants["captured"]["captured"]
+    assert variants["captured"]["tokens_equal_eager"] == {"equal": 4, "of": 4, "first_mismatch": None}
+    assert steps["bare_forward"]["batch"] == variants["captured"]["decode_step_ms"][0] > 0
+    assert steps["decode_step_over_bare_graph"] is None  # no graph on CPU
+
+
 # Compiles every kernel to a cubin for sm_90, no GPU needed, to catch what only the compiler rejects
 # (loop-carried types, dot shapes, layouts). It runs in a fresh process: triton.language's helpers are
 # either interpreted or compiled per process, and this one interprets them.
