@@ -175,6 +175,16 @@ def test_split_kv_decode(segments: int) -> None:
     check_attention(batch, LaunchConfig(block_m=16, tile_n=16, num_segments=segments))
 
 
+def test_fixed_segment_count_of_a_captured_step() -> None:
+    """A padded decode step carries its segment count (a CUDA graph replays one grid whatever the context):
+    the launch follows it, and padding-like one-token rows with short contexts leave segments empty."""
+    batch = make_batch([1, 1, 1, 1], [70, 1, 1, 5], num_kv_heads=2, group=2, block_size=16, dtype=torch.float32)
+    assert triton_attention.choose_config(batch.query, 2, batch.metadata).num_segments == 1  # CPU: not split
+    batch.metadata.num_kv_segments = 4
+    assert triton_attention.choose_config(batch.query, 2, batch.metadata).num_segments == 4
+    check_attention(batch)
+
+
 def test_split_kv_with_window() -> None:
     batch = make_batch([1, 1], [70, 12], group=2, block_size=16, dtype=torch.float32)
     check_attention(batch, LaunchConfig(block_m=16, tile_n=16, num_segments=4), sliding_window=20)
