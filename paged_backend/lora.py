@@ -274,6 +274,7 @@ class LoRAStep:
     `mask[t, s * max_rank + j]` is 1 when token t runs with the adapter in slot s, else 0."""
 
     mask: torch.Tensor  # [T, (max_loras + 1) * max_rank]
+    owner: LoRASlots  # whose slots the mask indexes: only that engine's hooks apply it
 
 
 _current: LoRAStep | None = None  # set by step_context() around one step's forward
@@ -300,8 +301,9 @@ class LoRALinearHook:
     per layer whatever the mix of adapters, no loop over adapters or tokens; base tokens get exact
     zeros. The cost grows with max_loras x max_lora_rank, which is why both are bounded."""
 
-    def __init__(self, linear: nn.Linear, num_slots: int, max_rank: int) -> None:
+    def __init__(self, linear: nn.Linear, owner: LoRASlots, num_slots: int, max_rank: int) -> None:
         weight = linear.weight
+        self.owner = owner  # two engines on one model each hook its linears: each applies only its own steps
         self.max_rank = max_rank
         self.a = weight.new_zeros(num_slots * max_rank, linear.in_features)
         self.b = weight.new_zeros(num_slots * max_rank, linear.out_features)
@@ -319,7 +321,7 @@ class LoRALinearHook:
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         step = _current
-        if step is None:
+        if step is None or step.owner is not self.owner:
             return output
         x = args[0].reshape(-1, self.a.shape[1])
         projected = torch.mm(x, self.a.T).mul_(step.mask)
@@ -374,7 +376,7 @@ class LoRASlots:
         for module_name in adapter.weights:
             if module_name not in self.hooks:
                 linear = base_linear(self.model.get_submodule(module_name))
-                self.hooks[module_name] = LoRALinearHook(linear, self.max_loras + 1, self.max_rank)
+                self.hooks[module_name] = LoRALinearHook(linear, self, self.max_loras + 1, self.max_rank)
         with torch.no_grad():
             for module_name, hook in self.hooks.items():
                 hook.load(slot, adapter.weights.get(module_name))
@@ -389,7 +391,7 @@ class LoRASlots:
         token_slots = np.repeat(request_slots, counts)
         columns = np.repeat(np.arange(self.max_loras + 1), self.max_rank)
         mask = (token_slots[:, None] == columns[None, :]) & (token_slots[:, None] > 0)
-        return LoRAStep(torch.from_numpy(mask).to(device=device, dtype=self.dtype, non_blocking=True))
+        return LoRAStep(torch.from_numpy(mask).to(device=device, dtype=self.dtype, non_blocking=True), self)
 
     def remove_hooks(self) -> None:
         for hook in self.hooks.values():

@@ -295,3 +295,21 @@ def test_beam_search_with_an_adapter_equals_peft_beams(case):
     (base,) = beam_search(engine, [prompts[1]], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
     assert [s.token_ids for s in base.sequences] != out[:, len(prompts[1]):].tolist()
     assert_all_blocks_free(engine)
+
+
+def test_two_lora_engines_on_one_model_keep_their_own_adapters(case):
+    """Each engine hooks the shared linears: a step applies only its own engine's slots."""
+    model, _, prompts, _, refs = case
+    base = build("llama")
+    first = Engine(base, None, EngineConfig(enable_lora=True, num_kv_blocks=32))
+    second = Engine(base, None, EngineConfig(enable_lora=True, num_kv_blocks=32))
+    first.add_lora("alpha", model, adapter_name="alpha")
+    second.add_lora("other", model, adapter_name="beta")
+    a = first.add_request(prompts[1], greedy(MAX_NEW), request_id="a", lora="alpha")
+    b = second.add_request(prompts[2], greedy(MAX_NEW), request_id="b", lora="other")
+    finals: dict = {}
+    while first.has_unfinished_requests() or second.has_unfinished_requests():
+        for engine in (first, second):
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals[a].outputs[0].token_ids == refs[1]
+    assert finals[b].outputs[0].token_ids == refs[2]

@@ -84,6 +84,18 @@ def test_model_picks_the_adapter_on_completions_and_generate(served):
     assert legacy["text"] == [PROMPT + refs["french"]]
 
 
+def test_generate_beam_search_runs_the_adapter(served):
+    server, _, _, model = served
+    body = {"model": "french", "prompt": PROMPT, "use_beam_search": True, "n": 2, "best_of": 2,
+            "max_tokens": 4, "temperature": 0}
+    texts = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["text"]
+    ids = torch.tensor([server.tokenizer(PROMPT)["input_ids"]])
+    model.set_adapter("french")
+    with torch.no_grad():
+        out = model.generate(ids, num_beams=2, num_return_sequences=2, do_sample=False, max_new_tokens=4)
+    assert texts == [PROMPT + server.tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=True) for row in out]
+
+
 def test_chat_routes_by_model(served):
     server, _, _, model = served
     messages = [{"role": "user", "content": "say hello"}]

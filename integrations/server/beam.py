@@ -25,7 +25,8 @@ from .metrics import ServerMetrics
 
 
 async def beam_search(aengine: AsyncEngine, prompt_ids: list[int], params: BeamSearchParams,
-                      eos_token_ids: frozenset[int], request_id: str, metrics: ServerMetrics) -> BeamSearchOutput:
+                      eos_token_ids: frozenset[int], request_id: str, metrics: ServerMetrics,
+                      lora: str | None = None) -> BeamSearchOutput:
     state = PromptBeams(prompt_ids, [([], 0.0)])
     eos = frozenset() if params.ignore_eos else frozenset(params.eos_token_ids or eos_token_ids)
     k = max(2, 1 + len(eos)) * params.beam_width  # enough candidates to refill every beam past the EOS ones
@@ -34,17 +35,18 @@ async def beam_search(aengine: AsyncEngine, prompt_ids: list[int], params: BeamS
         if state.done:
             break
         tops = await asyncio.gather(*(
-            next_tokens(aengine, prompt_ids + tokens, step_params, k, f"{request_id}-{step}-{i}", metrics)
+            next_tokens(aengine, prompt_ids + tokens, step_params, k, f"{request_id}-{step}-{i}", metrics, lora)
             for i, (tokens, _) in enumerate(state.running)))
         advance(state, list(tops), step + 1, eos, params)
     return finalise(state, params)
 
 
 async def next_tokens(aengine: AsyncEngine, ids: list[int], params: SamplingParams, k: int, request_id: str,
-                      metrics: ServerMetrics) -> list[tuple[int, float]]:
+                      metrics: ServerMetrics, lora: str | None = None) -> list[tuple[int, float]]:
     """The k most likely next tokens of one beam with their log-probabilities, best first."""
     final: RequestOutput | None = None
-    async for final in aengine.generate(ids, params, request_id=request_id):
+    options = {} if lora is None else {"lora": lora}  # engine fronts without adapters take no lora
+    async for final in aengine.generate(ids, params, request_id=request_id, **options):
         pass
     metrics.record_finished(final)
     if final.error:

@@ -30,9 +30,7 @@ async def generate(state: ServerState, body: GenerateRequest, http_request: Requ
     fields = dict(body.model_extra or {})
     lora = state.check_model(body.model) if body.model is not None else None
     if body.use_beam_search:
-        if lora is not None:
-            raise bad_request("beam search does not run LoRA adapters", "model")
-        return await generate_beams(state, body, fields, http_request)
+        return await generate_beams(state, body, fields, http_request, lora)
     unknown = sorted(set(fields) - PARAM_FIELDS)
     if unknown:
         raise bad_request(f"unknown sampling parameters: {unknown}", unknown[0])
@@ -64,7 +62,8 @@ async def stream_texts(state: ServerState, jobs: list[Job], prompt_text: str, re
         yield (json.dumps({"text": texts}, ensure_ascii=False) + "\0").encode()
 
 
-async def generate_beams(state: ServerState, body: GenerateRequest, fields: dict[str, Any], http_request: Request):
+async def generate_beams(state: ServerState, body: GenerateRequest, fields: dict[str, Any], http_request: Request,
+                         lora: str | None = None):
     """vLLM's older beam search: `best_of` beams (`n` when unset), the `n` best returned, greedy only."""
     if body.stream:
         raise bad_request("beam search cannot be streamed: the best beams are known only at the end", "stream")
@@ -78,7 +77,7 @@ async def generate_beams(state: ServerState, body: GenerateRequest, fields: dict
     state.check_sequences(1, params.beam_width, "best_of")
     text, ids = state.tokenize(body.prompt)
     check_prompt(state.engine, ids, build_params(max_tokens=params.max_tokens))
-    search = beam_search(state.aengine, ids, params, eos, new_id("generate"), state.metrics)
+    search = beam_search(state.aengine, ids, params, eos, new_id("generate"), state.metrics, lora)
     output = await until_disconnect(http_request, search)
     prompt_text = text if text is not None else state.tokenizer.decode(ids)
     return JSONResponse({"text": [prompt_text + state.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
