@@ -114,6 +114,9 @@ class Engine:
         config = self.config
         if not config.cuda_graph_sizes or config.pad_decode is False:
             return False
+        if config.enable_lora:  # the LoRA hooks run per step (eagerly): a captured step would leave them out
+            logger.info("CUDA graphs: LoRA steps run eagerly and unpadded")
+            return False
         if device.type == "cuda" and self.graph_refusal is not None:
             logger.info("CUDA graphs: %s; decode steps run uncaptured", self.graph_refusal)
         return bool(config.pad_decode) or self.graph_refusal is None

@@ -313,3 +313,11 @@ def test_two_lora_engines_on_one_model_keep_their_own_adapters(case):
             finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert finals[a].outputs[0].token_ids == refs[1]
     assert finals[b].outputs[0].token_ids == refs[2]
+
+
+def test_padded_decode_is_off_with_lora(case):
+    """Padded (CUDA-graph) decode steps would leave the per-step LoRA hooks out of a captured step."""
+    _, _, prompts, names, refs = case
+    engine = lora_engine(case, num_kv_blocks=64, pad_decode=True)
+    assert engine.runner.padding is None
+    assert run(engine, prompts[:4], names[:4]) == refs[:4]
