@@ -19,6 +19,7 @@ from . import compilation, cuda_graphs, prompt_logprobs
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
 from .decode_padding import DecodePadding
 from .detokenizer import IncrementalDetokenizer
+from .draft_proposer import DraftProposer, load_draft
 from .distributed import agree_on_blocks
 from .grammar import GrammarMask, Grammars
 from .kv_cache_manager import KVCacheManager
@@ -55,17 +56,24 @@ class Engine:
         self.tokenizer = tokenizer
         param = next(model.parameters())
         kv_dtype = self.config.resolve_kv_cache_dtype(param.dtype)
-        num_blocks = agree_on_blocks(self.choose_num_blocks(shape, kv_dtype, param.device), param.device)
+        spec = self.config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            if publish_step is not None:
+                raise NotImplementedError("speculative_config method 'draft_model' with tensor parallelism")
+            draft = load_draft(spec.model, model, tokenizer, self.config.self_check)
+        num_blocks = agree_on_blocks(self.choose_num_blocks(shape, kv_dtype, param.device, draft), param.device)
         self.graph_refusal = cuda_graphs.refusal(param.device, param.dtype, shape.head_dim,
                                                  compilation.eager_reason() is not None, self.config.enable_lora)
         pad = self.wants_padding(param.device)
         # A padded decode step's padding rows write to one block beyond those the block pool hands out.
         self.cache = PagedCache(shape, num_blocks + pad, self.config.block_size, kv_dtype, param.device)
+        if draft is not None:  # as many blocks: the draft reads and writes through the target's block tables
+            draft.allocate(num_blocks + pad, self.config.block_size, kv_dtype, param.device)
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.context_note = ""  # why the context is shorter than the model's positions, when it is
-        self.max_model_len = self.resolve_max_model_len(text_config)
-        spec = self.config.speculative_config
-        self.speculator = Speculator(spec) if spec is not None else None
+        self.max_model_len = self.resolve_max_model_len(text_config, draft)
+        self.speculator = Speculator(spec, draft) if spec is not None else None
         self.loras, lora_slots = self.enable_lora(model)
         self.scheduler = Scheduler(self.config, self.kv, self.speculator, lora_slots)
         self.runner = ModelRunner(model, self.cache, publish_step, lora_slots)
@@ -146,7 +154,9 @@ class Engine:
                     self.config.cuda_graph_sizes, self.capture_s)
         return True
 
-    def choose_num_blocks(self, shape: KVShape, dtype: torch.dtype, device: torch.device) -> int:
+    def choose_num_blocks(self, shape: KVShape, dtype: torch.dtype, device: torch.device,
+                          draft: DraftProposer | None = None) -> int:
+        """Blocks within the K/V budget; a draft model's cache has as many blocks and shares the budget."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         budget = self.config.kv_cache_bytes
@@ -154,9 +164,12 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * DEFAULT_CUDA_KV_FRACTION)
         budget = budget or DEFAULT_CPU_KV_BYTES
-        return max(1, budget // shape.bytes_per_block(self.config.block_size, dtype))
+        per_block = shape.bytes_per_block(self.config.block_size, dtype)
+        if draft is not None:
+            per_block += draft.shape.bytes_per_block(self.config.block_size, dtype)
+        return max(1, budget // per_block)
 
-    def resolve_max_model_len(self, text_config) -> int:
+    def resolve_max_model_len(self, text_config, draft: DraftProposer | None = None) -> int:
         model_len = self.config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
         limit = usable_context(text_config)
         if limit is not None:
@@ -164,6 +177,9 @@ class Engine:
                 raise ValueError(f"EngineConfig.max_model_len={self.config.max_model_len}: {limit[1]}")
             model_len = min(model_len, limit[0])
             self.context_note = f" ({limit[1]})"
+        if draft is not None:  # the draft sees every position the target does
+            model_len = min(model_len, getattr(draft.model.config.get_text_config(), "max_position_embeddings",
+                                               None) or model_len)
         # A request alone must always fit in the cache, or preemption could never make room for it.
         return min(model_len, self.kv.capacity_tokens)
 
@@ -366,6 +382,8 @@ class Engine:
             return outputs
         try:
             with torch.inference_mode():
+                if batch.drafts:
+                    self.speculator.make_drafts(batch)
                 logits, inputs = self.runner.execute(batch)
                 sampling_requests = inputs.sampling_requests
                 sampled, kept, rows = self.sample_tokens(logits, sampling_requests)
@@ -374,6 +392,8 @@ class Engine:
             logger.exception("engine step failed")
             for request in batch.requests:
                 request.spec_token_ids = []
+            if self.speculator is not None and self.speculator.draft is not None:
+                self.speculator.draft.cancel()
             for request_id in dict.fromkeys(r.external_id for r in batch.requests):
                 self.abort_request(request_id, error=f"{type(exc).__name__}: {exc}")
             outputs, self.pending_outputs = outputs + self.pending_outputs, []
@@ -385,6 +405,8 @@ class Engine:
                 request.spec_token_ids = []
             request.num_computed_tokens += n
             self.kv.cache_full_blocks(request)
+        if batch.drafts:
+            self.speculator.draft.settle()
         self.num_computed_tokens += sum(batch.num_new_tokens)
         self.record_utilisation()
         outputs.extend(self.append_tokens(sampling_requests, sampled, kept, rows))
@@ -403,7 +425,8 @@ class Engine:
         # Constrained requests carry no proposals (see Scheduler.add_proposals): one row each, as the mask has.
         row_requests, extras = Speculator.expand_rows(requests)
         states = [Speculator.save_generator(r) for r in requests]
-        sampled = sample(logits[: len(row_requests)], row_requests, self.grammar_mask(row_requests), extras)
+        sampled = sample(logits[: len(row_requests)], row_requests, self.grammar_mask(row_requests), extras,
+                         Speculator.draft_rows(requests))
         kept, rows, row = [], [], 0
         for request, state in zip(requests, states):
             num_rows = len(request.spec_token_ids) + 1

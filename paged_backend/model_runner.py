@@ -96,18 +96,12 @@ class ModelRunner:
         requests, counts = batch.requests, np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=len(requests))
         ends = starts + counts
-        query_start_loc = np.zeros(len(requests) + 1, dtype=np.int64)
-        np.cumsum(counts, out=query_start_loc[1:])
         spec = np.fromiter((len(r.spec_token_ids) for r in requests), dtype=np.int64, count=len(requests))
         token_ids = np.concatenate(
             [np.asarray(r.token_slice(s, e - d) + r.spec_token_ids if d else r.token_slice(s, e), dtype=np.int64)
              for r, s, e, d in zip(requests, starts, ends, spec.tolist())]
         )
-        positions = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1] - starts, counts)
-        block_tables = self.block_table_array(requests)
-        block_size = self.cache.block_size
-        rows = np.repeat(np.arange(len(requests)), counts)
-        slots = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        positions, query_start_loc, metadata = self.pack(self.block_table_array(requests), starts, counts)
         sampling = [i for i, r in enumerate(requests) if ends[i] - spec[i] == r.num_tokens]
         logits_rows = self.sampling_rows(query_start_loc[1:][sampling] - 1, spec[sampling])
         spans, span_rows = self.prompt_spans(requests, starts, ends - spec, query_start_loc)
@@ -115,6 +109,27 @@ class ModelRunner:
             logits_rows = np.concatenate([logits_rows, span_rows])
         elif not sampling:  # only partial prompt chunks: keep one row so the forward's shape is valid
             logits_rows = query_start_loc[-1:] - 1
+        return StepInputs(
+            input_ids=self.to_device(token_ids)[None],
+            position_ids=self.to_device(positions)[None],
+            logits_indices=self.to_device(logits_rows),
+            sampling_requests=[requests[i] for i in sampling],
+            metadata=metadata,
+            prompt_spans=tuple(spans),
+            lora=self.lora_step(requests, counts),
+        )
+
+    def pack(self, block_tables: np.ndarray, starts: np.ndarray, counts: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
+        """Positions, query offsets and attention metadata of a packed row where sequence i (block table row
+        i) computes `counts[i]` tokens from position `starts[i]`."""
+        ends = starts + counts
+        query_start_loc = np.zeros(len(starts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start_loc[1:])
+        positions = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1] - starts, counts)
+        block_size = self.cache.block_size
+        rows = np.repeat(np.arange(len(starts)), counts)
+        slots = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
         metadata = AttentionMetadata(
             slot_mapping=self.to_device(slots),
             block_tables=self.to_device(block_tables),
@@ -126,15 +141,7 @@ class ModelRunner:
             max_query_len=int(counts.max()),
             max_seq_len=int(ends.max()),
         )
-        return StepInputs(
-            input_ids=self.to_device(token_ids)[None],
-            position_ids=self.to_device(positions)[None],
-            logits_indices=self.to_device(logits_rows),
-            sampling_requests=[requests[i] for i in sampling],
-            metadata=metadata,
-            prompt_spans=tuple(spans),
-            lora=self.lora_step(requests, counts),
-        )
+        return positions, query_start_loc, metadata
 
     def lora_step(self, requests: list[Request], counts: np.ndarray) -> lora.LoRAStep | None:
         if self.lora_slots is None:

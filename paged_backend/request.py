@@ -49,6 +49,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens scheduled after the last token
+    num_draft_computed: int = 0  # positions whose K/V a draft model has written (draft_proposer.py)
+    draft_probs: torch.Tensor | None = None  # [proposals, V]: the draft distributions sampled proposals came from
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, once computed
     cache_salt: str | None = None  # isolates this request's prefix-cache entries from other tenants'

@@ -19,6 +19,15 @@ from .grammar import GrammarMask, apply_bitmask
 from .request import PenaltyState, Request
 
 
+class DraftRows(NamedTuple):
+    """Rows that verify a proposal a draft model sampled: rejection sampling needs the distribution q it
+    was drawn from (a deterministic proposal, q one-hot, needs none: see speculation.py)."""
+
+    rows: list[int]  # sampler rows
+    tokens: list[int]  # the proposal each row verifies
+    probs: torch.Tensor  # [len(rows), V]: q of each proposal
+
+
 class SamplerOutput(NamedTuple):
     token_ids: list[int]
     # Only when some request asked for logprobs; rows of the others are computed but unused.
@@ -28,11 +37,12 @@ class SamplerOutput(NamedTuple):
 
 
 def sample(logits: torch.Tensor, requests: list[Request], grammar_mask: GrammarMask | None = None,
-           extras: list[list[int]] | None = None) -> SamplerOutput:
+           extras: list[list[int]] | None = None, drafts: DraftRows | None = None) -> SamplerOutput:
     """Pick one token per row of `logits [B, V]`; row i belongs to `requests[i]`. `grammar_mask` forbids
     the tokens each constrained row's grammar does not allow (the logprobs reported stay the model's own).
     With `extras`, row i follows `extras[i]` after the request's output (speculation verifies proposed
-    tokens this way): processors, penalties and min_tokens see that longer history."""
+    tokens this way): processors, penalties and min_tokens see that longer history. `drafts` rows emit
+    their proposal or a token of the residual distribution (rejection sampling against the draft's q)."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any_wants_logprobs(requests) else None
     extras = extras or [()] * len(requests)
@@ -40,7 +50,7 @@ def sample(logits: torch.Tensor, requests: list[Request], grammar_mask: GrammarM
     apply_request_processors(logits, requests, extras)
     apply_penalties(logits, requests, extras)
     ban_stop_tokens_before_min(logits, requests, extras)
-    tokens = pick_tokens(logits, requests)
+    tokens = pick_tokens(logits, requests, drafts)
     if raw_logprobs is None:
         return SamplerOutput(to_host(tokens)[0])
     return gather_logprobs(raw_logprobs, tokens, requests)
@@ -50,7 +60,7 @@ def any_wants_logprobs(requests: list[Request]) -> bool:
     return any(r.wants_logprob for r in requests)
 
 
-def pick_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def pick_tokens(logits: torch.Tensor, requests: list[Request], drafts: DraftRows | None = None) -> torch.Tensor:
     greedy = [r.params.temperature == 0.0 for r in requests]
     if all(greedy):
         return logits.argmax(dim=-1)
@@ -62,10 +72,35 @@ def pick_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         if request.generator is not None:
             q[i].exponential_(generator=request.generator)
     sampled = (probs / q).argmax(dim=-1)
+    if drafts is not None:
+        rows = torch.tensor(drafts.rows, device=logits.device)
+        sampled[rows] = verify_drafts(probs[rows], drafts, [requests[r] for r in drafts.rows])
     if not any(greedy):
         return sampled
     greedy_rows = on_device(greedy, logits.device)
     return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+
+def verify_drafts(p: torch.Tensor, drafts: DraftRows, requests: list[Request]) -> torch.Tensor:
+    """Rejection sampling of proposals x ~ q against the target's p: keep x with probability
+    min(1, p(x) / q(x)), else draw from max(p - q, 0) normalised. The emitted token is distributed as p
+    (and differs from x whenever x is rejected, since the residual is zero at a rejected x). A seeded
+    request draws its uniform and its residual race from its own generator."""
+    q = drafts.probs.to(p)
+    x = torch.tensor(drafts.tokens, device=p.device)
+    p_x = p.gather(1, x[:, None])[:, 0]
+    q_x = q.gather(1, x[:, None])[:, 0]
+    uniform = torch.rand(len(x), device=p.device)
+    residual = (p - q).clamp_min(0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)  # p == q: nothing is ever rejected
+    noise = torch.empty_like(residual).exponential_()
+    for i, request in enumerate(requests):
+        if request.generator is not None:
+            uniform[i] = torch.rand(1, generator=request.generator, device=p.device)[0]
+            noise[i].exponential_(generator=request.generator)
+    accept = uniform * q_x < p_x
+    return torch.where(accept, x, (residual / noise).argmax(dim=-1))
 
 
 def filter_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -23,7 +23,9 @@ from .speculation import Speculator
 
 class ScheduledBatch(NamedTuple):
     requests: list[Request]
-    num_new_tokens: list[int]
+    num_new_tokens: list[int]  # proposals included
+    # Indices of requests whose `num_new_tokens - 1` proposals a draft model makes before the forward.
+    drafts: list[int]
 
 
 class Scheduler:
@@ -45,7 +47,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch([], [])
+        batch = ScheduledBatch([], [], [])
         preemptions_before = self.num_preemptions
         budget = self.schedule_running(batch, self.max_tokens)
         # After a preemption the cache is full: admitting new work would only preempt again.
@@ -57,9 +59,12 @@ class Scheduler:
 
     def add_proposals(self, batch: ScheduledBatch) -> None:
         """Proposed tokens ride along with decoding requests in the room the step has left (the speculator's
-        policy, within the token budget); they never preempt anything or push a request past max_tokens."""
+        policy, within the token budget); they never preempt anything or push a request past max_tokens.
+        N-gram proposals are made here; a draft model's are only counted here (their blocks allocated) and
+        made for all of the step's requests at once (`Speculator.make_drafts`)."""
         scheduled = sum(batch.num_new_tokens)
         room = self.speculator.room(scheduled, self.max_tokens - scheduled)
+        drafting = self.speculator.draft is not None
         for i, request in enumerate(batch.requests):
             if room <= 0:
                 return
@@ -68,11 +73,16 @@ class Scheduler:
             if request.grammar is not None:  # its matcher would have to follow every proposal: it decodes plainly
                 continue
             # Keeping every proposal adds 1 + len(proposals) tokens: stay within max_tokens.
-            proposals = self.speculator.propose(request, min(room, request.max_tokens - request.num_output_tokens - 1))
-            if proposals and self.kv.allocate_slots(request, 1 + len(proposals)):
-                request.spec_token_ids = proposals
-                batch.num_new_tokens[i] += len(proposals)
-                room -= len(proposals)
+            limit = min(room, request.max_tokens - request.num_output_tokens - 1)
+            proposals = None if drafting else self.speculator.propose(request, limit)
+            n = self.speculator.draft_length(request, limit) if drafting else len(proposals)
+            if n and self.kv.allocate_slots(request, 1 + n):
+                if drafting:
+                    batch.drafts.append(i)
+                else:
+                    request.spec_token_ids = proposals
+                batch.num_new_tokens[i] += n
+                room -= n
 
     def schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0
@@ -130,6 +140,7 @@ class Scheduler:
         self.release(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_draft_computed = 0
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1

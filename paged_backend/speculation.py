@@ -23,14 +23,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from typing import TYPE_CHECKING
+
 from .ngram_proposer import propose_ngram
 from .request import Request
+from .sampler import DraftRows
 from .speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from .draft_proposer import DraftProposer
+    from .scheduler import ScheduledBatch
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft: DraftProposer | None = None) -> None:
         self.config = config
+        self.draft = draft  # the draft model's proposer (method "draft_model"), else n-gram lookup
         self.num_drafts = 0  # request-steps that carried proposals
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -50,6 +58,17 @@ class Speculator:
         tokens = np.array(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
         return propose_ngram(tokens, self.config.prompt_lookup_max, self.config.prompt_lookup_min, k)
 
+    def draft_length(self, request: Request, limit: int) -> int:
+        """How many tokens the draft model proposes for the request this step."""
+        return max(0, min(limit, self.config.num_speculative_tokens))
+
+    def make_drafts(self, batch: ScheduledBatch) -> None:
+        """The draft model's proposals for the requests the scheduler counted them for, in batched forwards."""
+        requests = [batch.requests[i] for i in batch.drafts]
+        counts = [batch.num_new_tokens[i] - 1 for i in batch.drafts]
+        for request, proposals in zip(requests, self.draft.propose(requests, counts)):
+            request.spec_token_ids = proposals
+
     # ------------------------------------------------------------ verifying
 
     @staticmethod
@@ -63,6 +82,18 @@ class Speculator:
                 rows.append(request)
                 extras.append(proposals[:j])
         return rows, extras
+
+    @staticmethod
+    def draft_rows(requests: list[Request]) -> DraftRows | None:
+        """The rows verifying proposals a draft model sampled (with the distributions they came from)."""
+        rows, tokens, probs, row = [], [], [], 0
+        for request in requests:
+            if request.draft_probs is not None:
+                rows.extend(range(row, row + len(request.spec_token_ids)))
+                tokens.extend(request.spec_token_ids)
+                probs.append(request.draft_probs)
+            row += len(request.spec_token_ids) + 1
+        return DraftRows(rows, tokens, torch.cat(probs)) if rows else None
 
     def accept(self, request: Request, targets: list[int]) -> list[int]:
         """The tokens the request keeps: the target's tokens up to and including the first that differs
@@ -80,7 +111,8 @@ class Speculator:
     @staticmethod
     def save_generator(request: Request) -> torch.Tensor | None:
         """The state of a seeded sampled request's generator before a step with proposals."""
-        if request.generator is None or not request.spec_token_ids or request.params.temperature == 0.0:
+        if request.generator is None or not request.spec_token_ids or request.params.temperature == 0.0 \
+                or request.draft_probs is not None:  # rejection sampling against q draws as it goes
             return None
         return request.generator.get_state()
 

@@ -2,7 +2,10 @@
 
 `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}`:
 the last n..m tokens of a request are looked up earlier in its own prompt and output, and the k tokens
-that followed the match are proposed. The target model verifies them in the same step.
+that followed the match are proposed.
+`{"method": "draft_model", "model": <hub id, folder or loaded HF model>, "num_speculative_tokens": k}`:
+a smaller model sharing the target's tokenizer proposes k tokens, running in the same engine.
+Either way the target model verifies the proposals in the same step.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # Measured on the default model (benchmarks/speculative.py, README): with 16 decoding streams, proposals
 # filling a step to 48 tokens gained nothing on input-grounded prompts and lost on MT-bench, while a
 # single stream gained 1.7x; so by default only steps of at most 16 tokens take proposals.
@@ -27,12 +30,16 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
     # The per-step policy: proposals are added only while the step holds at most this many tokens.
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
+    # draft_model: a hub id, a folder or a loaded PreTrainedModel (compared by identity).
+    model: Any = None
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise NotImplementedError("speculative_config method 'draft_model' is not supported; use 'ngram'")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method {self.method!r}: must be one of {METHODS}")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative_config method 'draft_model' needs 'model' (a hub id, folder or loaded model)")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config 'model' is for method 'draft_model', not 'ngram'")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_step_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -44,18 +51,17 @@ class SpeculativeConfig:
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
         """Accept a config, a dict of its fields (vLLM's form; a missing lookup bound defaults so that
-        min <= max) or None (no speculation)."""
+        min <= max; a "model" without a method means a draft model) or None (no speculation)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
         fields = dict(value)
-        if fields.get("method") == "draft_model" or "model" in fields:
-            raise NotImplementedError("speculative_config method 'draft_model' (a draft model) is not supported; "
-                                      "use {'method': 'ngram', ...}")
         unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}")
+        if "model" in fields and "method" not in fields:
+            fields["method"] = "draft_model"
         low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
         if low is not None and high is None:
             fields["prompt_lookup_max"] = max(low, DEFAULT_LOOKUP_MAX)

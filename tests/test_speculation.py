@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
-from engine_helpers import assert_all_blocks_free, hf_case, mixed_prompts, run_to_completion
+from engine_helpers import assert_all_blocks_free, hf_case, hf_greedy, mixed_prompts, run_to_completion
 from tiny_models import build, build_from_config
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -46,8 +46,12 @@ def test_config_from_dict_and_errors():
                                               "prompt_lookup_max": 4})
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4,
                                                           prompt_lookup_min=2)
-    with pytest.raises(NotImplementedError, match="draft_model"):
-        EngineConfig(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
+    draft = EngineConfig(speculative_config={"model": "some/folder", "num_speculative_tokens": 2}).speculative_config
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "some/folder", 2)
+    with pytest.raises(ValueError, match="needs 'model'"):
+        EngineConfig(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'model' is for method 'draft_model'"):
+        EngineConfig(speculative_config={"method": "ngram", "model": "x"})
     with pytest.raises(ValueError, match="unknown keys"):
         EngineConfig(speculative_config={"method": "ngram", "k": 2})
     with pytest.raises(ValueError, match="prompt_lookup_min"):
@@ -112,11 +116,26 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("scenario, proposer", [(s, "oracle") for s in sorted(SCENARIOS)] + [("chunked", "ngram")])
+def draft_config(draft, k: int = 3, **extra) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "max_step_tokens": 512, **extra}
+
+
+def spec_config(proposer: str, model, arch: str) -> dict:
+    """ngram/oracle: n-gram lookup (the oracle replaces its proposals); draft: a tiny random draft model of
+    the same architecture (other weights: nearly every proposal rejected); self: the target as its own draft."""
+    if proposer == "draft":
+        return draft_config(build(arch, seed=1))
+    if proposer == "self":
+        return draft_config(model)
+    return NGRAM
+
+
+@pytest.mark.parametrize("scenario, proposer", [(s, "oracle") for s in sorted(SCENARIOS)] + [("chunked", "ngram")]
+                         + [("mixed", "draft"), ("preemption", "draft"), ("chunked", "self"), ("preemption", "self")])
 def test_greedy_identity(arch_case, scenario, proposer):
-    _, model, prompts, refs = arch_case
+    arch, model, prompts, refs = arch_case
     answers = {tuple(p): r for p, r in zip(prompts, refs)} if proposer == "oracle" else None
-    config = EngineConfig(speculative_config=NGRAM, **SCENARIOS[scenario])
+    config = EngineConfig(speculative_config=spec_config(proposer, model, arch), **SCENARIOS[scenario])
     outputs, engine = run(model, prompts, greedy(), config, answers, late_from=5)
     assert [o.token_ids for o in outputs] == refs
     assert all(o.finish_reason == "length" for o in outputs)
@@ -125,8 +144,48 @@ def test_greedy_identity(arch_case, scenario, proposer):
     if proposer == "oracle":
         assert stats["spec_acceptance_rate"] > 0.5 and stats["spec_mean_accepted_length"] > 2
         assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    if proposer == "self":  # the same weights propose what the target picks (up to batched rounding)
+        assert stats["spec_acceptance_rate"] > 0.9 and stats["spec_mean_accepted_length"] > 3
     if scenario == "preemption":
         assert stats["num_preemptions"] > 0
+
+
+def test_draft_follows_prefix_hits_and_recomputes_only_what_it_never_wrote(arch_case):
+    """Prefix hits with the target as its own draft: identical output, nearly every proposal accepted (the
+    draft's K/V in shared blocks is right), and the draft skips the blocks its own runs already wrote."""
+    arch, model, prompts, _ = arch_case
+    shared = max(prompts, key=len)[:32]
+    family = [shared + p[:5] for p in prompts[:6]]
+    plain, _ = run(model, family, greedy(), EngineConfig(num_kv_blocks=64, block_size=4), late_from=1)
+    computed = {}
+    for caching in (True, False):
+        spec, engine = run(model, family, greedy(), EngineConfig(
+            num_kv_blocks=64, block_size=4, enable_prefix_caching=caching,
+            speculative_config=draft_config(model)), late_from=1)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        assert engine.stats()["spec_acceptance_rate"] > 0.9
+        computed[caching] = engine.speculator.draft.num_computed_tokens
+    assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    # Five requests hit the 32 shared tokens; their drafts skip them too.
+    assert computed[True] <= computed[False] - 5 * 28
+
+
+def test_draft_model_from_a_folder_and_vocabulary_mismatch(tmp_path):
+    target = build("llama")
+    folder = tmp_path / "draft"
+    build("llama", seed=1).save_pretrained(folder)
+    engine = Engine(target, None, EngineConfig(num_kv_blocks=32, speculative_config=draft_config(str(folder))))
+    assert engine.speculator.draft.model is not target
+    prompt = mixed_prompts(1)[0]
+    ids = engine.add_request(prompt, greedy(8))
+    assert run_to_completion(engine)[ids].outputs[0].token_ids == hf_greedy(target, prompt, 8)
+    assert engine.stats()["spec_num_draft_tokens"] > 0
+    assert_all_blocks_free(engine)
+    other = build_from_config(lambda: tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=1, num_attention_heads=2,
+                                                     num_key_value_heads=1))
+    with pytest.raises(ValueError, match="vocabulary has 128 tokens, the target's 256"):
+        Engine(target, None, EngineConfig(num_kv_blocks=32, speculative_config=draft_config(other)))
 
 
 def test_greedy_identity_with_prefix_hits(arch_case):
@@ -159,10 +218,11 @@ def llama():
     return model, prompts, {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
 
 
-def compare(model, prompts, params, answers, tokenizer=None, expect_accepted=True, **config):
+def compare(model, prompts, params, answers, tokenizer=None, expect_accepted=True, spec=NGRAM, **config):
+    """Outputs without and with speculation (n-gram driven by the oracle unless `spec` is a draft model)."""
     plain, _ = run(model, prompts, params, EngineConfig(num_kv_blocks=64, **config), tokenizer=tokenizer)
-    spec, engine = run(model, prompts, params, EngineConfig(num_kv_blocks=64, speculative_config=NGRAM, **config),
-                       answers, tokenizer=tokenizer)
+    spec, engine = run(model, prompts, params, EngineConfig(num_kv_blocks=64, speculative_config=spec, **config),
+                       answers if spec is NGRAM else None, tokenizer=tokenizer)
     for a, b in zip(plain, spec):
         assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (a.token_ids, a.text, a.finish_reason,
                                                                          a.stop_reason)
@@ -181,6 +241,23 @@ def test_stop_strings_and_stop_ids(llama):
     plain, _ = compare(model, prompts, greedy(stop=stop_words, include_stop_str_in_output=True), answers,
                        tokenizer)
     assert sum(o.finish_reason == "stop" for o in plain) >= 4
+
+
+def test_stops_logprobs_and_penalties_with_a_draft_model(llama):
+    """The target as its own draft accepts long runs, so they cross stop ids, stop strings and min_tokens."""
+    model, prompts, answers = llama
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    stop_ids = [answers[tuple(p)][9] for p in prompts[:4]]
+    stop_words = [f"w{answers[tuple(p)][13]}" for p in prompts[4:]]
+    spec = draft_config(model)
+    plain, _ = compare(model, prompts, greedy(stop_token_ids=stop_ids, stop=stop_words), answers, tokenizer,
+                       spec=spec)
+    assert all(o.finish_reason == "stop" for o in plain)
+    compare(model, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=stop_ids[:1],
+                                           min_tokens=12), answers, spec=spec)
+    plain, drafted = compare(model, prompts[:4], greedy(logprobs=2, repetition_penalty=1.3), answers, spec=spec)
+    for a, b in zip(plain, drafted):
+        assert [sorted(e) for e in a.logprobs] == [sorted(e) for e in b.logprobs]
 
 
 def test_eos_and_min_tokens(llama):
@@ -270,12 +347,16 @@ def test_seeded_sampling_gets_the_same_tokens(llama):
                       {tuple(p): t for p, t in zip(prompts, plain)})
     assert spec == plain
     assert engine.stats()["spec_num_accepted_tokens"] > 0
+    # A draft model's proposals are sampled and verified by rejection sampling: another stream of draws,
+    # so other tokens than without speculation, but the same ones for the same seeds.
+    drafted = [go(EngineConfig(num_kv_blocks=64, speculative_config=draft_config(model)))[0] for _ in range(2)]
+    assert drafted[0] == drafted[1]
 
 
-def tiny_vocab_model() -> tf.PreTrainedModel:
+def tiny_vocab_model(seed: int = 3) -> tf.PreTrainedModel:
     return build_from_config(lambda: tf.LlamaConfig(vocab_size=6, hidden_size=32, intermediate_size=64,
                                                     num_hidden_layers=1, num_attention_heads=2,
-                                                    num_key_value_heads=1, max_position_embeddings=64), seed=3)
+                                                    num_key_value_heads=1, max_position_embeddings=64), seed=seed)
 
 
 def exact_pair_probs(model, prompt: list[int]) -> torch.Tensor:
@@ -301,10 +382,13 @@ def test_unseeded_sampling_keeps_the_target_distribution():
     guess = exact.view(6, 6).sum(1).argmax().item()
     torch.manual_seed(0)
     n = 600
-    for spec in (None, {**NGRAM, "max_step_tokens": 8192}):
+    draft = tiny_vocab_model()  # the target sharpened: q overweights what p favours, so accepting
+    with torch.no_grad():      # too often or resampling from p instead of the residual shows
+        draft.lm_head.weight.mul_(3.0)
+    for spec in (None, {**NGRAM, "max_step_tokens": 8192}, draft_config(draft, k=2, max_step_tokens=8192)):
         engine = Engine(model, None, EngineConfig(num_kv_blocks=1024, block_size=4, max_num_seqs=1000,
                                                   max_num_batched_tokens=8192, speculative_config=spec))
-        if spec:
+        if spec and spec["method"] == "ngram":
             engine.speculator.propose = lambda request, limit: [guess, guess][:limit]
         ids = [engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)) for _ in range(n)]
         finals = run_to_completion(engine)
