@@ -11,8 +11,8 @@ call has logits processors (or asks for scores/logits) get them applied to their
 engine step, on a `[1, L]` view of the row as `generate` would see it (padding first); eos and length stop
 natively in the engine, any other stopping criterion is checked after each new token and aborts the row.
 The engine then only takes the argmax or samples from the processed scores. `prompt_lookup_num_tokens=k`
-runs on an engine with n-gram speculation (k tokens, transformers' lookup sizes), batched rows included;
-the output is the one without it. When sampling, each row gets
+runs on an engine with n-gram speculation (k tokens, transformers' lookup sizes) and `assistant_model=draft`
+on one with the draft model's speculation, batched rows included; greedy output is the one without it. When sampling, each row gets
 its own seed drawn from torch's global generator, so `torch.manual_seed(s)` before the call makes it
 reproducible whatever else shares the engine's batch.
 """
@@ -58,6 +58,9 @@ SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 # Rows kept in the engine at once when jobs arrive lazily (the pipeline); the engine's own
 # max_num_seqs still bounds how many run in one step.
 DEFAULT_MAX_ROWS = 1024
+# Proposals per step for assistant_model= when num_assistant_tokens is not set (transformers starts at 20 and
+# adapts; the engine proposes fewer and leaves adapting to its per-step policy).
+DEFAULT_ASSISTANT_TOKENS = 4
 # generate()'s own arguments, as opposed to generation options that go into the GenerationConfig.
 GENERATE_ARGUMENTS = ("inputs", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
                       "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
@@ -154,7 +157,7 @@ class GenerateJob:
     return_dict: bool
     output_scores: bool
     output_logits: bool
-    speculative_config: dict | None = None  # prompt_lookup_num_tokens: the engine's n-gram speculation
+    speculative_config: dict | None = None  # prompt_lookup_num_tokens / assistant_model: the engine's speculation
     vocabulary: Any = None  # the tokenizer structured outputs are constrained over, when asked for
     loras: list[str | None] | None = None  # per row, the LoRA adapter of a PEFT mixed-batch call
 
@@ -180,7 +183,7 @@ def prepare_job(
 ) -> GenerateJob:
     """Prepare a `generate` call (same arguments) with transformers' helpers, as `generate` itself does."""
     refuse_arguments(prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, synced_gpus=synced_gpus,
-                     assistant_model=assistant_model, negative_prompt_ids=negative_prompt_ids,
+                     negative_prompt_ids=negative_prompt_ids,
                      negative_prompt_attention_mask=negative_prompt_attention_mask, custom_generate=custom_generate)
     tokenizer = kwargs.pop("tokenizer", None)
     kwargs.pop("cache_implementation", None)
@@ -188,6 +191,10 @@ def prepare_job(
     has_default_max_length, has_default_min_length = default_lengths(model, generation_config, kwargs)
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     speculative_config = take_prompt_lookup(config)
+    if assistant_model is not None:
+        if speculative_config is not None:
+            raise ValueError("pass either assistant_model or prompt_lookup_num_tokens, not both")
+        speculative_config = take_assistant(config, assistant_model)
     refuse_config(config)
     input_ids, input_name, model_kwargs = model._prepare_model_inputs(inputs, config.bos_token_id, model_kwargs)
     if input_name != "input_ids":
@@ -227,6 +234,18 @@ def take_prompt_lookup(config: GenerationConfig) -> dict | None:
     config.prompt_lookup_num_tokens = None
     return {"method": "ngram", "num_speculative_tokens": int(k),
             "prompt_lookup_max": int(config.max_matching_ngram_size or 2), "prompt_lookup_min": 1}
+
+
+def take_assistant(config: GenerationConfig, assistant_model: PreTrainedModel) -> dict:
+    """`assistant_model=` as the engine's draft-model speculation, proposing `num_assistant_tokens` (when the
+    call or the model's generation config sets it) or DEFAULT_ASSISTANT_TOKENS tokens per step; the
+    engine's per-step policy, not transformers' schedule, decides when fewer are proposed."""
+    if config.return_dict_in_generate and (config.output_scores or config.output_logits):
+        raise NotImplementedError("assistant_model with output_scores/output_logits is not supported with "
+                                  "cache_implementation='paged'")
+    k = config.num_assistant_tokens or DEFAULT_ASSISTANT_TOKENS
+    config.num_assistant_tokens = None
+    return {"method": "draft_model", "model": assistant_model, "num_speculative_tokens": int(k)}
 
 
 def structured_outputs_of(spec: Any, tokenizer: Any) -> StructuredOutputsParams | None:

@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 from paged_backend.integrations import transformers_generate as tg
-from tiny_models import build
+from tiny_models import build, build_from_config
 from transformers import (
     AutoTokenizer,
+    LlamaConfig,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -426,3 +427,44 @@ def test_prompt_lookup_with_scores_is_refused(llama):
     with pytest.raises(NotImplementedError, match="prompt_lookup_num_tokens"):
         llama.paged.generate(INPUT_IDS, attention_mask=MASK, prompt_lookup_num_tokens=2, max_new_tokens=4,
                              return_dict_in_generate=True, output_scores=True, **PAGED)
+
+
+# ---------------------------------------------------------------- assistant model
+
+
+def test_assistant_model_runs_on_engine_draft_speculation(llama):
+    """generate(assistant_model=draft) gives transformers' own assisted output (one row at a time there) for a
+    batch of left-padded rows at once, with a random draft (most proposals rejected) and with the target's
+    own weights as the draft (nearly all accepted)."""
+    args = dict(max_new_tokens=16, do_sample=False, num_assistant_tokens=3)
+    for seed, expect_high in ((1, False), (0, True)):  # build("llama") is seed 0: the target's own weights
+        ref_draft, paged_draft = build("llama", seed=seed), build("llama", seed=seed)
+        rows = [llama.ref.generate(INPUT_IDS[i : i + 1, 3 * (1 - i):], assistant_model=ref_draft, **args)
+                for i in range(2)]
+        plain = llama.ref.generate(INPUT_IDS, attention_mask=MASK, max_new_tokens=16, do_sample=False)
+        assert [r[0, -16:].tolist() for r in rows] == plain[:, -16:].tolist()
+        actual = llama.paged.generate(INPUT_IDS, attention_mask=MASK, assistant_model=paged_draft, **args, **PAGED)
+        assert torch.equal(actual, plain)
+        engine = tg.engine_for(llama.paged)
+        spec = engine.config.speculative_config
+        assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", paged_draft, 3)
+        stats = engine.stats()
+        assert stats["spec_num_draft_tokens"] > 0
+        assert (stats["spec_acceptance_rate"] > 0.9) == expect_high
+        assert_engine_idle(llama.paged)
+    assert torch.equal(llama.paged.generate(INPUT_IDS, attention_mask=MASK, max_new_tokens=16, do_sample=False,
+                                            **PAGED), plain)
+    assert tg.engine_for(llama.paged).config.speculative_config is None
+
+
+def test_assistant_model_refusals(llama):
+    with pytest.raises(NotImplementedError, match="assistant_model"):
+        llama.paged.generate(INPUT_IDS, attention_mask=MASK, assistant_model=build("llama", seed=1), max_new_tokens=4,
+                             return_dict_in_generate=True, output_scores=True, **PAGED)
+    with pytest.raises(ValueError, match="vocabulary"):
+        small = build_from_config(lambda: LlamaConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1))
+        llama.paged.generate(INPUT_IDS, attention_mask=MASK, assistant_model=small, max_new_tokens=4, **PAGED)
+    tg.engine_for(llama.paged, EngineConfig(num_kv_blocks=96, max_num_seqs=64))  # the refused build dropped it
+    assert torch.equal(*llama.both(INPUT_IDS, attention_mask=MASK, max_new_tokens=4, do_sample=False))
