@@ -50,6 +50,9 @@ class Request:
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens scheduled after the last token
     num_draft_computed: int = 0  # positions whose K/V a draft model has written (draft_proposer.py)
+    spec_allowance: int = 0  # proposals it may carry next step (per-request policy; 0: k)
+    spec_pause: int = 0  # steps it sits out before proposing again
+    spec_misses: int = 0  # verifications in a row that kept none of its proposals
     draft_probs: torch.Tensor | None = None  # [proposals, V]: the draft distributions sampled proposals came from
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, once computed

@@ -73,9 +73,11 @@ class Scheduler:
             if request.grammar is not None:  # its matcher would have to follow every proposal: it decodes plainly
                 continue
             # Keeping every proposal adds 1 + len(proposals) tokens: stay within max_tokens.
-            limit = min(room, request.max_tokens - request.num_output_tokens - 1)
+            limit = self.speculator.allowance(request, min(room, request.max_tokens - request.num_output_tokens - 1))
+            if limit <= 0:
+                continue
             proposals = None if drafting else self.speculator.propose(request, limit)
-            n = self.speculator.draft_length(request, limit) if drafting else len(proposals)
+            n = limit if drafting else len(proposals)
             if n and self.kv.allocate_slots(request, 1 + n):
                 if drafting:
                     batch.drafts.append(i)

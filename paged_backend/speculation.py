@@ -7,15 +7,25 @@ sampler picks, at every position j, the token the request would get without spec
 proposals before j. The request keeps that token for the longest prefix where it equals the proposal,
 plus the target's own token after it.
 
-Why this is exact, for sampled requests too: the proposer is deterministic (a point mass on token x),
-and accepting x exactly when the target's own sample y equals x, emitting y otherwise, is rejection
-sampling for that proposal (accept with probability p(x); on rejection y is drawn from p without x,
-renormalised). Each emitted token is a sample of the target distribution given the tokens before it,
-so output is distributed as without speculation; a seeded request's generator is rewound to one draw
-per emitted token, so it gets exactly the tokens it would get without speculation.
+Proposals come from n-gram prompt lookup (ngram_proposer.py) or from a draft model
+(draft_proposer.py), whose k batched forwards run just before the target's.
+
+Why this is exact, for sampled requests too: every verified position is rejection sampling of a
+proposal x drawn from q against the target's p: keep x with probability min(1, p(x)/q(x)), else draw
+from max(p - q, 0) normalised; the emitted token is distributed as p. An n-gram proposal is
+deterministic (q one-hot at x), where this reduces to "keep x exactly when the target's own sample y
+equals x, else emit y" (accept with probability p(x); y drawn from p without x): that form needs no
+q, and a seeded request's generator is rewound to one draw per emitted token, so it gets exactly the
+tokens it would get without speculation. A draft model's sampled proposals carry their q rows into
+the sampler (`DraftRows`); its greedy proposals are the greedy limit (keep x iff it is the argmax).
 
 Progress advances only by what was kept: the K/V written for rejected proposals sits beyond the
 request's computed tokens and is overwritten later, and blocks held only for them are freed at once.
+
+Policy, per step and per request: the scheduler adds proposals only while the step holds at most
+`max_step_tokens` tokens (a larger step is compute-bound); each request's proposal count follows what
+it kept last time (`Speculator.adapt`), and a request whose proposals are all rejected sits out a
+growing number of steps.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ if TYPE_CHECKING:
     from .draft_proposer import DraftProposer
     from .scheduler import ScheduledBatch
 
+MAX_BACKOFF = 4  # a request whose proposals keep failing sits out at most 2**4 - 1 steps between tries
+
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, draft: DraftProposer | None = None) -> None:
@@ -50,17 +62,23 @@ class Speculator:
         token budget. A step already holding `max_step_tokens` is compute-bound and gets none."""
         return max(0, min(budget_left, self.config.max_step_tokens - step_tokens))
 
+    def allowance(self, request: Request, limit: int) -> int:
+        """How many proposals the request may carry this step: `limit`, k, and (per-request policy) what its
+        recent verifications earned it; 0 while it sits out after proposals that were all rejected."""
+        if not self.config.adapt_per_request:
+            return min(limit, self.config.num_speculative_tokens)
+        if request.spec_pause:
+            request.spec_pause -= 1
+            return 0
+        return min(limit, request.spec_allowance or self.config.num_speculative_tokens)
+
     def propose(self, request: Request, limit: int) -> list[int]:
-        """Up to `min(limit, k)` tokens to verify after the request's last token."""
+        """Up to `min(limit, k)` n-gram tokens to verify after the request's last token."""
         k = min(limit, self.config.num_speculative_tokens)
         if k < 1:
             return []
         tokens = np.array(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
         return propose_ngram(tokens, self.config.prompt_lookup_max, self.config.prompt_lookup_min, k)
-
-    def draft_length(self, request: Request, limit: int) -> int:
-        """How many tokens the draft model proposes for the request this step."""
-        return max(0, min(limit, self.config.num_speculative_tokens))
 
     def make_drafts(self, batch: ScheduledBatch) -> None:
         """The draft model's proposals for the requests the scheduler counted them for, in batched forwards."""
@@ -106,7 +124,25 @@ class Speculator:
             self.num_drafts += 1
             self.num_draft_tokens += len(proposals)
             self.num_accepted_tokens += kept
+            self.adapt(request, len(proposals), kept)
         return targets[: kept + 1]
+
+    def adapt(self, request: Request, proposed: int, kept: int) -> None:
+        """The per-request policy: a request whose proposals were all kept may propose one more next time
+        (up to k); one with some rejected proposes one more than it kept; one with none kept proposes a
+        single token, after sitting out 1, 3, 7, then 15 steps as such misses repeat. So proposals go to
+        the requests that copy (input-grounded text), not to those whose guesses keep failing."""
+        k = self.config.num_speculative_tokens
+        if kept == proposed:
+            request.spec_misses = 0
+            request.spec_allowance = min(k, proposed + 1)
+        elif kept:
+            request.spec_misses = 0
+            request.spec_allowance = kept + 1
+        else:
+            request.spec_misses = min(request.spec_misses + 1, MAX_BACKOFF)
+            request.spec_allowance = 1
+            request.spec_pause = 2 ** request.spec_misses - 1
 
     @staticmethod
     def save_generator(request: Request) -> torch.Tensor | None:

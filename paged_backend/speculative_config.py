@@ -30,6 +30,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
     # The per-step policy: proposals are added only while the step holds at most this many tokens.
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
+    # The per-request policy: each request's proposal count follows what it kept (speculation.py).
+    adapt_per_request: bool = True
     # draft_model: a hub id, a folder or a loaded PreTrainedModel (compared by identity).
     model: Any = None
 
@@ -40,6 +42,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config method 'draft_model' needs 'model' (a hub id, folder or loaded model)")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config 'model' is for method 'draft_model', not 'ngram'")
+        if not isinstance(self.adapt_per_request, bool):
+            raise ValueError(f"speculative_config adapt_per_request={self.adapt_per_request!r}: must be a bool")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_step_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -433,6 +433,29 @@ def test_policy_adds_no_proposals_to_a_full_step(llama):
     assert any(size >= 8 and not proposed for size, proposed in sizes)
 
 
+def test_per_request_policy_backs_off_rejected_proposals(llama):
+    """Proposals that are always wrong make a request propose one token after growing pauses; proposals that
+    are always right keep k per step; without the per-request policy both propose k every step."""
+    model, prompts, answers = llama
+    proposed = {}
+    for adapt in (True, False):
+        for wrong_every in (1, 10**6):
+            config = EngineConfig(num_kv_blocks=64, speculative_config={**NGRAM, "adapt_per_request": adapt})
+            engine = oracle(Engine(model, None, config), answers, wrong_every)
+            outputs, engine = run_engine(engine, prompts)
+            assert [o.token_ids for o in outputs] == [answers[tuple(p)] for p in prompts]
+            proposed[adapt, wrong_every] = engine.stats()["spec_num_draft_tokens"]
+    assert proposed[True, 1] < proposed[False, 1] / 4
+    assert proposed[True, 10**6] == proposed[False, 10**6]
+
+
+def run_engine(engine: Engine, prompts) -> tuple:
+    ids = [engine.add_request(p, greedy()) for p in prompts]
+    finals = run_to_completion(engine)
+    assert_all_blocks_free(engine)
+    return [finals[i].outputs[0] for i in ids], engine
+
+
 def test_structured_requests_decode_without_proposals(default_llm):
     """A grammar-constrained request takes no proposals (its matcher only moves forward); the others in the
     same steps still speculate, and every answer is the one without speculation."""
