@@ -2,16 +2,18 @@
 
 Workloads: input-grounded prompts (rewrite, summarise or correct a public-domain passage of 150-300
 tokens; `benchmarks/data/grounded_passages.jsonl`, 16 prompts) and the MT-bench questions (little is
-copied from the prompt). Greedy, 128 tokens. Three measurements, each alternating the two engines
-(which share one model object) and reporting medians:
+copied from the prompt). Greedy, 128 tokens. Three measurements; the engines (which share one model object) run the same
+requests at once, one step of each in turn, each timed over its own steps (so a load that changes
+while the benchmark runs falls on all of them alike); medians over repeats:
 
 - single stream: each grounded prompt alone, tokens/s of each engine and the ratio;
 - 16 concurrent grounded streams, and 16 concurrent MT-bench streams, submitted at once.
 
 Outputs must be identical; the acceptance rate and mean accepted length are printed with the figures.
-`--max-step-tokens 16,48,512` repeats the concurrent runs for several per-step caps (the policy).
+`--variants '{"cap48": {"max_step_tokens": 48}, ...}'` compares several policies with plain in the same
+runs (interleaved step by step), each a set of overrides of `--spec`.
 
-    python benchmarks/speculative.py [--single 16] [--repeats 3] [--threads 2]
+    python benchmarks/speculative.py [--single 16] [--repeats 3] [--threads 2] [--variants JSON]
 """
 
 from __future__ import annotations
@@ -45,26 +47,6 @@ def chat_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
                                           tokenize=True, return_dict=False) for p in prompts]
 
 
-def run_batch(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
-    """Submit all prompts at once and run them to the end: (seconds, outputs in order, speculation counters)."""
-    from paged_backend import SamplingParams
-
-    before = engine.stats()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in prompts]
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out.outputs[0].token_ids
-    seconds = time.perf_counter() - start
-    after = engine.stats()
-    counters = {k: after[k] - before[k] for k in ("spec_num_drafts", "spec_num_draft_tokens",
-                                                 "spec_num_accepted_tokens")}
-    return seconds, [finals[i] for i in ids], counters
-
-
 def acceptance(counters: dict) -> dict:
     drafts, proposed, accepted = (counters["spec_num_drafts"], counters["spec_num_draft_tokens"],
                                   counters["spec_num_accepted_tokens"])
@@ -79,32 +61,58 @@ def add_counters(total: dict, part: dict) -> None:
 
 
 def compare(engines: dict, batches: list[list[list[int]]], max_tokens: int, repeats: int) -> dict:
-    """Run every batch on both engines, alternating which goes first; tokens/s per engine over all batches
-    (median over repeats), the ratio, whether outputs matched, and the speculation counters."""
-    rates = {name: [] for name in engines}
-    counters: dict = {}
+    """Run every batch on every engine ("plain" first in `engines`, then speculating ones) at once, one step
+    of each engine in turn, timing each engine's own steps: a machine whose load changes from minute to
+    minute slows every engine alike. Tokens/s per engine over all batches (median over repeats), each
+    speculating engine's ratio to plain, whether outputs matched, and the speculation counters."""
+    names = list(engines)
+    rates = {name: [] for name in names}
+    counters: dict = {name: {} for name in names}
     identical = True
-    for rep in range(repeats):
-        seconds = dict.fromkeys(engines, 0.0)
-        tokens = dict.fromkeys(engines, 0)
-        for b, batch in enumerate(batches):
-            order = list(engines) if (rep + b) % 2 == 0 else list(engines)[::-1]
-            outs = {}
-            for name in order:
-                s, outs[name], c = run_batch(engines[name], batch, max_tokens)
-                seconds[name] += s
+    for _ in range(repeats):
+        seconds = dict.fromkeys(names, 0.0)
+        tokens = dict.fromkeys(names, 0)
+        for batch in batches:
+            outs, elapsed, c = run_interleaved(engines, batch, max_tokens)
+            for name in names:
+                seconds[name] += elapsed[name]
                 tokens[name] += sum(len(o) for o in outs[name])
-                if name == "ngram":
-                    add_counters(counters, c)
-            identical &= outs["plain"] == outs["ngram"]
-        for name in engines:
+                add_counters(counters[name], c[name])
+            identical &= all(outs[name] == outs["plain"] for name in names)
+        for name in names:
             rates[name].append(tokens[name] / seconds[name])
-    result = {f"{name}_tokens_per_s": round(median(r), 2) for name, r in rates.items()}
-    result["ratio"] = round(median(rates["ngram"]) / median(rates["plain"]), 3)
-    result["outputs_identical"] = identical
-    result.update(acceptance(counters))
+    result = {"plain_tokens_per_s": round(median(rates["plain"]), 2), "outputs_identical": identical}
+    for name in names[1:]:
+        result[name] = {"tokens_per_s": round(median(rates[name]), 2),
+                        "ratio": round(median(rates[name]) / median(rates["plain"]), 3), **acceptance(counters[name])}
     result["load_average_1m"] = load_average()
     return result
+
+
+def run_interleaved(engines: dict, prompts: list[list[int]], max_tokens: int) -> tuple[dict, dict, dict]:
+    """All prompts submitted to every engine, then one step of each engine in turn until all are done:
+    (outputs per engine, seconds spent in each engine's steps, speculation counters per engine)."""
+    from paged_backend import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    before = {name: engine.stats() for name, engine in engines.items()}
+    ids = {name: [engine.add_request(p, params) for p in prompts] for name, engine in engines.items()}
+    finals: dict = {name: {} for name in engines}
+    seconds = dict.fromkeys(engines, 0.0)
+    while any(engine.has_unfinished_requests() for engine in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_unfinished_requests():
+                continue
+            start = time.perf_counter()
+            outputs = engine.step()
+            seconds[name] += time.perf_counter() - start
+            finals[name].update({o.request_id: o.outputs[0].token_ids for o in outputs if o.finished})
+    counters = {}
+    for name, engine in engines.items():
+        after = engine.stats()
+        counters[name] = {k: after[k] - before[name][k] for k in ("spec_num_drafts", "spec_num_draft_tokens",
+                                                                   "spec_num_accepted_tokens")}
+    return {name: [finals[name][i] for i in ids[name]] for name in engines}, seconds, counters
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -116,8 +124,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4}',
                    help="the speculative_config JSON (defaults fill the rest)")
-    p.add_argument("--max-step-tokens", default=None,
-                   help="comma-separated per-step caps to compare on the concurrent runs (default: the config's)")
+    p.add_argument("--variants", default=None,
+                   help='JSON object {label: overrides of --spec}: speculating engines compared with plain in the same '
+                        'runs, interleaved step by step (default: {"spec": {}})')
     p.add_argument("--skip-mt-bench", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/speculative.json)")
     args = p.parse_args(argv)
@@ -130,35 +139,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     llm = LLM(None, num_threads=args.threads)
     tokenizer = llm.tokenizer
     spec = json.loads(args.spec)
-    caps = [int(c) for c in args.max_step_tokens.split(",")] if args.max_step_tokens else [None]
+    variants = json.loads(args.variants) if args.variants else {"spec": {}}
 
-    def engines_for(cap: int | None) -> dict:
-        config = dict(spec, **({"max_step_tokens": cap} if cap else {}))
-        return {"plain": llm.engine,
-                "ngram": Engine(llm.model, tokenizer, EngineConfig(num_threads=args.threads,
-                                                                   speculative_config=config))}
+    def engines_for() -> dict:
+        engines = {"plain": llm.engine}
+        for label, overrides in variants.items():
+            engines[label] = Engine(llm.model, tokenizer, EngineConfig(num_threads=args.threads,
+                                                                       speculative_config={**spec, **overrides}))
+        return engines
 
     grounded = chat_ids(tokenizer, grounded_prompts())
     report: dict = {"model": "SmolLM2-135M-Instruct (fp32)", "max_tokens": args.max_tokens, "speculative_config": spec,
-                    "threads": args.threads, "repeats": args.repeats}
+                    "variants": variants, "threads": args.threads, "repeats": args.repeats}
+    engines = engines_for()
     if args.single:
-        engines = engines_for(None)
         report["single_stream"] = compare(engines, [[p] for p in grounded[: args.single]], args.max_tokens,
                                           args.repeats)
         report["single_stream"]["prompts"] = args.single
         print("single stream, grounded:", report["single_stream"], flush=True)
-    mt_bench = None if args.skip_mt_bench else chat_ids(tokenizer, load_mt_bench_prompts(args.streams))
-    for cap in caps:
-        engines = engines_for(cap)
-        label = f"max_step_tokens={engines['ngram'].config.speculative_config.max_step_tokens}"
-        batch = (grounded * ((args.streams + len(grounded) - 1) // len(grounded)))[: args.streams]
-        result = compare(engines, [batch], args.max_tokens, args.repeats)
-        report.setdefault("concurrent_grounded", {})[label] = result
-        print(f"{args.streams} streams, grounded, {label}:", result, flush=True)
-        if mt_bench is not None:
-            result = compare(engines, [mt_bench], args.max_tokens, args.repeats)
-            report.setdefault("concurrent_mt_bench", {})[label] = result
-            print(f"{args.streams} streams, MT-bench, {label}:", result, flush=True)
+    batch = (grounded * ((args.streams + len(grounded) - 1) // len(grounded)))[: args.streams]
+    report["concurrent_grounded"] = compare(engines, [batch], args.max_tokens, args.repeats)
+    print(f"{args.streams} streams, grounded:", report["concurrent_grounded"], flush=True)
+    if not args.skip_mt_bench:
+        mt_bench = chat_ids(tokenizer, load_mt_bench_prompts(args.streams))
+        report["concurrent_mt_bench"] = compare(engines, [mt_bench], args.max_tokens, args.repeats)
+        print(f"{args.streams} streams, MT-bench:", report["concurrent_mt_bench"], flush=True)
     report["machine"] = machine_info()
     print(f"\nresults: {write_results(report, 'speculative', args.json)}")
 
