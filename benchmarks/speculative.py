@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from paged_backend import LLM, Engine, EngineConfig
 
     torch.set_num_threads(args.threads)
-    llm = LLM(None, num_threads=args.threads)
+    llm = LLM(None, num_threads=args.threads, dtype=torch.float32)  # the precision the figures name
     tokenizer = llm.tokenizer
     spec = json.loads(args.spec)
     variants = json.loads(args.variants) if args.variants else {"spec": {}}
