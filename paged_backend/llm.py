@@ -29,7 +29,7 @@ class LLM:
     """`LLM(model)` where model is a hub id, a folder, a `.gguf` file, None (the default model) or a
     loaded `PreTrainedModel` (used as it is); extra keywords are EngineConfig fields.
     `quantization="int8"` quantizes the linear layers' weights after loading (a loaded model's in place;
-    quantization.py) and then compiles the forward unless `compile=False`."""
+    quantization.py); it compiles where the engine's `compile` setting says, as without quantization."""
 
     def __init__(self, model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1,
                  quantization: str | None = None, **engine_config: Any) -> None:
@@ -49,8 +49,6 @@ class LLM:
         model, tokenizer = load_model(model, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
         if quantization is not None:
             quantize_weights(model, quantization)
-            # Eager quantized matmuls are slower than the original weights; compiled they fuse.
-            config.compile = True if config.compile is None else config.compile
         leader = self.tp_group is None or self.tp_group.rank == 0
         self.engine = Engine(model, tokenizer, config, publish_step=None if self.tp_group is None or not leader
                              else broadcast_step)

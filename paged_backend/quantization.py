@@ -1,11 +1,9 @@
 """Weight-only quantization of a model's linear layers: `LLM(..., quantization="int8")`, through torchao.
 
 int8 is torchao's `Int8WeightOnlyConfig`: each linear weight becomes int8 with one scale per output
-channel; activations, embeddings, norms and the KV cache keep the model's dtype. Run eagerly, every
-quantized matmul is several dispatched ops (dequantize, then multiply) and decoding got slower than
-with the original weights; compiled with the engine's forward the dequantization fuses into the
-matmul, so an engine whose weights are quantized compiles by default (`EngineConfig(compile=None)`;
-README, "Precision", has the measured speeds).
+channel; activations, embeddings, norms and the KV cache keep the model's dtype. On an AVX2 CPU it
+decoded slower than the original weights both eagerly and compiled (README, "Precision"), so it
+saves memory, not time, and compiling follows the engine's own `compile` setting.
 
 int4 is refused: torchao 0.18's `Int4WeightOnlyConfig` has no CPU format (each packing needs CUDA or
 an extra kernel library), and torch's own CPU int4 matmul (`_weight_int4pack_mm_for_cpu`) took about

@@ -1,4 +1,4 @@
-"""LLM(..., quantization=...): int8 weight-only linears through torchao, compiled by default; int4 and
+"""LLM(..., quantization=...): int8 weight-only linears through torchao, compiled only when asked; int4 and
 double quantization refused clearly; models quantized by a transformers quantizer run as they are."""
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ def test_int8_weights_run_through_the_engine_as_through_generate() -> None:
     assert agree / (10 * len(prompts)) >= 0.75
 
 
-def test_quantized_engine_compiles_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_quantized_engine_compiles_only_where_the_compile_setting_says(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     monkeypatch.setattr(ModelRunner, "compile", lambda self: calls.append(self) or 0.0)
-    assert LLM(build("llama"), quantization="int8", num_kv_blocks=16).engine.compiled and len(calls) == 1
-    assert not LLM(build("llama"), quantization="int8", compile=False, num_kv_blocks=16).engine.compiled
-    assert not LLM(build("llama"), num_kv_blocks=16).engine.compiled  # CPU without quantization stays eager
+    # Compiled int8 measured no faster than eager on CPU, and took minutes to compile: no default compile.
+    assert not LLM(build("llama"), quantization="int8", num_kv_blocks=16).engine.compiled
+    assert LLM(build("llama"), quantization="int8", compile=True, num_kv_blocks=16).engine.compiled
     assert len(calls) == 1
 
 
