@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from langchain_core.messages import HumanMessage
+from lora_helpers import MAX_NEW, PROMPT, peft_text, saved_peft_model
 from paged_backend.integrations.langchain import ChatPaged, PagedLLM
 from paged_backend.integrations.transformers_generate import engine_for
 from test_lora import peft_with_adapters
-from test_server import build_chat_tokenizer, tiny_llama
-from test_server_lora import MAX_NEW, PROMPT, peft_model, peft_text
+from test_server import tiny_llama
 
 from paged_backend import LLM, LoRARequest
 
@@ -20,13 +20,10 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tokenizer = build_chat_tokenizer([PROMPT, "say hello to the world", "how are you"] * 5)
-    model = peft_model(tokenizer)
-    folder = tmp_path_factory.mktemp("legal")
-    model.save_pretrained(folder, selected_adapters=["legal"])
+    tokenizer, model, folder = saved_peft_model(tmp_path_factory)
     llm = LLM(tiny_llama(tokenizer), tokenizer=tokenizer, enable_lora=True, num_kv_blocks=64)
     llm.add_lora("french", model, adapter_name="french")
-    return llm, model, tokenizer, folder / "legal"
+    return llm, model, tokenizer, folder
 
 
 def test_chat_paged_answers_with_its_adapter_and_bind_overrides_it(setup):

@@ -9,55 +9,27 @@ import json
 import httpx
 import pytest
 import torch
+from lora_helpers import MAX_NEW, PROMPT, peft_text, saved_peft_model
 from paged_backend.integrations.server.cli import add_serve_arguments, lora_config
-from peft import LoraConfig, get_peft_model
-from test_server import build_chat_tokenizer, serve, tiny_llama
+from test_server import serve, tiny_llama
 
 from paged_backend import LLM
 
 pytestmark = pytest.mark.timeout(120)
 
 BASE = "tiny-base"
-PROMPT = "hello there, how are you today?"
-MAX_NEW = 8
-
-
-def peft_model(tokenizer):
-    model = get_peft_model(tiny_llama(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-                           adapter_name="french")
-    model.add_adapter("legal", LoraConfig(r=8, lora_alpha=8, target_modules=["o_proj", "down_proj"]))
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    return model.eval()
-
-
-def peft_text(model, tokenizer, ids: list[int], adapter: str | None) -> str:
-    with torch.no_grad():
-        if adapter is None:
-            with model.disable_adapter():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)
-        else:
-            model.set_adapter(adapter)
-            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)
-    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    tokenizer = build_chat_tokenizer([PROMPT, "say hello to the world", "how are you"] * 5)
-    model = peft_model(tokenizer)
-    folder = tmp_path_factory.mktemp("legal")
-    model.save_pretrained(folder, selected_adapters=["legal"])
+    tokenizer, model, folder = saved_peft_model(tmp_path_factory)
     ids = tokenizer(PROMPT)["input_ids"]
     refs = {name: peft_text(model, tokenizer, ids, name) for name in (None, "french", "legal")}
     assert len(set(refs.values())) == 3, "each adapter should change the answer"
     llm = LLM(tiny_llama(tokenizer), tokenizer=tokenizer, enable_lora=True, num_kv_blocks=64)
     llm.add_lora("french", model, adapter_name="french")
     with serve(llm, BASE, allow_runtime_lora_updating=True) as server:
-        yield server, refs, folder / "legal", model
+        yield server, refs, folder, model
 
 
 def complete(url: str, model: str, **extra) -> httpx.Response:
