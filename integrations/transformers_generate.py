@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from paged_backend.integrations import peft_generate
+from paged_backend.integrations.beam_generate import generate_beams, wants_beams
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import (
     EosTokenCriteria,
@@ -42,8 +44,6 @@ from transformers.generation.utils import GenerationMixin
 
 from paged_backend.adapters import adapter_for
 from paged_backend.attention import ATTENTION_NAME
-from paged_backend.integrations import peft_generate
-from paged_backend.integrations.beam_generate import generate_beams, wants_beams
 from paged_backend.config import EngineConfig
 from paged_backend.engine import Engine
 from paged_backend.outputs import RequestOutput

@@ -19,8 +19,8 @@ from . import compilation, cuda_graphs, prompt_logprobs
 from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
 from .decode_padding import DecodePadding
 from .detokenizer import IncrementalDetokenizer
-from .draft_proposer import DraftProposer, load_draft
 from .distributed import agree_on_blocks
+from .draft_proposer import DraftProposer, load_draft
 from .grammar import GrammarMask, Grammars
 from .kv_cache_manager import KVCacheManager
 from .lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec

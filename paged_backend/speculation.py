@@ -30,10 +30,10 @@ growing number of steps.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-
-from typing import TYPE_CHECKING
 
 from .ngram_proposer import propose_ngram
 from .request import Request
