@@ -30,8 +30,9 @@ from common import (
 )
 from throughput import SEED, serve_engine
 
-from paged_backend import Engine, EngineConfig, custom_ops
-from paged_backend.model_loader import load_model
+from paged_backend import Engine, EngineConfig
+from paged_backend.model import custom_ops
+from paged_backend.model.model_loader import load_model
 
 
 def timed(fn: Callable, totals: dict[str, float], key: str) -> Callable:

@@ -84,7 +84,7 @@ class EngineRunner:
         from throughput import FULL_WORKLOAD, default_workload
 
         from paged_backend import SamplingParams
-        from paged_backend.default_model import default_model_path
+        from paged_backend.model.default_model import default_model_path
 
         workload = default_workload(**FULL_WORKLOAD, model_source=str(default_model_path()))
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         return None
     import torch
 
-    from paged_backend.default_model import gguf_file_path
+    from paged_backend.model.default_model import gguf_file_path
 
     if args.threads:
         torch.set_num_threads(args.threads)

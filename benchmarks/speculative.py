@@ -27,7 +27,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DATA_DIR, load_average, load_mt_bench_prompts, machine_info, median, write_results  # noqa: E402
+from common import (  # noqa: E402
+    DATA_DIR,
+    load_average,
+    load_mt_bench_prompts,
+    machine_info,
+    median,
+    write_results,
+)
 
 PASSAGES = DATA_DIR / "grounded_passages.jsonl"
 INSTRUCTIONS = {

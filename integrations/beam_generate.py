@@ -1,7 +1,7 @@
 """`generate(num_beams > 1, cache_implementation="paged")`: transformers' beam search on the engine.
 
 The call is prepared with transformers' helpers as for greedy and sampling, then each input row runs
-through `paged_backend.beam_search`, which follows transformers' ranking, length penalty and
+through `paged_backend.entrypoints.beam_search`, which follows transformers' ranking, length penalty and
 early-stopping rules step for step; beams share their prompt's blocks through the prefix cache. The
 result is what `generate` returns: each row's best `num_return_sequences` beams, prompt as given,
 padded after shorter beams. Options that change beam search beyond eos, lengths, length penalty and
@@ -17,8 +17,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
-from paged_backend.beam_search import BeamSearchParams, beam_search
 from paged_backend.engine import Engine
+from paged_backend.entrypoints.beam_search import BeamSearchParams, beam_search
 
 
 def wants_beams(model: PreTrainedModel, generation_config: GenerationConfig | None, kwargs: dict) -> bool:

@@ -19,7 +19,7 @@ from torch import nn
 
 from paged_backend.config import EngineConfig
 from paged_backend.engine import Engine
-from paged_backend.lora import read_lora_layers
+from paged_backend.model.lora import read_lora_layers
 
 BASE_NAME = "__base__"  # PEFT's name for "no adapter" in adapter_names
 HOOK_NAME = "_adapter_names_pre_forward_hook"

@@ -1,7 +1,7 @@
 """What the front ends share about structured outputs: a forced tool call as a grammar, the
 response formats as specs, and the instruction that tells the model a JSON answer is wanted.
 
-The engine holds every answer to its spec token by token (`paged_backend.grammar`); this module
+The engine holds every answer to its spec token by token (`paged_backend.sampling.grammar`); this module
 only translates OpenAI's and LangChain's vocabulary into `StructuredOutputsParams`.
 """
 
@@ -11,7 +11,7 @@ import functools
 import json
 from typing import Any
 
-from paged_backend.structured_outputs import StructuredOutputsParams, reason_of
+from paged_backend.sampling.structured_outputs import StructuredOutputsParams, reason_of
 
 from .hermes import CLOSE, OPEN
 

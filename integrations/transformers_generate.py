@@ -42,14 +42,14 @@ from transformers.generation import (
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
-from paged_backend.adapters import adapter_for
-from paged_backend.attention import ATTENTION_NAME
 from paged_backend.config import EngineConfig
+from paged_backend.core.outputs import RequestOutput
 from paged_backend.engine import Engine
-from paged_backend.outputs import RequestOutput
-from paged_backend.sampling_params import SamplingParams
-from paged_backend.speculative_config import SpeculativeConfig
-from paged_backend.structured_outputs import StructuredOutputsParams
+from paged_backend.model.adapters import adapter_for
+from paged_backend.model.attention import ATTENTION_NAME
+from paged_backend.sampling.sampling_params import SamplingParams
+from paged_backend.sampling.structured_outputs import StructuredOutputsParams
+from paged_backend.speculative.speculative_config import SpeculativeConfig
 
 PAGED = "paged"
 ORIGINAL_GENERATE = GenerationMixin.generate

@@ -1,18 +1,27 @@
 """paged-backend: a paged KV cache and continuous-batching engine for HuggingFace transformers."""
 
-from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSequence
-from .config import EngineConfig
-from .default_model import DEFAULT_MODEL
-from .async_engine import AsyncEngine
-from .engine import Engine
-from .llm import LLM
-from .lora import LoRARequest
-from .model_loader import UnsupportedArchitectureError
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
-from .structured_outputs import StructuredOutputsParams
-from .integrations.pipeline import PagedTextGenerationPipeline, pipeline
-from .integrations.transformers_generate import disable, enable
+from paged_backend.config import EngineConfig
+from paged_backend.core.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from paged_backend.engine import Engine
+from paged_backend.entrypoints.async_engine import AsyncEngine
+from paged_backend.entrypoints.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSequence,
+)
+from paged_backend.entrypoints.llm import LLM
+from paged_backend.integrations.pipeline import PagedTextGenerationPipeline, pipeline
+from paged_backend.integrations.transformers_generate import disable, enable
+from paged_backend.model.default_model import DEFAULT_MODEL
+from paged_backend.model.lora import LoRARequest
+from paged_backend.model.model_loader import UnsupportedArchitectureError
+from paged_backend.sampling.sampling_params import SamplingParams
+from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
 enable()  # model.generate(..., cache_implementation="paged") now runs on this engine; disable() undoes it
 

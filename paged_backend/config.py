@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .speculative_config import SpeculativeConfig
+from paged_backend.speculative.speculative_config import SpeculativeConfig
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20  # a fixed budget: the KV cache never takes "most of the machine"
 DEFAULT_CUDA_KV_FRACTION = 0.4  # of the device memory free after loading the model

@@ -15,25 +15,35 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from . import compilation, cuda_graphs, prompt_logprobs
-from .config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
-from .decode_padding import DecodePadding
-from .detokenizer import IncrementalDetokenizer
-from .distributed import agree_on_blocks
-from .draft_proposer import DraftProposer, load_draft
-from .grammar import GrammarMask, Grammars
-from .kv_cache_manager import KVCacheManager
-from .lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec
-from .model_check import prepare_model, usable_context
-from .model_loader import check_architecture, model_object
-from .model_runner import ModelRunner, StepInputs
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .paged_cache import KVShape, PagedCache
-from .request import LogitsProcessor, Request, RequestStatus
-from .sampler import SamplerOutput, sample
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .speculation import Speculator, speculation_stats
+from paged_backend.config import (
+    DEFAULT_CPU_KV_BYTES,
+    DEFAULT_CUDA_KV_FRACTION,
+    EngineConfig,
+)
+from paged_backend.core.kv_cache_manager import KVCacheManager
+from paged_backend.core.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from paged_backend.core.request import LogitsProcessor, Request, RequestStatus
+from paged_backend.core.scheduler import Scheduler
+from paged_backend.model import compilation, cuda_graphs
+from paged_backend.model.decode_padding import DecodePadding
+from paged_backend.model.lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec
+from paged_backend.model.model_check import prepare_model, usable_context
+from paged_backend.model.model_loader import check_architecture, model_object
+from paged_backend.model.model_runner import ModelRunner, StepInputs
+from paged_backend.model.paged_cache import KVShape, PagedCache
+from paged_backend.parallel.step_protocol import agree_on_blocks
+from paged_backend.sampling import prompt_logprobs
+from paged_backend.sampling.detokenizer import IncrementalDetokenizer
+from paged_backend.sampling.grammar import GrammarMask, Grammars
+from paged_backend.sampling.sampler import SamplerOutput, sample
+from paged_backend.sampling.sampling_params import SamplingParams
+from paged_backend.speculative.draft_proposer import DraftProposer, load_draft
+from paged_backend.speculative.speculation import Speculator, speculation_stats
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ def fp32_default_on_cpu():
     in every test, on every machine: a CPU with native bf16 (where the engine would pick bf16) runs the
     same tests as one without. test_precision.py tests the choice itself by patching it back."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("paged_backend.precision.cpu_has_native_bf16", lambda: False)
+        patch.setattr("paged_backend.model.precision.cpu_has_native_bf16", lambda: False)
         yield
 
 

@@ -9,9 +9,7 @@ import sys
 
 import pytest
 import torch
-
 import triton_interpret  # noqa: F401,E402  (must precede every Triton kernel import)
-
 from paged_backend.kernels import (
     AttentionMetadata,
     dispatch,

@@ -7,7 +7,12 @@ import torch
 from engine_helpers import assert_all_blocks_free, greedy, hf_greedy, run_to_completion
 from tiny_models import build
 
-from paged_backend import Engine, EngineConfig, SamplingParams, UnsupportedArchitectureError
+from paged_backend import (
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    UnsupportedArchitectureError,
+)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from engine_helpers import assert_all_blocks_free, mixed_prompts
 from tiny_models import build
 
 from paged_backend import BeamSearchParams, Engine, EngineConfig
-from paged_backend.beam_search import beam_search
+from paged_backend.entrypoints.beam_search import beam_search
 
 
 def hf_beams(model, prompt, beams, max_new, **kwargs):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tiny_models import build
 
 from paged_backend import Engine, EngineConfig, SamplingParams
-from paged_backend.block_pool import BlockPool
+from paged_backend.core.block_pool import BlockPool
 
 
 def test_pool_allocate_free_roundtrip():

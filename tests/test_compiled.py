@@ -18,7 +18,8 @@ from test_adapters import build_adapted, random_baichuan_weights, write_baichuan
 from tiny_models import build
 from torch._dynamo.utils import counters
 
-from paged_backend import Engine, EngineConfig, compilation
+from paged_backend import Engine, EngineConfig
+from paged_backend.model import compilation
 
 MAX_NEW = 10
 
@@ -28,7 +29,7 @@ def build_baichuan_13b(name: str):
     import tempfile
     from pathlib import Path
 
-    from paged_backend.model_loader import load_model
+    from paged_backend.model.model_loader import load_model
 
     with tempfile.TemporaryDirectory() as tmp:  # the weights are read into memory
         model, _ = load_model(write_baichuan(Path(tmp) / name, "13b", random_baichuan_weights()), device="cpu")

@@ -8,12 +8,17 @@ over the same model reuses those graphs, so each test builds its engines for fre
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_all_blocks_free, greedy, mixed_prompts, run_to_completion
+from engine_helpers import (
+    assert_all_blocks_free,
+    greedy,
+    mixed_prompts,
+    run_to_completion,
+)
 from tiny_models import build
 from torch._dynamo.utils import counters
 
 from paged_backend import BeamSearchParams, Engine, EngineConfig, SamplingParams
-from paged_backend.beam_search import beam_search
+from paged_backend.entrypoints.beam_search import beam_search
 
 # Small blocks and a small cache: prompts are chunked, the batch preempts, blocks are shared.
 CONFIG = dict(num_kv_blocks=40, block_size=4, max_num_batched_tokens=24)

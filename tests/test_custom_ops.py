@@ -7,7 +7,7 @@ import pytest
 import torch
 from paged_backend.kernels import AttentionMetadata
 
-from paged_backend import custom_ops
+from paged_backend.model import custom_ops
 
 
 def step_metadata(seq_lens: list[int], new_tokens: list[int], block_size: int = 4) -> AttentionMetadata:

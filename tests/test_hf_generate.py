@@ -11,8 +11,8 @@ from paged_backend.integrations import transformers_generate as tg
 from tiny_models import build, build_from_config
 from transformers import (
     AutoTokenizer,
-    LlamaConfig,
     GenerationConfig,
+    LlamaConfig,
     LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteria,
@@ -24,7 +24,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
 from paged_backend import EngineConfig
-from paged_backend.default_model import default_model_path
+from paged_backend.model.default_model import default_model_path
 
 ARCHS = ("llama", "gpt2", "qwen3", "gpt_neox")
 PAGED = {"cache_implementation": "paged"}

@@ -18,10 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import triton_interpret  # noqa: F401,E402  (must precede every Triton kernel import)
-
-from paged_backend.kernels import AttentionMetadata, dispatch, torch_attention, triton_attention, triton_cache_write
+from paged_backend.kernels import (
+    AttentionMetadata,
+    dispatch,
+    torch_attention,
+    triton_attention,
+    triton_cache_write,
+)
 from paged_backend.kernels.triton_attention import LaunchConfig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

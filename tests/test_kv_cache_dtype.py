@@ -6,16 +6,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import triton_interpret  # noqa: F401  (must precede every Triton kernel import)
-from engine_helpers import assert_all_blocks_free, greedy, hf_greedy, mixed_prompts, run_to_completion
+from engine_helpers import (
+    assert_all_blocks_free,
+    greedy,
+    hf_greedy,
+    mixed_prompts,
+    run_to_completion,
+)
+from paged_backend.kernels import torch_attention, triton_attention, triton_cache_write
+from paged_backend.kernels.kv_quant import dequantize_int8, quantize_int8
 from test_kernels import DEVICE, Batch, make_batch, oracle
 from tiny_models import build
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.kernels import torch_attention, triton_attention, triton_cache_write
-from paged_backend.kernels.kv_quant import dequantize_int8, quantize_int8
-from paged_backend.model_check import CHECK_LENGTHS, dense_logits, paged_logits, prepare_model
+from paged_backend.model.model_check import (
+    CHECK_LENGTHS,
+    dense_logits,
+    paged_logits,
+    prepare_model,
+)
 
 
 def test_int8_rows_round_trip_within_half_a_step() -> None:

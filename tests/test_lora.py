@@ -27,7 +27,7 @@ from paged_backend import (
     LoRARequest,
     SamplingParams,
 )
-from paged_backend.beam_search import beam_search
+from paged_backend.entrypoints.beam_search import beam_search
 
 MAX_NEW = 8
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]

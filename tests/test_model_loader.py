@@ -1,4 +1,4 @@
-"""Tests for paged_backend.model_loader and paged_backend.default_model.
+"""Tests for paged_backend.model.model_loader and paged_backend.model.default_model.
 
 Fast tests use tiny random models built in-process. Tests marked ``slow`` use
 the real default model; they share one conversion per session (in
@@ -28,9 +28,14 @@ from transformers import (
     T5Config,
 )
 
-from paged_backend import default_model
-from paged_backend.default_model import DEFAULT_MODEL, cache_dir, default_model_path, gguf_file_path
-from paged_backend.model_loader import (
+from paged_backend.model import default_model
+from paged_backend.model.default_model import (
+    DEFAULT_MODEL,
+    cache_dir,
+    default_model_path,
+    gguf_file_path,
+)
+from paged_backend.model.model_loader import (
     SUPPORTED,
     UNSUPPORTED_REASONS,
     UnsupportedArchitectureError,
@@ -220,7 +225,7 @@ def test_check_architecture_rejects_with_reason(config: PretrainedConfig, names:
     ],
 )
 def test_check_architecture_accepts_adapted(config: PretrainedConfig) -> None:
-    check_architecture(config)  # their attention bypasses the interface; paged_backend.adapters covers it
+    check_architecture(config)  # their attention bypasses the interface; paged_backend.model.adapters covers it
 
 
 def test_check_architecture_rejects_loaded_model() -> None:
@@ -432,7 +437,7 @@ def _stablelm_without_its_adapter(monkeypatch: pytest.MonkeyPatch):
     """StableLM's decoder layer drops the engine's step: without its adapter every layer bypasses it."""
     import sys
 
-    from paged_backend.adapters import registry
+    from paged_backend.model.adapters import registry
 
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_models import build
@@ -455,7 +460,8 @@ def test_probe_refuses_a_layer_that_bypasses_the_step_and_restores_the_model(mon
 
 def test_self_check_refuses_wrong_paged_logits_and_can_be_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the probe's layer check switched off, the self-check is what catches the bypass."""
-    from paged_backend import Engine, EngineConfig, paged_cache
+    from paged_backend import Engine, EngineConfig
+    from paged_backend.model import paged_cache
 
     model = _stablelm_without_its_adapter(monkeypatch)
     monkeypatch.setattr(paged_cache, "check_every_layer_driven", lambda *args: None)
@@ -467,7 +473,8 @@ def test_self_check_refuses_wrong_paged_logits_and_can_be_skipped(monkeypatch: p
 
 
 def test_self_check_runs_once_per_model(monkeypatch: pytest.MonkeyPatch, tiny_llama: LlamaForCausalLM) -> None:
-    from paged_backend import Engine, EngineConfig, model_check
+    from paged_backend import Engine, EngineConfig
+    from paged_backend.model import model_check
 
     calls = []
     dense = model_check.dense_logits

@@ -6,12 +6,18 @@ import json
 
 import pytest
 import torch
-from engine_helpers import assert_all_blocks_free, greedy, hf_greedy, mixed_prompts, run_to_completion
+from engine_helpers import (
+    assert_all_blocks_free,
+    greedy,
+    hf_greedy,
+    mixed_prompts,
+    run_to_completion,
+)
 from test_engine_equivalence import MT_BENCH
 from tiny_models import build
 
 from paged_backend import Engine, EngineConfig, SamplingParams
-from paged_backend import kv_cache_manager
+from paged_backend.core import kv_cache_manager
 
 MAX_NEW = 10
 

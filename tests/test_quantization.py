@@ -12,7 +12,7 @@ from engine_helpers import hf_greedy, mixed_prompts
 from tiny_models import build
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.model_runner import ModelRunner
+from paged_backend.model.model_runner import ModelRunner
 
 pytest.importorskip("torchao")
 
@@ -79,12 +79,12 @@ def test_model_quantized_by_a_transformers_quantizer(tmp_path: Path) -> None:
 def test_cli_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from paged_backend import cli
+    from paged_backend.entrypoints import cli
 
     parser = argparse.ArgumentParser()
     cli.add_model_arguments(parser)
     seen = {}
-    monkeypatch.setattr("paged_backend.llm.LLM", lambda *args, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr("paged_backend.entrypoints.llm.LLM", lambda *args, **kwargs: seen.update(kwargs))
     cli.make_llm(parser.parse_args(["--kv-cache-dtype", "int8", "--quantization", "int8"]))
     assert seen["kv_cache_dtype"] == "int8" and seen["quantization"] == "int8"
     cli.make_llm(parser.parse_args([]))

@@ -8,7 +8,7 @@ from engine_helpers import greedy, hf_greedy, run_to_completion
 from tiny_models import build
 
 from paged_backend import Engine, EngineConfig, SamplingParams
-from paged_backend.sampler import apply_penalties, filter_logits
+from paged_backend.sampling.sampler import apply_penalties, filter_logits
 
 PROMPT = [5, 17, 42, 7]
 
@@ -125,8 +125,8 @@ def test_logprobs_are_the_model_distribution(model, engine):
 
 
 def fake_request(**kwargs):
-    from paged_backend.outputs import RequestMetrics
-    from paged_backend.request import Request
+    from paged_backend.core.outputs import RequestMetrics
+    from paged_backend.core.request import Request
 
     params = SamplingParams(**kwargs)
     return Request("x", None, [], params, 16, frozenset(), RequestMetrics(0.0))
@@ -213,7 +213,7 @@ def test_sampler_waits_for_the_device_once():
     which CUDA's sync debug mode does not count (an explicit stream synchronize)."""
     from types import SimpleNamespace
 
-    from paged_backend.sampler import sample
+    from paged_backend.sampling.sampler import sample
 
     params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2, seed=1),
               SamplingParams(temperature=0.0, logprobs=1, repetition_penalty=1.2)]

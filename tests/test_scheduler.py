@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from paged_backend.config import EngineConfig
-from paged_backend.kv_cache_manager import KVCacheManager
-from paged_backend.outputs import RequestMetrics
-from paged_backend.request import Request
-from paged_backend.sampling_params import SamplingParams
-from paged_backend.scheduler import Scheduler
+from paged_backend.core.kv_cache_manager import KVCacheManager
+from paged_backend.core.outputs import RequestMetrics
+from paged_backend.core.request import Request
+from paged_backend.core.scheduler import Scheduler
+from paged_backend.sampling.sampling_params import SamplingParams
 
 BLOCK = 4
 

@@ -16,7 +16,13 @@ from collections.abc import Iterator
 import openai
 import pytest
 import torch
-from test_server import Served, build_chat_tokenizer, serve, tiny_llama, wait_all_blocks_free
+from test_server import (
+    Served,
+    build_chat_tokenizer,
+    serve,
+    tiny_llama,
+    wait_all_blocks_free,
+)
 
 from paged_backend import LLM
 

@@ -17,13 +17,19 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
-from engine_helpers import assert_all_blocks_free, hf_case, hf_greedy, mixed_prompts, run_to_completion
+from engine_helpers import (
+    assert_all_blocks_free,
+    hf_case,
+    hf_greedy,
+    mixed_prompts,
+    run_to_completion,
+)
 from tiny_models import build, build_from_config
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from paged_backend import Engine, EngineConfig, SamplingParams
-from paged_backend.ngram_proposer import propose_ngram
-from paged_backend.speculative_config import SpeculativeConfig
+from paged_backend.speculative.ngram_proposer import propose_ngram
+from paged_backend.speculative.speculative_config import SpeculativeConfig
 
 MAX_NEW = 20
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
@@ -508,7 +514,7 @@ def test_metrics_report_speculation(llama):
 def test_serve_takes_a_speculative_config(monkeypatch):
     pytest.importorskip("uvicorn")
     import paged_backend
-    from paged_backend.cli import build_parser
+    from paged_backend.entrypoints.cli import build_parser
 
     seen = {}
 

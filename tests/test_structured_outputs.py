@@ -17,7 +17,7 @@ import pytest
 import transformers as tf
 
 from paged_backend import Engine, EngineConfig, SamplingParams
-from paged_backend.structured_outputs import StructuredOutputsParams
+from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 from tests.engine_helpers import assert_all_blocks_free, run_to_completion
 from tests.tiny_models import build_from_config
 
@@ -168,7 +168,7 @@ def test_streamed_deltas_concatenate_to_the_answer(tiny, tokenizer):
 
 
 def test_a_compiling_grammar_holds_up_no_one(tiny, tokenizer, monkeypatch):
-    from paged_backend import grammar
+    from paged_backend.sampling import grammar
 
     release = threading.Event()
     real_compile = grammar.Grammars.compile
@@ -188,7 +188,7 @@ def test_a_compiling_grammar_holds_up_no_one(tiny, tokenizer, monkeypatch):
 
 
 def test_a_grammar_that_fails_to_compile_ends_only_its_request(tiny, tokenizer, monkeypatch):
-    from paged_backend import grammar
+    from paged_backend.sampling import grammar
 
     def fail(self, key):
         raise RuntimeError("out of memory while compiling")
@@ -205,7 +205,7 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_request(tiny, tokenizer, 
 
 
 def test_an_aborted_request_waiting_for_its_grammar_is_gone(tiny, tokenizer, monkeypatch):
-    from paged_backend import grammar
+    from paged_backend.sampling import grammar
 
     release = threading.Event()
     monkeypatch.setattr(grammar.Grammars, "compile", lambda self, key: release.wait(30))

@@ -12,7 +12,7 @@ from engine_helpers import greedy, mixed_prompts
 from tiny_models import build
 
 from paged_backend import LLM
-from paged_backend.distributed import free_port
+from paged_backend.parallel.launch import free_port
 
 pytestmark = pytest.mark.timeout(300)
 ENGINE = dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=16)  # small: forces preemption

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from paged_backend.kernels import AttentionMetadata, paged_attention, write_kv_cache
 
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 from paged_backend import AsyncEngine, RequestOutput, SamplingParams
 from paged_backend.engine import Prompt
-from paged_backend.lora import LoRASpec
+from paged_backend.model.lora import LoRASpec
 
 
 def stream_outputs(aengine: AsyncEngine, prompt: Prompt, params: SamplingParams,

@@ -18,7 +18,7 @@ import ray
 from ray.actor import ActorHandle
 
 from paged_backend import LLM, AsyncEngine, RequestOutput, SamplingParams
-from paged_backend.request import LogitsProcessor
+from paged_backend.core.request import LogitsProcessor
 
 Prompt = str | Sequence[int]
 

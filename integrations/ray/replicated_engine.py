@@ -25,7 +25,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from paged_backend import RequestOutput, SamplingParams
-from paged_backend.request import LogitsProcessor
+from paged_backend.core.request import LogitsProcessor
 
 from .background_loop import BackgroundLoop
 from .errors import NoLiveReplicaError, failed_output

@@ -9,7 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from paged_backend import RequestOutput, SamplingParams
-from paged_backend.llm import normalise_params, normalise_prompts
+from paged_backend.entrypoints.llm import normalise_params, normalise_prompts
 
 from .replica import Prompt
 from .replicated_engine import DEFAULT_TIMEOUT_S, ReplicatedAsyncEngine

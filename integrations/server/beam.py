@@ -3,7 +3,7 @@
 `LLM.beam_search` steps an engine of its own; here the engine also serves every other client, so
 each step goes through `AsyncEngine.generate` like any request: every live beam asks for its top-K
 next tokens (a one-token greedy request with K logprobs; a prompt's beams share its cached blocks).
-The ranking, pruning and stopping are the offline search's own step (`paged_backend.beam_search
+The ranking, pruning and stopping are the offline search's own step (`paged_backend.entrypoints.beam_search
 .advance`), so both return the same sequences.
 """
 
@@ -18,7 +18,7 @@ from paged_backend import (
     RequestOutput,
     SamplingParams,
 )
-from paged_backend.beam_search import PromptBeams, advance, finalise
+from paged_backend.entrypoints.beam_search import PromptBeams, advance, finalise
 
 from .errors import APIError
 from .metrics import ServerMetrics

@@ -19,7 +19,7 @@ from typing import TypeVar
 from fastapi import Request
 
 from paged_backend import AsyncEngine, RequestOutput, SamplingParams
-from paged_backend.request import LogitsProcessor
+from paged_backend.core.request import LogitsProcessor
 
 from .errors import APIError
 from .metrics import ServerMetrics

@@ -8,8 +8,8 @@ import re
 import torch
 
 from paged_backend import Engine, SamplingParams
-from paged_backend.request import LogitsProcessor
-from paged_backend.structured_outputs import StructuredOutputsParams
+from paged_backend.core.request import LogitsProcessor
+from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
 from .errors import APIError, bad_request
 from .protocol import SEED_MAX, SEED_MIN, SamplingFields

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paged_backend.structured_outputs import StructuredOutputsParams
+from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
 from ..structured import chosen_tool_name, forced_tool_spec, response_format_spec
 from .errors import bad_request

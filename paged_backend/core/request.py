@@ -1,0 +1,122 @@
+"""Request: one prompt's journey through the engine (tokens, progress, blocks, stop state)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from paged_backend.core.outputs import Logprob, RequestMetrics, SampleLogprobs
+from paged_backend.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_backend.model.lora import LoRAAdapter
+    from paged_backend.sampling.detokenizer import IncrementalDetokenizer
+    from paged_backend.sampling.grammar import GrammarState
+
+# vLLM's form: the request's output token ids so far and its logits row [V], returning the row to sample from.
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class PenaltyState:
+    """What the penalties need of a request's history, kept up to date incrementally by the sampler."""
+
+    seen: torch.Tensor  # [V] bool: in the prompt or the output
+    counts: torch.Tensor  # [V] float: occurrences in the output
+    synced: int  # output tokens already counted
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context length
+    stop_ids: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
+    metrics: RequestMetrics
+    stream: bool = True  # emit an output after every new token, or only the final one
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens scheduled after the last token
+    num_draft_computed: int = 0  # positions whose K/V a draft model has written (draft_proposer.py)
+    spec_allowance: int = 0  # proposals it may carry next step (per-request policy; 0: k)
+    spec_pause: int = 0  # steps it sits out before proposing again
+    spec_misses: int = 0  # verifications in a row that kept none of its proposals
+    draft_probs: torch.Tensor | None = None  # [proposals, V]: the draft distributions sampled proposals came from
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, once computed
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries from other tenants'
+    lora: LoRAAdapter | None = None  # the adapter it runs with (None: the base model)
+    lora_slot: int = 0  # while running: the device slot of its adapter (0: the base)
+    leader: Request | None = None  # for samples 1..n-1: wait until sample 0 has computed the prompt
+    index: int = 0  # which of the n (or best_of) samples this is
+    keep_best: int | None = None  # best_of > n: the group returns only its keep_best best-scoring samples
+    group: list[Request] = field(default_factory=list)  # all samples of the user's request, in index order
+    external_id: str = ""  # the id the user gave; samples of an n > 1 request share it
+    logits_processor: LogitsProcessor | None = None  # (output ids, row [V]) -> row, before sampling
+    penalty_state: PenaltyState | None = None  # built on first use by the sampler
+    grammar: GrammarState | None = None  # structured outputs: the matcher its tokens must satisfy
+    status: RequestStatus = RequestStatus.WAITING
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, entry per later prompt token]
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def group_finished(self) -> bool:
+        return all(r.is_finished for r in self.group)
+
+    @property
+    def wants_logprob(self) -> bool:
+        """Whether the sampler must report this request's chosen-token logprobs (asked for, or to rank it)."""
+        return self.logprobs is not None or self.keep_best is not None
+
+    @property
+    def mean_logprob(self) -> float:
+        """The score best_of ranks samples by: log probability per generated token."""
+        return self.cumulative_logprob / max(1, len(self.output_token_ids))
+
+    def is_waiting_for_leader(self) -> bool:
+        """A later sample starts only once the first has cached the prompt, so it can share it."""
+        leader = self.leader
+        return leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens `[start, stop)` of prompt + output, without concatenating the whole sequence."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]

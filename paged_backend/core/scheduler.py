@@ -1,0 +1,165 @@
+"""Scheduler: decides which requests run in the next step and how many tokens each computes.
+
+There is no prefill or decode phase. Every request has `num_computed_tokens`; each step gives
+running requests (oldest first) the tokens they lack under one token budget, then admits waiting
+requests in arrival order, slicing long prompts (chunked prefill). A request admitted for the
+first time starts after its longest cached prefix. When blocks run out, the newest
+running request is preempted: its blocks are freed and it is recomputed later from its tokens.
+With LoRA, a waiting request whose adapter has no device slot free stays waiting (others may pass it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import NamedTuple
+
+from paged_backend.config import EngineConfig
+from paged_backend.core.kv_cache_manager import KVCacheManager
+from paged_backend.core.request import Request, RequestStatus
+from paged_backend.model.lora import LoRASlots
+from paged_backend.speculative.speculation import Speculator
+
+
+class ScheduledBatch(NamedTuple):
+    requests: list[Request]
+    num_new_tokens: list[int]  # proposals included
+    # Indices of requests whose `num_new_tokens - 1` proposals a draft model makes before the forward.
+    drafts: list[int]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, speculator: Speculator | None = None,
+                 lora: LoRASlots | None = None) -> None:
+        self.max_tokens = config.max_num_batched_tokens
+        self.lora = lora
+        self.speculator = speculator
+        self.max_seqs = config.max_num_seqs
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [], [])
+        preemptions_before = self.num_preemptions
+        budget = self.schedule_running(batch, self.max_tokens)
+        # After a preemption the cache is full: admitting new work would only preempt again.
+        if self.num_preemptions == preemptions_before:
+            self.schedule_waiting(batch, budget)
+        if self.speculator is not None:
+            self.add_proposals(batch)
+        return batch
+
+    def add_proposals(self, batch: ScheduledBatch) -> None:
+        """Proposed tokens ride along with decoding requests in the room the step has left (the speculator's
+        policy, within the token budget); they never preempt anything or push a request past max_tokens.
+        N-gram proposals are made here; a draft model's are only counted here (their blocks allocated) and
+        made for all of the step's requests at once (`Speculator.make_drafts`)."""
+        scheduled = sum(batch.num_new_tokens)
+        room = self.speculator.room(scheduled, self.max_tokens - scheduled)
+        drafting = self.speculator.draft is not None
+        for i, request in enumerate(batch.requests):
+            if room <= 0:
+                return
+            if batch.num_new_tokens[i] != 1 or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            if request.grammar is not None:  # its matcher would have to follow every proposal: it decodes plainly
+                continue
+            # Keeping every proposal adds 1 + len(proposals) tokens: stay within max_tokens.
+            limit = self.speculator.allowance(request, min(room, request.max_tokens - request.num_output_tokens - 1))
+            if limit <= 0:
+                continue
+            proposals = None if drafting else self.speculator.propose(request, limit)
+            n = limit if drafting else len(proposals)
+            if n and self.kv.allocate_slots(request, 1 + n):
+                if drafting:
+                    batch.drafts.append(i)
+                else:
+                    request.spec_token_ids = proposals
+                batch.num_new_tokens[i] += n
+                room -= n
+
+    def schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is request:
+                    return budget
+            batch.requests.append(request)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        return budget
+
+    def schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
+            request = self.waiting[i]
+            if request.is_waiting_for_leader() or (self.lora is not None and not self.lora.can_run(request.lora)):
+                i += 1
+                continue
+            if not self.admit(request, budget):
+                return
+            del self.waiting[i]
+            self.running.append(request)
+            batch.requests.append(request)
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            batch.num_new_tokens.append(n)
+            budget -= n
+
+    def admit(self, request: Request, budget: int) -> bool:
+        """Take the request's cached prefix and blocks for its first chunk; False (nothing held) if full."""
+        if request.num_computed_tokens == 0:
+            hit = self.kv.acquire_cached_prefix(request)
+            if request.metrics.first_scheduled_time is None:
+                request.num_cached_tokens = hit
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.kv.allocate_slots(request, n):
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            return False
+        request.status = RequestStatus.RUNNING
+        if self.lora is not None:
+            request.lora_slot = self.lora.acquire(request.lora)
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.time()
+        return True
+
+    def preempt(self, request: Request) -> None:
+        """Free the request's blocks and put it first in line; it will recompute its tokens."""
+        self.running.remove(request)
+        self.release(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_draft_computed = 0
+        request.status = RequestStatus.WAITING
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        """Remove a request wherever it is and free its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.release(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+
+    def release(self, request: Request) -> None:
+        """A request that stops running gives back its use of its adapter's slot."""
+        if self.lora is not None:
+            self.lora.release(request.lora_slot)
+            request.lora_slot = 0

@@ -1,0 +1,1 @@
+"""Where users enter: the offline `LLM`, the streaming `AsyncEngine`, beam search and the command line."""

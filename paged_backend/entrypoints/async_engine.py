@@ -1,0 +1,160 @@
+"""AsyncEngine: one background thread steps the engine; any coroutine or thread streams from it.
+
+The model forward blocks, so it runs on its own thread, never on an event loop. Callers hand
+commands (add, abort) to that thread through a queue and receive their request's outputs through
+a per-request sink, so the engine itself is only ever touched by one thread. A consumer that
+stops iterating aborts its request, which frees its blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from paged_backend.core.outputs import RequestOutput
+from paged_backend.core.request import LogitsProcessor
+from paged_backend.engine import Engine, Prompt
+from paged_backend.model.lora import LoRAAdapter, LoRASpec
+from paged_backend.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput], None]
+IDLE_WAIT_S = 0.5
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.sinks: dict[str, Sink] = {}
+        self.wakeup = threading.Event()
+        self.stopped = threading.Event()
+        self.ids = itertools.count()
+        self.thread = threading.Thread(target=self.run_loop, name="paged-backend-engine", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------ public API
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        logits_processor: LogitsProcessor | None = None, lora: LoRASpec | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield this request's outputs as they change; the last one has `finished=True`."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        request_id = self.submit(prompt, params, request_id, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
+                                 logits_processor, lora)
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        logits_processor: LogitsProcessor | None = None, lora: LoRASpec | None = None,
+    ) -> Iterator[RequestOutput]:
+        """The same as `generate`, for plain threads."""
+        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        request_id = self.submit(prompt, params, request_id, outputs.put, logits_processor, lora)
+        finished = False
+        try:
+            while not finished:
+                output = outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, sink: Sink,
+               logits_processor: LogitsProcessor | None = None, lora: LoRASpec | None = None) -> str:
+        """Validate in the caller's thread (a bad request raises here), then queue it for the engine.
+        `logits_processor` runs on the engine thread (see `Engine.add_request`); `lora` names an adapter."""
+        params = params or SamplingParams()
+        text, token_ids = self.engine.tokenize(prompt)
+        self.engine.validate(token_ids, params)
+        adapter = self.engine.resolve_lora(lora)
+        request_id = request_id if request_id is not None else f"async-{next(self.ids)}"
+        self.commands.put(("add", (request_id, text if text is not None else token_ids, token_ids, params, sink,
+                                   logits_processor, adapter)))
+        self.wakeup.set()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+        self.wakeup.set()
+
+    def is_alive(self) -> bool:
+        """Whether the engine thread is still stepping (what the server's /health reports)."""
+        return self.thread.is_alive()
+
+    def shutdown(self) -> None:
+        self.stopped.set()
+        self.wakeup.set()
+        self.thread.join(timeout=10)
+
+    # ------------------------------------------------------------ engine thread
+
+    def run_loop(self) -> None:
+        while not self.stopped.is_set():
+            self.apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self.wakeup.wait(IDLE_WAIT_S)
+                self.wakeup.clear()
+                continue
+            self.deliver(self.engine.step())
+
+    def apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.add(*arg)
+            else:
+                self.engine.abort_request(arg)
+
+    def add(self, request_id: str, prompt: Prompt, token_ids: list[int], params: SamplingParams, sink: Sink,
+            logits_processor: LogitsProcessor | None, adapter: LoRAAdapter | None = None) -> None:
+        try:
+            self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=token_ids,
+                                    logits_processor=logits_processor, lora=adapter)
+        except ValueError as exc:  # e.g. a duplicate id: the caller gets a finished output with the error
+            logger.warning("request %s refused: %s", request_id, exc)
+            sink(refused_output(request_id, prompt, str(exc)))
+            return
+        self.sinks[request_id] = sink
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            sink = self.sinks.pop(output.request_id) if output.finished else self.sinks.get(output.request_id)
+            if sink is not None:
+                sink(output)
+
+
+def refused_output(request_id: str, prompt: Prompt, error: str) -> RequestOutput:
+    import time
+
+    from paged_backend.core.outputs import CompletionOutput, RequestMetrics
+
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
+        outputs=[CompletionOutput(0, "", [], finish_reason="abort")],
+        finished=True,
+        metrics=RequestMetrics(arrival_time=time.time()),
+        error=error,
+    )

@@ -1,0 +1,215 @@
+"""LLM: the offline API. Load a model once, generate for many prompts in one continuous batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from paged_backend.config import EngineConfig
+from paged_backend.core.outputs import RequestOutput
+from paged_backend.engine import Engine, Prompt
+from paged_backend.entrypoints.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    beam_search,
+)
+from paged_backend.model.attention import ATTENTION_NAME, register
+from paged_backend.model.lora import LoRARequest, LoRASpec
+from paged_backend.model.model_loader import load_model
+from paged_backend.model.quantization import check_method, quantize_weights
+from paged_backend.parallel.launch import TensorParallelGroup
+from paged_backend.parallel.step_protocol import broadcast_step, serve_steps
+from paged_backend.sampling.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+LOAD_KEYS = ("dtype", "device", "trust_remote_code")
+
+
+class LLM:
+    """`LLM(model)` where model is a hub id, a folder, a `.gguf` file, None (the default model) or a
+    loaded `PreTrainedModel` (used as it is); extra keywords are EngineConfig fields.
+    `quantization="int8"` quantizes the linear layers' weights after loading (a loaded model's in place;
+    quantization.py); it compiles where the engine's `compile` setting says, as without quantization."""
+
+    def __init__(self, model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1,
+                 quantization: str | None = None, **engine_config: Any) -> None:
+        spawn_args = (model, tokenizer, dict(engine_config), tensor_parallel_size)
+        load_kwargs = {k: engine_config.pop(k) for k in LOAD_KEYS if k in engine_config}
+        config = EngineConfig(**engine_config)
+        check_method(quantization)
+        if quantization is not None and tensor_parallel_size > 1:
+            raise ValueError("quantization= with tensor_parallel_size > 1 is not supported")
+        register()
+        self.tp_group = None
+        if tensor_parallel_size > 1:
+            self.tp_group = TensorParallelGroup.join(tensor_parallel_size, run_worker, spawn_args)
+            load_kwargs["tp_plan"] = "auto"
+            if config.num_threads is None and not torch.cuda.is_available():
+                config.num_threads = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+        model, tokenizer = load_model(model, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
+        if quantization is not None:
+            quantize_weights(model, quantization)
+        leader = self.tp_group is None or self.tp_group.rank == 0
+        self.engine = Engine(model, tokenizer, config, publish_step=None if self.tp_group is None or not leader
+                             else broadcast_step)
+        if not leader:
+            self.serve_as_worker()
+
+    def serve_as_worker(self) -> None:
+        """A rank other than 0 runs rank 0's steps until it closes; under torchrun the script ends there."""
+        serve_steps(self.engine.runner)
+        self.tp_group.close()
+        if self.tp_group.launched_by_torchrun:
+            raise SystemExit(0)
+
+    def close(self) -> None:
+        """Stop tensor-parallel workers (a no-op for one process)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
+
+    def add_lora(self, name: str, source: Any, adapter_name: str | None = None) -> None:
+        """Register a LoRA adapter (a PEFT folder or a loaded PeftModel) under `name`; needs enable_lora=True."""
+        self.engine.add_lora(name, source, adapter_name)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora: LoRASpec | Sequence[LoRASpec | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) at once; outputs come back in input order.
+        `lora`: one adapter (name or LoRARequest) for every prompt, or one per prompt (None: the base).
+
+        Every prompt is validated before any is queued, so an invalid one raises ValueError (naming
+        its index) without leaving half a batch in the engine."""
+        prompts = normalise_prompts(prompts)
+        params = normalise_params(sampling_params, len(prompts))
+        return self.run(prompts, params, use_tqdm, normalise_loras(lora, len(prompts)))
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora: LoRASpec | None = None) -> list[BeamSearchOutput]:
+        """Beam search per prompt, with transformers' scoring and stopping rules; sequences best first.
+        With `lora`, every prompt's beams run with that adapter."""
+        token_lists = []
+        for i, prompt in enumerate(normalise_prompts(prompts)):
+            try:
+                _, ids = self.engine.tokenize(prompt)
+                self.engine.validate(ids, SamplingParams(max_tokens=params.max_tokens))
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+            token_lists.append(ids)
+        outputs = beam_search(self.engine, token_lists, params, lora)
+        if self.tokenizer is not None:
+            for output in outputs:
+                for sequence in output.sequences:
+                    sequence.text = self.tokenizer.decode(sequence.token_ids, skip_special_tokens=True)
+        return outputs
+
+    def chat(
+        self,
+        conversations: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation and generate."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs or {})
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(self, conversation: Conversation, add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None, extra: dict[str, Any]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 return_dict=False, **extra)
+        return list(ids)
+
+    def run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+            loras: list[LoRASpec | None] | None = None) -> list[RequestOutput]:
+        engine = self.engine
+        loras = loras or [None] * len(prompts)
+        token_ids = []
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
+            try:
+                token_ids.append(engine.tokenize(prompt)[1])
+                engine.validate(token_ids[-1], p)
+                engine.resolve_lora(lora)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        ids = [engine.add_request(prompt, p, stream=False, prompt_token_ids=ids, lora=lora)
+               for prompt, p, ids, lora in zip(prompts, params, token_ids, loras)]
+        index = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="Generating", unit="req") as bar:
+            remaining = len(ids)
+            while remaining:
+                for output in engine.step():
+                    if output.finished and output.request_id in index:
+                        results[index[output.request_id]] = output
+                        remaining -= 1
+                        bar.update(1)
+        return results
+
+
+def normalise_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def normalise_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def normalise_loras(lora: LoRASpec | Sequence[LoRASpec | None] | None, n: int) -> list[LoRASpec | None]:
+    if lora is None or isinstance(lora, (str, LoRARequest)):
+        return [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} LoRA choices for {n} prompts")
+    return loras
+
+
+def engine_config_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+def run_worker(model: Any, tokenizer: Any, kwargs: dict, size: int) -> None:
+    """A spawned rank's life: build the same LLM, which serves rank 0's steps until it closes."""
+    LLM(model, tokenizer, tensor_parallel_size=size, **kwargs)

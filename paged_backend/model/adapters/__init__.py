@@ -1,0 +1,21 @@
+"""Per-architecture attention adapters (one file each), registered by `config.model_type`.
+
+An architecture whose attention bypasses transformers' attention interface gets a file here that
+names its attention module classes, the keyword under which its blocks hand them the cache, and a
+paged forward built from the module's own weights (see `registry.py`), or, for an architecture whose
+attention does use the interface but whose code drops the engine's step on the way (StableLM), a
+forward that hands the step on. The engine calls
+`install_adapters(model)`; `model_loader.SUPPORTED` includes every registered type.
+"""
+
+from paged_backend.model.adapters import baichuan, bloom, falcon, mpt, stablelm  # noqa: F401  (each registers its adapter)
+from paged_backend.model.adapters.registry import (
+    ADAPTERS,
+    Adapter,
+    adapter_for,
+    install_adapters,
+    register_adapter,
+    uninstall_adapters,
+)
+
+__all__ = ["ADAPTERS", "Adapter", "adapter_for", "install_adapters", "register_adapter", "uninstall_adapters"]

@@ -1,0 +1,85 @@
+"""The attention function registered with transformers' AttentionInterface under the name "paged_backend".
+
+An unmodified HF model calls it with `query [1, H, T, D]`, `key/value [1, KVH, T, D]` and every extra
+keyword given to `model.forward`; the engine passes its step as `paged_cache=`. Called without one
+(the user runs the model directly), it behaves as transformers' SDPA with its own masks, or as its
+eager attention when the model soft-caps logits (SDPA cannot), so a model switched to it still works
+outside the engine. Called with the engine's start-up probe, it notes that the step reached this
+layer and attends over the probe's own token.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from paged_backend.kernels.torch_attention import attend_one
+from paged_backend.model import custom_ops
+from paged_backend.model.paged_cache import PagedCache, ShapeProbe
+
+ATTENTION_NAME = "paged_backend"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    paged_cache: PagedCache | ShapeProbe | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(paged_cache, ShapeProbe):
+        paged_cache.reached(module.layer_idx, "adapter" if hasattr(module, "_paged_original_forward") else "interface")
+        out = attend_one(query[0], key[0], value[0], scale, sliding_window, softcap)
+        return out.transpose(0, 1).unsqueeze(0), None
+    if paged_cache is None:
+        if softcap is not None:
+            return eager_softcapped(module, query, key, value, attention_mask, scale, softcap, dropout), None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, sliding_window=sliding_window, **kwargs)
+    out = custom_ops.paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                     module.layer_idx, scale, sliding_window, softcap)
+    return out.unsqueeze(0), None
+
+
+def eager_softcapped(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    dropout: float,
+) -> torch.Tensor:
+    """transformers' eager attention with tanh soft-capping (Gemma 2's form), for `[B, H, T, D]`
+    inputs and a bool or additive mask (None: causal over the keys' last T positions); `[B, T, H, D]`."""
+    key = repeat_kv(key, query.shape[1] // key.shape[1])
+    value = repeat_kv(value, query.shape[1] // value.shape[1])
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is None:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+        attention_mask = torch.arange(kv_len, device=query.device)[None, :] <= q_pos
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask[..., : key.shape[2]], torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + attention_mask[..., : key.shape[2]]
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous()
+
+
+def register() -> None:
+    """Make `attn_implementation="paged_backend"` known to transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

@@ -1,0 +1,71 @@
+"""Compiling the model forward with `torch.compile`, once, at engine start-up.
+
+The forward is compiled with `dynamic=True`, so the packed length `T` and the number of kept logits
+rows are symbolic and one graph serves every step. Attention and the cache write are opaque custom ops
+(custom_ops.py) that read the step from a context, so nothing step-specific is guarded on. Sizes 0
+and 1 would be specialised by torch; compiling with `backed_size_oblivious` stops that for the kept
+rows, and start-up runs a dummy step of each of the two graphs that remain (`T = 1`, `T > 1`):
+afterwards steady state never recompiles. Inductor's on-disk cache (torch's default) makes a second process's compile faster.
+
+A path the engine cannot compile (tensor parallelism, whose collectives run inside the forward)
+runs eagerly, and says so once at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+import torch.fx.experimental._config as fx_config
+
+from paged_backend.kernels import AttentionMetadata
+from paged_backend.model import custom_ops
+
+logger = logging.getLogger(__name__)
+
+# (packed tokens, kept logits rows) of the warm-up steps: one per graph. transformers' mask code
+# branches on `T == 1`, so a one-token step is its own graph; any other size is size-oblivious.
+WARM_UP_SHAPES = ((1, 1), (3, 2))
+
+
+def wants_compile(setting: bool | None, device: torch.device) -> bool:
+    """`EngineConfig.compile`: None compiles on CUDA only. On CPU a compiled step
+    has not been measured to pay (README, "Compiled steps"), so CPU compiles only when asked."""
+    return device.type == "cuda" if setting is None else setting
+
+
+def eager_reason() -> str | None:
+    """Why this process cannot run a compiled forward, or None when it can."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return "tensor parallelism runs eagerly (its collectives are inside the forward)"
+    return None
+
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    return torch.compile(model, dynamic=True)
+
+
+def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor | None = None) -> float:
+    """Run `forward` on dummy steps of every specialised shape; return the seconds it took.
+    The dummy K/V land in the first blocks, which hold nothing yet (no request has run) and which
+    every later owner writes before reading."""
+    device, num_blocks = kv.device, kv.shape[3] // block_size
+    start = time.perf_counter()
+    with torch.inference_mode(), fx_config.patch(backed_size_oblivious=True):
+        for tokens, rows in WARM_UP_SHAPES:
+            ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+            positions = torch.arange(tokens, device=device)[None]
+            blocks = min(-(-tokens // block_size), num_blocks)
+            metadata = AttentionMetadata(
+                slot_mapping=torch.arange(tokens, device=device) % (num_blocks * block_size),
+                block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+                query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+                block_size=block_size, query_start_loc_host=[0, tokens], seq_lens_host=[tokens],
+                max_query_len=tokens, max_seq_len=tokens,
+            )
+            with custom_ops.step_context(metadata, kv, kv_scales):
+                forward(ids, positions, torch.arange(tokens - rows, tokens, device=device))
+    return time.perf_counter() - start

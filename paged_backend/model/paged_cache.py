@@ -1,0 +1,159 @@
+"""PagedCache: the paged K/V tensors, as a `transformers.Cache` the model writes into.
+
+An unmodified HF attention module calls `cache.update(key, value, layer_idx)` and then the
+registered attention function. `update` writes the step's new K/V into their slots through
+`slot_mapping` and hands the same tensors back; the attention function reads the context through
+the block tables. Both are custom ops (custom_ops.py) that read the step's metadata and this cache
+from `custom_ops.step_context`, which the model runner opens around each forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from paged_backend.errors import UnsupportedArchitectureError
+from paged_backend.kernels.kv_quant import SCALE_DTYPE
+from paged_backend.model import custom_ops
+
+
+@dataclass(slots=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """K and V of one block in every layer, stored as `dtype` (int8: plus a scale per token and head)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        row = self.head_dim * elem + (SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
+        return 2 * self.num_layers * self.num_kv_heads * block_size * row
+
+
+class PackedStepCache(Cache):
+    """What transformers asks of a cache around one packed step: there is no single sequence length
+    (position_ids are always given), and the mask, if any, covers the step's own tokens only."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=[])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
+
+
+class PagedCache(PackedStepCache):
+    """`dtype` is what the cache stores, which may be below the model's precision: a float dtype,
+    or int8 with one fp32 scale per (layer, k/v, head, slot) in `kv_scales`."""
+
+    def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.shape = shape
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # [layer, k/v, kv_head, slot, head_dim]: a head's slots are contiguous, so the CPU gather of
+        # one sequence is one index_select per layer and a Triton tile of one block is one stride.
+        # `empty`, not `zeros`: unwritten slots are never read (every read is bounded by seq_lens),
+        # and untouched pages cost no resident memory.
+        self.kv = torch.empty(
+            shape.num_layers, 2, shape.num_kv_heads, num_blocks * block_size, shape.head_dim,
+            dtype=dtype, device=device,
+        )
+        self.kv_scales = None if dtype != torch.int8 else torch.empty(
+            shape.num_layers, 2, shape.num_kv_heads, num_blocks * block_size, dtype=SCALE_DTYPE, device=device)
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write the new K/V `[1, KVH, T, D]` into their slots; return them (as the write op hands them
+        back, which orders the write before attention) for the attention function."""
+        key, value = custom_ops.write_kv_cache(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1),
+                                               layer_idx)
+        return key.transpose(0, 1)[None], value.transpose(0, 1)[None]
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.num_blocks * self.block_size
+
+
+class ShapeProbe(PackedStepCache):
+    """Records, from one tiny forward, the K/V shape each layer writes and whether the engine's step
+    reached that layer's attention (and by which route), so any architecture (multi-query, grouped,
+    per-layer head dims) sizes its paged cache from what it really does, and a layer that would
+    silently bypass the paged attention is caught before anything runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, tuple[int, int, torch.dtype]] = {}
+        self.routes: dict[int, str] = {}  # layer -> "interface" or "adapter"
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.seen[layer_idx] = (key_states.shape[1], key_states.shape[3], key_states.dtype)
+        return key_states, value_states
+
+    def reached(self, layer_idx: int, route: str) -> None:
+        """Called by the paged attention function or an adapter when the probe's step got to them."""
+        self.routes[layer_idx] = route
+
+
+def probe_model(model: torch.nn.Module) -> ShapeProbe:
+    """Run one token through the model with a probe as both its cache and the engine's step."""
+    probe = ShapeProbe()
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        model(input_ids=ids, position_ids=torch.zeros_like(ids), cache=probe, use_cache=True, paged_cache=probe)
+    return probe
+
+
+def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
+    """Probe the model, check that every layer writes its K/V through the cache and attends through
+    the engine's step, and return the K/V shape the layers hand to the cache."""
+    probe = probe_model(model)
+    check_every_layer_driven(model, probe, num_layers)
+    shapes = {(h, d) for h, d, _ in probe.seen.values()}
+    if len(shapes) != 1:
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__}: the paged cache needs every one of its {num_layers} layers to write "
+            f"K/V of one shape; saw shapes (kv_heads, head_dim) {sorted(shapes)}"
+        )
+    (heads, head_dim), = shapes
+    return KVShape(num_layers, heads, head_dim)
+
+
+def check_every_layer_driven(model: torch.nn.Module, probe: ShapeProbe, num_layers: int) -> None:
+    """Refuse, naming the layer, a model where some layer does not write K/V through the cache or
+    whose attention did not receive the engine's step: that layer would attend over the step's
+    own tokens only and produce wrong text without any error."""
+    for layer in range(num_layers):
+        if layer not in probe.seen:
+            reason = "never wrote its keys and values through the cache"
+        elif layer not in probe.routes:
+            reason = ("wrote K/V but its attention never received the engine's step (its decoder layer does "
+                      "not pass forward keywords on to the attention module); it needs an adapter")
+        else:
+            continue
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r}): "
+            f"{attention_module_name(model, layer)} {reason}; the paged engine refuses it rather than run it wrong"
+        )
+    extra = sorted(set(probe.seen) - set(range(num_layers)))
+    if extra:
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__}: layers {extra} wrote K/V beyond the config's {num_layers} layers")
+
+
+def attention_module_name(model: torch.nn.Module, layer: int) -> str:
+    """`layer 3 (model.layers.3.self_attn, LlamaAttention)`, or `layer 3` when no module says so."""
+    for name, module in model.named_modules():
+        if getattr(module, "layer_idx", None) == layer and "attention" in type(module).__name__.lower():
+            return f"layer {layer} ({name}, {type(module).__name__})"
+    return f"layer {layer}"

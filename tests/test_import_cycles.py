@@ -1,0 +1,107 @@
+"""The package's modules import each other without a cycle, function-level imports included. Imports
+under `if TYPE_CHECKING:` are left out: they name types for annotations and never run."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import paged_backend
+
+PACKAGE = "paged_backend"
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the installed package by dotted name (the package maps `kernels/` and
+    `integrations/` into it, so walk each sub-package's own folder)."""
+    found: dict[str, Path] = {}
+    roots = {PACKAGE: Path(paged_backend.__file__).parent,
+             f"{PACKAGE}.kernels": Path(paged_backend.kernels.__file__).parent,
+             f"{PACKAGE}.integrations": Path(paged_backend.integrations.__file__).parent}
+    for prefix, root in roots.items():
+        for path in root.rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            name = ".".join([prefix, *parts])
+            found.setdefault(name, path)
+    return found
+
+
+def imported_modules(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The package modules `name` imports anywhere in its body (`from a import b` counts `a.b` when
+    that is a module)."""
+    is_package = path.name == "__init__.py"
+    base = name.split(".") if is_package else name.split(".")[:-1]
+    targets: set[str] = set()
+    for node in runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            origin = node.module or ""
+            if node.level:
+                anchor = base[: len(base) - node.level + 1]
+                origin = ".".join([*anchor, origin] if origin else anchor)
+            for alias in node.names:
+                submodule = f"{origin}.{alias.name}"
+                targets.add(submodule if submodule in modules else origin)
+    return {t for t in targets if t in modules and t != name}
+
+
+def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of the tree outside `if TYPE_CHECKING:` blocks."""
+    nodes, pending = [], [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            pending.extend(node.orelse)
+            continue
+        nodes.append(node)
+        pending.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path of module names, or None (depth-first search, colour marking)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {name: imported_modules(name, path, set(files)) for name, path in files.items()}
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_walk_sees_function_level_imports() -> None:
+    graph = import_graph()
+    assert "paged_backend.engine" in graph["paged_backend.entrypoints.llm"]
+    assert "paged_backend.entrypoints.llm" in graph["paged_backend.entrypoints.cli"]  # imported inside a function
+    assert "paged_backend.model.cuda_graphs" not in graph["paged_backend.model.model_runner"]  # TYPE_CHECKING
+    assert len(graph) > 60
