@@ -46,6 +46,7 @@ from paged_backend.config import EngineConfig
 from paged_backend.core.outputs import RequestOutput
 from paged_backend.engine import Engine
 from paged_backend.model.adapters import adapter_for
+from paged_backend.integrations.options.vocabularies import GENERATION_CONFIG
 from paged_backend.model.attention import ATTENTION_NAME
 from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
@@ -285,9 +286,10 @@ def build_job(config: GenerationConfig, input_ids: torch.Tensor, attention_mask:
     eos = config._eos_token_tensor
     eos_ids = [] if eos is None else eos.flatten().tolist()
     seeds = torch.randint(0, 2**62, (input_ids.shape[0],)).tolist() if config.do_sample else None
-    params = [SamplingParams(temperature=1.0 if config.do_sample else 0.0, max_tokens=max_new,
-                             stop_token_ids=eos_ids, ignore_eos=True, seed=seeds[i] if seeds else None,
-                             structured_outputs=structured)
+    options = {"do_sample": config.do_sample, "max_new_tokens": max_new, "eos_token_id": eos_ids,
+               "structured_outputs": structured}
+    # ignore_eos: the call's eos ids are the row's whole stop set (GENERATION_CONFIG), not the engine's own.
+    params = [GENERATION_CONFIG.params(options, ignore_eos=True, seed=seeds[i] if seeds else None)
               for i in range(input_ids.shape[0])]
     mask = attention_mask.bool().cpu()
     rows = input_ids.cpu()

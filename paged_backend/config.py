@@ -18,14 +18,14 @@ DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 @dataclass(slots=True)
 class EngineConfig:
-    block_size: int = 16
+    block_size: int = 16  # tokens per KV cache block
     num_kv_blocks: int | None = None  # wins over kv_cache_bytes when set
     kv_cache_bytes: int | None = None  # default: DEFAULT_CPU_KV_BYTES on CPU, a fraction of free memory on CUDA
     max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill slices prompts to fit)
-    max_num_seqs: int = 64
+    max_num_seqs: int = 64  # requests in one step
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    dtype: torch.dtype | str | None = None
-    device: str | torch.device | None = None
+    dtype: torch.dtype | str | None = None  # weights, e.g. float32, bfloat16; None or auto: precision.py's pick
+    device: str | torch.device | None = None  # e.g. cpu, cuda; None: cuda when available (a given model: where it is)
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's setting
     enable_prefix_caching: bool = True  # share the K/V of identical prompt prefixes across requests
     # Speculative decoding: None (off), a SpeculativeConfig or its dict, e.g. {"method": "ngram",
@@ -39,8 +39,8 @@ class EngineConfig:
     # LoRA adapters chosen per request (lora.py): at most max_loras distinct adapters run at once (more wait),
     # each of rank at most max_lora_rank. With LoRA the step runs eagerly.
     enable_lora: bool = False
-    max_loras: int = 4
-    max_lora_rank: int = 16
+    max_loras: int = 4  # distinct adapters in one step (more wait)
+    max_lora_rank: int = 16  # the largest adapter rank the device slots hold
     # The KV cache's storage: "auto" (the model's dtype), "bf16", "fp16" or "int8" (per token and head scaled);
     # a lower precision than the model's halves (bf16/fp16 under fp32) or quarters (int8) KV memory.
     kv_cache_dtype: str = "auto"

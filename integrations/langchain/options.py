@@ -11,12 +11,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from paged_backend import AsyncEngine, SamplingParams
+from paged_backend.integrations.options import defaults
+from paged_backend.integrations.options.vocabularies import LANGCHAIN
 
 from .engines import describe_model, get_async_engine
 
-# Fields copied one to one into SamplingParams.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed", "max_tokens", "min_tokens", "n", "best_of", "structured_outputs")
+# The options a constructor field sets and a call may override (LANGCHAIN's table); stop strings merge.
+SAMPLING_FIELDS = tuple(name for name in LANGCHAIN.rules if name != "stop")
 
 
 class PagedOptions(BaseModel):
@@ -31,7 +32,7 @@ class PagedOptions(BaseModel):
     model_name: str | None = None
     """Reported as model_name; defaults to the model's name or path."""
 
-    temperature: float = 0.7
+    temperature: float = defaults.LANGCHAIN["temperature"]
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
@@ -39,7 +40,7 @@ class PagedOptions(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 512
+    max_tokens: int | None = defaults.LANGCHAIN["max_tokens"]
     min_tokens: int = 0
     n: int = 1
     best_of: int | None = None
@@ -70,13 +71,14 @@ class PagedOptions(BaseModel):
         return self.model_name or describe_model(self.model)
 
     def sampling_params(self, stop: list[str] | None, overrides: dict[str, Any], **extra: Any) -> SamplingParams:
-        """Constructor fields, then the call's overrides; stop strings are the union of both."""
+        """Constructor fields, then the call's overrides, through LangChain's table; stop strings are the
+        union of both. `extra` are fields in SamplingParams' own names (logprobs, ...)."""
         values = {name: overrides.pop(name, getattr(self, name)) for name in SAMPLING_FIELDS}
-        call_stop = overrides.pop("stop", None) or stop
+        values["stop"] = merge_stops(self.stop, overrides.pop("stop", None) or stop)
         overrides.pop("timeout", None)
         overrides.pop("lora", None)
         refuse_unknown(overrides)
-        return SamplingParams(**values, stop=merge_stops(self.stop, call_stop), **extra)
+        return LANGCHAIN.params(values, **extra)
 
     def call_timeout(self, kwargs: dict[str, Any]) -> float | None:
         return kwargs.get("timeout", self.timeout)

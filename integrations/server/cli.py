@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
+
+from paged_backend.integrations.options.flags import ENGINE_FIELDS, add_engine_flags, engine_options
 
 from .state import DEFAULT_MAX_SEQS_PER_REQUEST
 
-ENGINE_INT_FLAGS = ("block_size", "num_kv_blocks", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs",
-                    "max_model_len")
+# EngineConfig fields whose flags sit with the LoRA options below.
+LORA_FIELDS = ("enable_lora", "max_loras", "max_lora_rank")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,24 +23,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the most sequences (prompts x n or best_of) one request may start; more is a 400 "
                         f"(default {DEFAULT_MAX_SEQS_PER_REQUEST})")
     engine = parser.add_argument_group("engine")
-    for name in ENGINE_INT_FLAGS:
-        engine.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    engine.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: the engine's pick, "
-                        "README 'Precision')")
-    engine.add_argument("--device", default=None, help="e.g. cpu, cuda (default: the model's)")
-    engine.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bf16", "fp16", "int8"],
-                        help="what the KV cache stores (default auto: the model's dtype)")
     engine.add_argument("--quantization", default=None, choices=["int8"],
                         help="weight-only quantization of the linear layers (needs torchao; compiles the forward)")
-    engine.add_argument("--speculative-config", type=json.loads, default=None,
-                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 3, "prompt_lookup_min": 2}\'')
+    add_engine_flags(engine, [name for name in ENGINE_FIELDS if name not in LORA_FIELDS])
     lora = parser.add_argument_group("LoRA adapters")
-    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
+    add_engine_flags(lora, LORA_FIELDS)
     lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=parse_lora_module,
                       help="PEFT adapter folders to serve; clients send NAME as `model`")
-    lora.add_argument("--max-loras", type=int, default=None, help="distinct adapters in one step (more wait)")
-    lora.add_argument("--max-lora-rank", type=int, default=None)
     lora.add_argument("--allow-runtime-lora-updating", action="store_true",
                       help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter (they read server-side paths)")
     engine.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -55,7 +45,7 @@ def parse_lora_module(text: str) -> tuple[str, str]:
 
 def lora_config(args: argparse.Namespace) -> dict:
     """The engine's LoRA fields from the flags: adapters to serve or runtime loading turn LoRA on."""
-    enabled = args.enable_lora or bool(args.lora_modules) or args.allow_runtime_lora_updating
+    enabled = bool(args.enable_lora) or bool(args.lora_modules) or args.allow_runtime_lora_updating
     if not enabled:
         return {}
     fields = {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
@@ -72,10 +62,9 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from .app import create_app
 
-    config = {name: getattr(args, name) for name in ENGINE_INT_FLAGS + ("dtype", "device", "kv_cache_dtype",
-                                                                   "quantization", "speculative_config")
-              if getattr(args, name) is not None}
-    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, **config, **lora_config(args))
+    config = {name: value for name, value in engine_options(args).items() if name not in LORA_FIELDS}
+    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization, **config,
+              **lora_config(args))
     for lora_name, path in args.lora_modules:
         llm.add_lora(lora_name, path)
     aengine = AsyncEngine(llm.engine)

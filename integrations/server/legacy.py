@@ -15,12 +15,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_backend import BeamSearchParams
+from paged_backend.integrations.options.vocabularies import SAMPLING_PARAMS
 
 from .beam import beam_search
 from .errors import APIError, bad_request, not_supported
 from .fanout import Job, collect_finals, merge_streams, new_id, until_disconnect
 from .protocol import GenerateRequest
-from .sampling import PARAM_FIELDS, build_params, check_prompt
+from .sampling import build_params, check_prompt
 from .state import ServerState
 
 BEAM_FIELDS = frozenset({"n", "best_of", "max_tokens", "length_penalty", "early_stopping", "ignore_eos", "temperature"})
@@ -31,13 +32,13 @@ async def generate(state: ServerState, body: GenerateRequest, http_request: Requ
     lora = state.check_model(body.model) if body.model is not None else None
     if body.use_beam_search:
         return await generate_beams(state, body, fields, http_request, lora)
-    unknown = sorted(set(fields) - PARAM_FIELDS)
+    unknown = SAMPLING_PARAMS.unknown(fields)
     if unknown:
         raise bad_request(f"unknown sampling parameters: {unknown}", unknown[0])
     n = fields.pop("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
         raise bad_request(f"n must be an int in [1, 64], got {n!r}", "n")
-    params = build_params(n=n, **fields)
+    params = build_params(SAMPLING_PARAMS, fields, n=n)
     state.check_sequences(1, params.num_samples, "best_of" if params.best_of else "n")
     if body.stream and params.num_samples > n:
         raise bad_request("best_of > n cannot be streamed: the best samples are known only at the end", "best_of")
@@ -76,7 +77,7 @@ async def generate_beams(state: ServerState, body: GenerateRequest, fields: dict
     n, params = beam_params(fields)
     state.check_sequences(1, params.beam_width, "best_of")
     text, ids = state.tokenize(body.prompt)
-    check_prompt(state.engine, ids, build_params(max_tokens=params.max_tokens))
+    check_prompt(state.engine, ids, build_params(SAMPLING_PARAMS, {"max_tokens": params.max_tokens}))
     search = beam_search(state.aengine, ids, params, eos, new_id("generate"), state.metrics, lora)
     output = await until_disconnect(http_request, search)
     prompt_text = text if text is not None else state.tokenizer.decode(ids)

@@ -13,6 +13,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from paged_backend.integrations.options import defaults
+
 from .errors import APIError, bad_request, not_supported
 
 # The seeds the engine's generator accepts, with room for each sample's seed + i (torch takes
@@ -64,7 +66,7 @@ class SamplingFields(BaseModel):
     model_config = STRICT
     model: str
     n: int = Field(1, ge=1, le=64)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(defaults.OPENAI["temperature"], ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
@@ -75,7 +77,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100], added to its logit
     user: str | None = None  # an end-user id for the caller's own bookkeeping; it changes no output
     # vLLM's extra sampling fields (sent with the OpenAI client's `extra_body`).
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(defaults.OPENAI["top_k"], ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
@@ -128,7 +130,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(defaults.OPENAI["completion_max_tokens"], ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=64)
@@ -191,7 +193,7 @@ MESSAGE_SCHEMA = {
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": MESSAGE_SCHEMA})
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(defaults.OPENAI["chat_max_tokens"], ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 import torch
 
 from paged_backend import Engine, SamplingParams
 from paged_backend.core.request import LogitsProcessor
+from paged_backend.integrations.options.translation import Translation
+from paged_backend.integrations.options.vocabularies import OPENAI
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
 from .errors import APIError, bad_request
@@ -17,23 +20,17 @@ from .protocol import SEED_MAX, SEED_MIN, SamplingFields
 
 def to_sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None,
                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
-    """One choice's parameters; `with_choices` sets n."""
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    return build_params(
-        temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
-        repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty, seed=request.seed, max_tokens=max_tokens,
-        min_tokens=request.min_tokens, stop=stop, stop_token_ids=list(request.stop_token_ids or []),
-        ignore_eos=request.ignore_eos, logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
-        include_stop_str_in_output=request.include_stop_str_in_output, structured_outputs=structured,
-    )
+    """One choice's parameters, through the OpenAI vocabulary's table; `with_choices` sets n."""
+    options = {name: getattr(request, name) for name in OPENAI.names}
+    return build_params(OPENAI, options, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured)
 
 
-def build_params(**fields) -> SamplingParams:
-    """SamplingParams, with any error its checks raise (its ValueErrors name the field) turned into a 400."""
-    check_seed(fields.get("seed"))
+def build_params(vocabulary: Translation, options: dict[str, Any], **fields: Any) -> SamplingParams:
+    """SamplingParams from `options` (named in `vocabulary`) and `fields` (named as SamplingParams), with any
+    error its checks raise (its ValueErrors name the field) turned into a 400."""
+    check_seed(options.get("seed", fields.get("seed")))
     try:
-        return SamplingParams(**fields)
+        return vocabulary.params(options, **fields)
     except Exception as exc:  # noqa: BLE001  (built from the request alone: whatever fails, the input did)
         raise bad_request(str(exc), param=field_named_in(str(exc))) from None
 

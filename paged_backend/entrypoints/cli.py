@@ -7,7 +7,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from paged_backend.config import KV_CACHE_DTYPES
+from paged_backend.integrations.options.flags import (
+    add_engine_flags,
+    add_sampling_flags,
+    engine_options,
+    sampling_options,
+)
+from paged_backend.integrations.options.vocabularies import CLI
 from paged_backend.sampling.sampling_params import SamplingParams
 
 
@@ -28,12 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--file", type=Path, help="a file with one prompt per line")
     gen.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
     add_model_arguments(gen)
-    add_sampling_arguments(gen)
+    add_sampling_flags(gen)
     gen.set_defaults(run=run_generate)
     chat = commands.add_parser("chat", help="an interactive chat loop")
     chat.add_argument("--system", help="a system message")
     add_model_arguments(chat)
-    add_sampling_arguments(chat)
+    add_sampling_flags(chat)
     chat.set_defaults(run=run_chat)
     add_serve_command(commands)
     return parser
@@ -41,29 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="hub id, folder, .gguf file (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16 or auto")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-bytes", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                        help="what the KV cache stores (default auto: the model's dtype)")
     parser.add_argument("--quantization", default=None, choices=["int8"],
                         help="weight-only quantization of the linear layers (needs torchao; compiles the forward)")
-
-
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    add_engine_flags(parser.add_argument_group("engine"))
 
 
 def add_serve_command(commands) -> None:
@@ -84,17 +70,11 @@ def make_llm(args: argparse.Namespace):
     from paged_backend.entrypoints.llm import LLM
 
     hf_logging.disable_progress_bar()  # the terminal is for the answer, not transformers' weight-loading bar
-    return LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-               num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
-               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-               max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
-               quantization=args.quantization)
+    return LLM(args.model, quantization=args.quantization, **engine_options(args))
 
 
 def make_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=list(args.stop))
+    return CLI.params(sampling_options(args))
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
