@@ -28,6 +28,7 @@ from paged_backend.core.outputs import (
     RequestOutput,
 )
 from paged_backend.core.request import LogitsProcessor, Request, RequestStatus
+from paged_backend.core.request_checks import check_request, tokenize_prompt
 from paged_backend.core.scheduler import Scheduler
 from paged_backend.model import compilation, cuda_graphs
 from paged_backend.model.decode_padding import DecodePadding
@@ -193,6 +194,11 @@ class Engine:
         # A request alone must always fit in the cache, or preemption could never make room for it.
         return min(model_len, self.kv.capacity_tokens)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model and its KV cache live."""
+        return self.cache.kv.device
+
     # ---------------------------------------------------------------- requests
 
     def add_request(
@@ -322,32 +328,13 @@ class Engine:
         )
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
-            return prompt, self.tokenizer(prompt)["input_ids"]
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("a prompt must be a string or a sequence of int token ids")
-        return None, list(prompt)
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; this engine's context length is {self.max_model_len}"
-                f"{self.context_note}, which must also leave room for at least one generated token"
-            )
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
-        if params.structured_outputs is not None and self.tokenizer is None and self.grammars is None:
-            raise ValueError("structured_outputs need a tokenizer (its vocabulary is what the grammar constrains)")
+        check_request(token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                      has_tokenizer=self.tokenizer is not None,
+                      can_constrain=self.tokenizer is not None or self.grammars is not None,
+                      context_note=self.context_note)
 
     def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.max_model_len - prompt_len
@@ -566,6 +553,7 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
             "prefix_cache_hit_tokens": self.kv.hit_tokens,
+            "prefix_cache_queried_tokens": self.kv.queried_tokens,  # to combine hit rates across engines
             "num_computed_tokens": self.num_computed_tokens,
             **(self.speculator.stats() if self.speculator else speculation_stats(0, 0, 0)),
         }

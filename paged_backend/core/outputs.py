@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -60,3 +61,16 @@ class RequestOutput:
     # every sample and no delta.
     delta_text: str = field(default="", repr=False)
     delta_token_ids: list[int] = field(default_factory=list, repr=False)
+
+
+def failed_output(request_id: str, prompt: str | None, prompt_token_ids: list[int], error: str,
+                  last: RequestOutput | None = None) -> RequestOutput:
+    """The finished output a request ends with when it is refused or fails outside the engine's step
+    (e.g. a duplicate id, a replica that died): `finish_reason="abort"`, `error` saying why. It keeps
+    whatever the caller already received in `last`, with no new delta."""
+    if last is not None:
+        completion = replace(last.outputs[0], finish_reason="abort", stop_reason=None)
+        return replace(last, outputs=[completion], finished=True, error=error, delta_text="", delta_token_ids=[])
+    return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
+                         outputs=[CompletionOutput(0, "", [], finish_reason="abort")], finished=True,
+                         metrics=RequestMetrics(arrival_time=time.time()), error=error)
