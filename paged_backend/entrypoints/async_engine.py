@@ -1,9 +1,11 @@
 """AsyncEngine: one background thread steps the engine; any coroutine or thread streams from it.
 
 The model forward blocks, so it runs on its own thread, never on an event loop. Callers hand
-commands (add, abort) to that thread through a queue and receive their request's outputs through
-a per-request sink, so the engine itself is only ever touched by one thread. A consumer that
-stops iterating aborts its request, which frees its blocks at the next step.
+commands (add, abort, stats) to that thread through a queue and receive their request's outputs
+through a per-request sink, so the engine's state is only ever touched by one thread (callers read
+only what is fixed at start-up: the tokenizer and limits, and the LoRA registry, which has its own
+lock). A consumer that stops iterating aborts its request, which frees its blocks at the next step.
+AsyncEngine is an `EngineClient`, what the server and LangChain are written against.
 """
 
 from __future__ import annotations
@@ -13,24 +15,31 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
 from typing import Any
 
-from paged_backend.core.outputs import RequestOutput
+from paged_backend.core.outputs import RequestOutput, failed_output
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.engine import Engine, Prompt
+from paged_backend.entrypoints.engine_client import Sink
 from paged_backend.model.lora import LoRAAdapter, LoRASpec
 from paged_backend.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Sink = Callable[[RequestOutput], None]
 IDLE_WAIT_S = 0.5
+STATS_POLL_S = 1.0  # how often a caller waiting for stats checks that the engine thread still runs
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # Fixed for the engine's life, so any thread may read them.
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.eos_token_ids = engine.eos_token_ids
         self.commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.sinks: dict[str, Sink] = {}
         self.wakeup = threading.Event()
@@ -82,7 +91,7 @@ class AsyncEngine:
         """Validate in the caller's thread (a bad request raises here), then queue it for the engine.
         `logits_processor` runs on the engine thread (see `Engine.add_request`); `lora` names an adapter."""
         params = params or SamplingParams()
-        text, token_ids = self.engine.tokenize(prompt)
+        text, token_ids = self.tokenize(prompt)
         self.engine.validate(token_ids, params)
         adapter = self.engine.resolve_lora(lora)
         request_id = request_id if request_id is not None else f"async-{next(self.ids)}"
@@ -94,6 +103,40 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
         self.wakeup.set()
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        return self.engine.tokenize(prompt)
+
+    def validate(self, token_ids: list[int], params: SamplingParams, lora: LoRASpec | None = None) -> None:
+        self.engine.resolve_lora(lora)
+        self.engine.validate(token_ids, params)
+
+    def stats(self) -> dict[str, Any]:
+        """`Engine.stats()`, computed on the engine thread between two steps, so a metrics scrape never
+        reads the scheduler or the block pool while a step changes them. Waits for at most the step in
+        progress; once the engine thread has stopped, nothing else touches the engine, so it is read here."""
+        reply: Future[dict[str, Any]] = Future()
+        self.commands.put(("stats", reply))
+        self.wakeup.set()
+        while True:
+            try:
+                return reply.result(timeout=STATS_POLL_S)
+            except TimeoutError:
+                if not self.thread.is_alive():
+                    return self.engine.stats()
+
+    @property
+    def supports_lora(self) -> bool:
+        return self.engine.config.enable_lora
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
+
+    def add_lora(self, name: str, source: Any) -> None:
+        self.engine.add_lora(name, source)  # the registry takes its own lock; slots are loaded by the engine thread
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
 
     def is_alive(self) -> bool:
         """Whether the engine thread is still stepping (what the server's /health reports)."""
@@ -123,8 +166,16 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self.add(*arg)
+            elif kind == "stats":
+                self.answer_stats(arg)
             else:
                 self.engine.abort_request(arg)
+
+    def answer_stats(self, reply: Future[dict[str, Any]]) -> None:
+        try:
+            reply.set_result(self.engine.stats())
+        except Exception as exc:  # noqa: BLE001  (the caller's error, not a reason to stop stepping)
+            reply.set_exception(exc)
 
     def add(self, request_id: str, prompt: Prompt, token_ids: list[int], params: SamplingParams, sink: Sink,
             logits_processor: LogitsProcessor | None, adapter: LoRAAdapter | None = None) -> None:
@@ -133,7 +184,7 @@ class AsyncEngine:
                                     logits_processor=logits_processor, lora=adapter)
         except ValueError as exc:  # e.g. a duplicate id: the caller gets a finished output with the error
             logger.warning("request %s refused: %s", request_id, exc)
-            sink(refused_output(request_id, prompt, str(exc)))
+            sink(failed_output(request_id, prompt if isinstance(prompt, str) else None, token_ids, str(exc)))
             return
         self.sinks[request_id] = sink
 
@@ -143,18 +194,3 @@ class AsyncEngine:
             if sink is not None:
                 sink(output)
 
-
-def refused_output(request_id: str, prompt: Prompt, error: str) -> RequestOutput:
-    import time
-
-    from paged_backend.core.outputs import CompletionOutput, RequestMetrics
-
-    return RequestOutput(
-        request_id=request_id,
-        prompt=prompt if isinstance(prompt, str) else None,
-        prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
-        outputs=[CompletionOutput(0, "", [], finish_reason="abort")],
-        finished=True,
-        metrics=RequestMetrics(arrival_time=time.time()),
-        error=error,
-    )
