@@ -1,5 +1,5 @@
-"""create_app: the FastAPI application serving one AsyncEngine with OpenAI's API, /generate, vLLM's
-tokenizer routes and metrics."""
+"""create_app: the FastAPI application serving one engine client (an AsyncEngine, or replicas behind
+Ray) with OpenAI's API, /generate, vLLM's tokenizer routes and metrics."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from paged_backend import AsyncEngine
+from paged_backend.entrypoints.engine_client import EngineClient
 
 from .chat import create_chat_completion
 from .completions import create_completion
@@ -35,15 +35,15 @@ from .tokenization import (
 )
 
 
-def create_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None,
+def create_app(aengine: EngineClient, model_name: str, api_key: str | None = None,
                max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
                allow_runtime_lora_updating: bool = False) -> FastAPI:
-    """The app for `aengine`; `model_name` is what clients must send as `model` (or the name of one of the
+    """The app for `aengine` (any `EngineClient`); `model_name` is what clients must send as `model` (or the name of one of the
     engine's LoRA adapters); with `api_key` set, every /v1, /generate and tokenizer request needs
     `Authorization: Bearer <api_key>`; a request that would start more than `max_seqs_per_request`
     sequences (prompts x choices) is a 400. With `allow_runtime_lora_updating`, clients may load and
     unload adapters (vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`)."""
-    state = ServerState(aengine, model_name, ServerMetrics(aengine.engine), api_key, max_seqs_per_request)
+    state = ServerState(aengine, model_name, ServerMetrics(aengine), api_key, max_seqs_per_request)
     app = FastAPI(title="paged-backend", docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
@@ -60,11 +60,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if state.aengine.is_alive() else 503)
+        return Response(status_code=200 if state.client.is_alive() else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        # Off the event loop: the engine's stats are answered between two of its steps.
+        body = await asyncio.to_thread(state.metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=authorised)
     async def models() -> JSONResponse:
@@ -103,12 +105,12 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/load_lora_adapter", dependencies=authorised)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-        if not state.engine_has_lora:
+        if not state.client.supports_lora:
             raise APIError(400, "this server's engine was started without LoRA (--enable-lora)", "lora_name")
         if body.lora_name == state.model_name:
             raise APIError(400, f"`{body.lora_name}` is the base model's name", "lora_name")
         try:  # reading the weights takes a while: off the event loop
-            await asyncio.to_thread(state.engine.add_lora, body.lora_name, body.lora_path)
+            await asyncio.to_thread(state.client.add_lora, body.lora_name, body.lora_path)
         except (ValueError, TypeError, OSError) as exc:
             raise APIError(400, str(exc), "lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -116,7 +118,7 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/unload_lora_adapter", dependencies=authorised)
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
         try:
-            state.engine.remove_lora(body.lora_name)
+            state.client.remove_lora(body.lora_name)
         except ValueError as exc:
             raise APIError(404, str(exc), "lora_name", "model_not_found") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
@@ -124,7 +126,7 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
 
 def model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "paged-backend",
-            "max_model_len": state.engine.max_model_len}
+            "max_model_len": state.client.max_model_len}
 
 
 def require_key(state: ServerState):

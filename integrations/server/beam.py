@@ -1,7 +1,7 @@
 """Beam search for `/generate` on the server's shared engine.
 
 `LLM.beam_search` steps an engine of its own; here the engine also serves every other client, so
-each step goes through `AsyncEngine.generate` like any request: every live beam asks for its top-K
+each step goes through the client's `generate` like any request: every live beam asks for its top-K
 next tokens (a one-token greedy request with K logprobs; a prompt's beams share its cached blocks).
 The ranking, pruning and stopping are the offline search's own step (`paged_backend.entrypoints.beam_search
 .advance`), so both return the same sequences.
@@ -12,19 +12,19 @@ from __future__ import annotations
 import asyncio
 
 from paged_backend import (
-    AsyncEngine,
     BeamSearchOutput,
     BeamSearchParams,
     RequestOutput,
     SamplingParams,
 )
 from paged_backend.entrypoints.beam_search import PromptBeams, advance, finalise
+from paged_backend.entrypoints.engine_client import EngineClient
 
 from .errors import APIError
 from .metrics import ServerMetrics
 
 
-async def beam_search(aengine: AsyncEngine, prompt_ids: list[int], params: BeamSearchParams,
+async def beam_search(client: EngineClient, prompt_ids: list[int], params: BeamSearchParams,
                       eos_token_ids: frozenset[int], request_id: str, metrics: ServerMetrics,
                       lora: str | None = None) -> BeamSearchOutput:
     state = PromptBeams(prompt_ids, [([], 0.0)])
@@ -35,18 +35,17 @@ async def beam_search(aengine: AsyncEngine, prompt_ids: list[int], params: BeamS
         if state.done:
             break
         tops = await asyncio.gather(*(
-            next_tokens(aengine, prompt_ids + tokens, step_params, k, f"{request_id}-{step}-{i}", metrics, lora)
+            next_tokens(client, prompt_ids + tokens, step_params, k, f"{request_id}-{step}-{i}", metrics, lora)
             for i, (tokens, _) in enumerate(state.running)))
         advance(state, list(tops), step + 1, eos, params)
     return finalise(state, params)
 
 
-async def next_tokens(aengine: AsyncEngine, ids: list[int], params: SamplingParams, k: int, request_id: str,
+async def next_tokens(client: EngineClient, ids: list[int], params: SamplingParams, k: int, request_id: str,
                       metrics: ServerMetrics, lora: str | None = None) -> list[tuple[int, float]]:
     """The k most likely next tokens of one beam with their log-probabilities, best first."""
     final: RequestOutput | None = None
-    options = {} if lora is None else {"lora": lora}  # engine fronts without adapters take no lora
-    async for final in aengine.generate(ids, params, request_id=request_id, **options):
+    async for final in client.generate(ids, params, request_id=request_id, lora=lora):
         pass
     metrics.record_finished(final)
     if final.error:

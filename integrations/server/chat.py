@@ -38,13 +38,13 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         prompt_ids = render_chat(state.tokenizer, messages, tools, body.add_generation_prompt,
                                  body.chat_template_kwargs)
     params = to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured)
-    check_prompt(state.engine, prompt_ids, params, "messages")
+    check_prompt(state.client, prompt_ids, params, "messages")
     request_id = new_id("chatcmpl")
-    jobs = [Job(0, prompt_ids, with_choices(params, body.n), bias_processor(state.engine, body.logit_bias), lora)]
+    jobs = [Job(0, prompt_ids, with_choices(params, body.n), bias_processor(state.client, body.logit_bias), lora)]
     if body.stream:
         events = stream_chat(state, body, jobs, len(prompt_ids), request_id)
         return StreamingResponse(events, media_type="text/event-stream")
-    finals = await collect_finals(http_request, state.aengine, jobs, request_id, state.metrics)
+    finals = await collect_finals(http_request, state.client, jobs, request_id, state.metrics)
     choices = [chat_choice(state, body, i, finals[i]) for i in range(body.n)]
     completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals.values())
     response = envelope(request_id, body.model, "chat.completion", choices)
@@ -95,7 +95,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: lis
     call_streams = [CallStream() if body.forces_tool else None for _ in range(body.n)]
     for index in range(body.n):
         yield chunk(index, {"role": "assistant", "content": ""})
-    async for index, output in merge_streams(state.aengine, jobs, request_id, state.metrics):
+    async for index, output in merge_streams(state.client, jobs, request_id, state.metrics):
         if output.error:
             yield sse_error(APIError(500, f"generation failed: {output.error}"))
             return

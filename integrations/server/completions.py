@@ -43,8 +43,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, http_re
     with request_field("prompt"):
         prompts = [state.tokenize(text) for text in texts]
     for _, ids in prompts:
-        check_prompt(state.engine, ids, params)
-    bias = bias_processor(state.engine, body.logit_bias)
+        check_prompt(state.client, ids, params)
+    bias = bias_processor(state.client, body.logit_bias)
     jobs = [Job(i * body.n, ids, with_choices(params, body.n, body.best_of), bias, lora)
             for i, (_, ids) in enumerate(prompts)]
     echoes = [echo_text(state, text, ids) if body.echo else "" for text, ids in prompts for _ in range(body.n)]
@@ -53,7 +53,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, http_re
     if body.stream:
         events = stream_completion(state, body, jobs, echoes, prompt_tokens, request_id)
         return StreamingResponse(events, media_type="text/event-stream")
-    finals = await collect_finals(http_request, state.aengine, jobs, request_id, state.metrics)
+    finals = await collect_finals(http_request, state.client, jobs, request_id, state.metrics)
     choices = [completion_choice(state, body, i, finals[i], echoes[i]) for i in range(len(echoes))]
     completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals.values())
     return JSONResponse(envelope(request_id, body.model, choices) | {"usage": usage(prompt_tokens, completion_tokens)})
@@ -97,7 +97,7 @@ async def stream_completion(state: ServerState, body: CompletionRequest, jobs: l
     generated = [0] * len(echoes)
     echo_pending = [bool(e) for e in echoes]
     offsets = [len(e) for e in echoes]  # each choice's next text_offset, counted as the plain answer counts
-    async for index, output in merge_streams(state.aengine, jobs, request_id, state.metrics):
+    async for index, output in merge_streams(state.client, jobs, request_id, state.metrics):
         if output.error:
             yield sse_error(APIError(500, f"generation failed: {output.error}"))
             return

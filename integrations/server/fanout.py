@@ -3,7 +3,7 @@ and merge their streams into one stream per choice.
 
 A prompt's n choices are one engine request with `n` samples (seeds seed + i), so they share the
 prompt's KV blocks. Each request runs in its own task; cancelling the merged stream (the client went
-away) cancels every task, and each task's `AsyncEngine.generate` aborts its request, which frees its
+away) cancels every task, and each task's client `generate` aborts its request, which frees its
 KV blocks.
 """
 
@@ -18,8 +18,9 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from paged_backend import AsyncEngine, RequestOutput, SamplingParams
+from paged_backend import RequestOutput, SamplingParams
 from paged_backend.core.request import LogitsProcessor
+from paged_backend.entrypoints.engine_client import EngineClient
 
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -48,11 +49,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def merge_streams(aengine: AsyncEngine, jobs: Sequence[Job], request_id: str,
+async def merge_streams(client: EngineClient, jobs: Sequence[Job], request_id: str,
                         metrics: ServerMetrics) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (choice index, output) as any job's output changes, until every job has finished."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
-    tasks = [asyncio.create_task(pump(aengine, job, f"{request_id}-{job.index}", queue)) for job in jobs]
+    tasks = [asyncio.create_task(pump(client, job, f"{request_id}-{job.index}", queue)) for job in jobs]
     unfinished = {choice for job in jobs for choice in job.choices}
     try:
         while unfinished:
@@ -69,13 +70,12 @@ async def merge_streams(aengine: AsyncEngine, jobs: Sequence[Job], request_id: s
         metrics.record_aborted(len(unfinished))
 
 
-async def pump(aengine: AsyncEngine, job: Job, request_id: str,
+async def pump(client: EngineClient, job: Job, request_id: str,
                queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]]) -> None:
     reported: set[int] = set()  # samples whose finished output has been passed on
     try:
-        lora = {"lora": job.lora} if job.lora is not None else {}  # engine fronts without adapters take no lora
-        async for output in aengine.generate(job.prompt_ids, job.params, request_id=request_id,
-                                             logits_processor=job.processor, **lora):
+        async for output in client.generate(job.prompt_ids, job.params, request_id=request_id,
+                                             logits_processor=job.processor, lora=job.lora):
             for sample, choice_output in split_samples(output, job.params.n, reported):
                 queue.put_nowait((job.index + sample, choice_output))
     except ValueError as exc:  # validated before, so only a race (e.g. a reused id) lands here
@@ -103,10 +103,10 @@ def split_samples(output: RequestOutput, n: int, reported: set[int]) -> list[tup
     return [(sample.index, dataclasses.replace(output, finished=done))]
 
 
-async def collect_finals(http_request: Request, aengine: AsyncEngine, jobs: Sequence[Job], request_id: str,
+async def collect_finals(http_request: Request, client: EngineClient, jobs: Sequence[Job], request_id: str,
                          metrics: ServerMetrics) -> dict[int, RequestOutput]:
     """The final output of every job; if the client disconnects first, abort them all and give up."""
-    finals = await until_disconnect(http_request, gather_finals(aengine, jobs, request_id, metrics))
+    finals = await until_disconnect(http_request, gather_finals(client, jobs, request_id, metrics))
     failed = [out.error for out in finals.values() if out.error]
     if failed:
         raise APIError(500, f"generation failed: {failed[0]}")
@@ -130,10 +130,10 @@ async def until_disconnect(http_request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def gather_finals(aengine: AsyncEngine, jobs: Sequence[Job], request_id: str,
+async def gather_finals(client: EngineClient, jobs: Sequence[Job], request_id: str,
                         metrics: ServerMetrics) -> dict[int, RequestOutput]:
     finals = {}
-    async for index, output in merge_streams(aengine, jobs, request_id, metrics):
+    async for index, output in merge_streams(client, jobs, request_id, metrics):
         if output.finished:
             finals[index] = output
     return finals

@@ -18,7 +18,7 @@ from paged_backend import BeamSearchParams
 from paged_backend.integrations.options.vocabularies import SAMPLING_PARAMS
 
 from .beam import beam_search
-from .errors import APIError, bad_request, not_supported
+from .errors import APIError, bad_request
 from .fanout import Job, collect_finals, merge_streams, new_id, until_disconnect
 from .protocol import GenerateRequest
 from .sampling import build_params, check_prompt
@@ -43,19 +43,19 @@ async def generate(state: ServerState, body: GenerateRequest, http_request: Requ
     if body.stream and params.num_samples > n:
         raise bad_request("best_of > n cannot be streamed: the best samples are known only at the end", "best_of")
     text, ids = state.tokenize(body.prompt)
-    check_prompt(state.engine, ids, params)
+    check_prompt(state.client, ids, params)
     prompt_text = text if text is not None else state.tokenizer.decode(ids)
     jobs = [Job(0, ids, params, lora=lora)]
     request_id = new_id("generate")
     if body.stream:
         return StreamingResponse(stream_texts(state, jobs, prompt_text, request_id), media_type="application/json")
-    finals = await collect_finals(http_request, state.aengine, jobs, request_id, state.metrics)
+    finals = await collect_finals(http_request, state.client, jobs, request_id, state.metrics)
     return JSONResponse({"text": [prompt_text + finals[i].outputs[0].text for i in range(n)]})
 
 
 async def stream_texts(state: ServerState, jobs: list[Job], prompt_text: str, request_id: str) -> AsyncIterator[bytes]:
     texts = [prompt_text] * sum(len(job.choices) for job in jobs)
-    async for index, output in merge_streams(state.aengine, jobs, request_id, state.metrics):
+    async for index, output in merge_streams(state.client, jobs, request_id, state.metrics):
         if output.error:
             yield (json.dumps(APIError(500, f"generation failed: {output.error}").body()) + "\0").encode()
             return
@@ -71,14 +71,11 @@ async def generate_beams(state: ServerState, body: GenerateRequest, fields: dict
     unknown = sorted(set(fields) - BEAM_FIELDS)
     if unknown:
         raise bad_request(f"beam search takes only {sorted(BEAM_FIELDS)}; got {unknown}", unknown[0])
-    eos = getattr(state.engine, "eos_token_ids", None)
-    if eos is None:
-        raise not_supported("use_beam_search", "this deployment's engine front does not expose its EOS tokens")
     n, params = beam_params(fields)
     state.check_sequences(1, params.beam_width, "best_of")
     text, ids = state.tokenize(body.prompt)
-    check_prompt(state.engine, ids, build_params(SAMPLING_PARAMS, {"max_tokens": params.max_tokens}))
-    search = beam_search(state.aengine, ids, params, eos, new_id("generate"), state.metrics, lora)
+    check_prompt(state.client, ids, build_params(SAMPLING_PARAMS, {"max_tokens": params.max_tokens}))
+    search = beam_search(state.client, ids, params, state.client.eos_token_ids, new_id("generate"), state.metrics, lora)
     output = await until_disconnect(http_request, search)
     prompt_text = text if text is not None else state.tokenizer.decode(ids)
     return JSONResponse({"text": [prompt_text + state.tokenizer.decode(seq.token_ids, skip_special_tokens=True)

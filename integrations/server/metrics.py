@@ -1,7 +1,8 @@
 """Prometheus metrics of one server: requests, tokens, latencies, and the engine's live state.
 
 Each app gets its own registry, so several servers (e.g. in one test process) never collide.
-Engine gauges are read at scrape time from `Engine.stats()` rather than pushed on every step.
+Engine gauges are read at scrape time from the client's `stats()` rather than pushed on every step;
+the client answers from the engine's own thread, so a scrape may run on any thread.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from paged_backend import Engine, RequestOutput
+from paged_backend import RequestOutput
+from paged_backend.entrypoints.engine_client import EngineClient
 
 PREFIX = "paged_backend"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -23,7 +25,7 @@ KNOWN_PATHS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions"
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, client: EngineClient) -> None:
         self.registry = CollectorRegistry()
         self.http_requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by path and status code",
                                      ["path", "status"], registry=self.registry)
@@ -44,7 +46,7 @@ class ServerMetrics:
         # Plain totals for the hit-rate gauge (prometheus counters keep theirs private).
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
-        self.registry.register(EngineCollector(engine, self))
+        self.registry.register(EngineCollector(client, self))
 
     def record_finished(self, output: RequestOutput) -> None:
         completion = output.outputs[0]
@@ -84,12 +86,12 @@ def observe_latencies(metrics: ServerMetrics, output: RequestOutput) -> None:
 class EngineCollector(Collector):
     """Gauges read from the engine when Prometheus scrapes."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
-        self.engine = engine
+    def __init__(self, client: EngineClient, metrics: ServerMetrics) -> None:
+        self.client = client
         self.metrics = metrics
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        stats = self.engine.stats()
+        stats = self.client.stats()
         yield gauge("num_requests_running", "Requests in the running batch", stats["num_running"])
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled", stats["num_waiting"])
         yield gauge("kv_cache_usage_ratio", "Fraction of KV blocks in use", stats["kv_usage"])

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from paged_backend import Engine, SamplingParams
+from paged_backend import SamplingParams
 from paged_backend.core.request import LogitsProcessor
+from paged_backend.entrypoints.engine_client import EngineClient
 from paged_backend.integrations.options.translation import Translation
 from paged_backend.integrations.options.vocabularies import OPENAI
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
@@ -56,15 +57,15 @@ def with_choices(params: SamplingParams, n: int, best_of: int | None = None) -> 
     return dataclasses.replace(params, n=n, best_of=best_of)
 
 
-def bias_processor(engine: Engine, logit_bias: dict[str, float] | None) -> LogitsProcessor | None:
+def bias_processor(client: EngineClient, logit_bias: dict[str, float] | None) -> LogitsProcessor | None:
     """OpenAI's logit_bias as a per-request logits processor: each listed token's logit moves by its bias
     (100 all but forces it, -100 all but bans it). A token outside the vocabulary is a 400."""
     if not logit_bias:
         return None
     ids = [int(key) for key in logit_bias]
-    outside = [i for i in ids if i >= engine.vocab_size]
+    outside = [i for i in ids if i >= client.vocab_size]
     if outside:
-        raise bad_request(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {engine.vocab_size})",
+        raise bad_request(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {client.vocab_size})",
                           "logit_bias")
     index, bias = torch.tensor(ids), torch.tensor(list(logit_bias.values()))
 
@@ -82,9 +83,9 @@ def then(first: LogitsProcessor | None, second: LogitsProcessor | None) -> Logit
     return lambda output_ids, row: second(output_ids, first(output_ids, row))
 
 
-def check_prompt(engine: Engine, token_ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
+def check_prompt(client: EngineClient, token_ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
     """Refuse (400) a prompt that, with its max_tokens, does not fit the context, giving the numbers."""
-    limit = engine.max_model_len
+    limit = client.max_model_len
     wanted = len(token_ids) + (params.max_tokens or 1)
     if wanted > limit:
         asked = params.max_tokens if params.max_tokens is not None else 1
@@ -93,6 +94,6 @@ def check_prompt(engine: Engine, token_ids: list[int], params: SamplingParams, w
                        "Please reduce the length of the prompt or of the completion.", "messages"
                        if what == "messages" else "prompt", "context_length_exceeded")
     try:
-        engine.validate(token_ids, params)
+        client.validate(token_ids, params)
     except ValueError as exc:
         raise bad_request(str(exc), param=field_named_in(str(exc))) from None

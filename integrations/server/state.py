@@ -1,11 +1,11 @@
-"""ServerState: what every route needs: the async engine, the served model's name, metrics, the key."""
+"""ServerState: what every route needs: the engine client, the served model's name, metrics, the key."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from paged_backend import AsyncEngine, Engine
+from paged_backend.entrypoints.engine_client import EngineClient
 
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -18,19 +18,15 @@ DEFAULT_MAX_SEQS_PER_REQUEST = 256
 
 @dataclass(slots=True)
 class ServerState:
-    aengine: AsyncEngine
+    client: EngineClient  # the routes' only way to the engine (AsyncEngine, or replicas behind Ray)
     model_name: str
     metrics: ServerMetrics
     api_key: str | None = None
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
 
     @property
-    def engine(self) -> Engine:
-        return self.aengine.engine
-
-    @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.client.tokenizer
 
     def check_model(self, model: str) -> str | None:
         """The LoRA adapter `model` names (None: the base model); 404 naming what is served otherwise."""
@@ -43,17 +39,12 @@ class ServerState:
         raise APIError(404, f"The model `{model}` does not exist. This server serves {served}.",
                        "model", "model_not_found")
 
-    @property
-    def engine_has_lora(self) -> bool:
-        return getattr(self.engine, "loras", None) is not None
-
     def lora_names(self) -> list[str]:
-        list_loras = getattr(self.engine, "list_loras", None)  # an engine front without adapters has none
-        return list_loras() if list_loras is not None else []
+        return self.client.list_loras()
 
     def tokenize(self, prompt: str | list[int], param: str = "prompt") -> tuple[str | None, list[int]]:
         try:
-            return self.engine.tokenize(prompt)
+            return self.client.tokenize(prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), param) from None
 

@@ -52,23 +52,23 @@ def tokenize(state: ServerState, body: TokenizeCompletionRequest | TokenizeChatR
         with request_field("prompt"):
             ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-    return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": strs}
+    return {"count": len(ids), "max_model_len": state.client.max_model_len, "tokens": ids, "token_strs": strs}
 
 
 def detokenize(state: ServerState, body: DetokenizeRequest) -> dict[str, str]:
     check_model(state, body.model)
     tokenizer = needs_tokenizer(state)
-    outside = [t for t in body.tokens if not 0 <= t < state.engine.vocab_size]
+    outside = [t for t in body.tokens if not 0 <= t < state.client.vocab_size]
     if outside:
-        raise bad_request(f"token ids {outside[:5]} are outside the vocabulary [0, {state.engine.vocab_size})", "tokens")
+        raise bad_request(f"token ids {outside[:5]} are outside the vocabulary [0, {state.client.vocab_size})", "tokens")
     return {"prompt": tokenizer.decode(body.tokens)}
 
 
 def tokenizer_info(state: ServerState) -> dict[str, Any]:
     """The tokenizer's class, special tokens and chat template: what a client needs to tokenize as we do."""
     tokenizer = needs_tokenizer(state)
-    info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__, "model_max_length": state.engine.max_model_len,
-                            "vocab_size": state.engine.vocab_size,
+    info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__, "model_max_length": state.client.max_model_len,
+                            "vocab_size": state.client.vocab_size,
                             "chat_template": tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None}
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         token = getattr(tokenizer, name, None)
