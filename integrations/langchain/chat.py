@@ -201,7 +201,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
 
     @property
     def tokenizer_(self) -> Any:
-        tokenizer = self.async_engine.engine.tokenizer
+        tokenizer = self.async_engine.tokenizer
         if tokenizer is None:
             raise ValueError("ChatPaged needs a tokenizer with a chat template; pass tokenizer=...")
         return tokenizer

@@ -43,7 +43,7 @@ class PagedLLM(PagedOptions, BaseLLM):
 
     def get_num_tokens(self, text: str) -> int:
         """Counted with the model's own tokenizer, as the engine will see the prompt."""
-        return len(self.async_engine.engine.tokenize(text)[1])
+        return len(self.async_engine.tokenize(text)[1])
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
@@ -127,7 +127,7 @@ class PagedLLM(PagedOptions, BaseLLM):
     def generation_info(self, completion: CompletionOutput) -> dict[str, Any]:
         info: dict[str, Any] = {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
         if completion.logprobs is not None:
-            info["logprobs"] = completion_logprobs(self.async_engine.engine.tokenizer, completion)
+            info["logprobs"] = completion_logprobs(self.async_engine.tokenizer, completion)
         return info
 
 

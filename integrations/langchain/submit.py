@@ -1,7 +1,7 @@
-"""Submitting requests to the shared AsyncEngine and waiting for their outputs, with a deadline.
+"""Submitting requests to the shared engine client and waiting for their outputs, with a deadline.
 
-AsyncEngine.generate/stream wait without a timeout, and a batch must be queued whole before
-any of it is awaited, so the adapters queue through `AsyncEngine.submit` with their own sinks.
+A client's generate/stream wait without a timeout, and a batch must be queued whole before
+any of it is awaited, so the adapters queue through `EngineClient.submit` with their own sinks.
 Leaving early (an exception, a closed generator, the deadline) aborts the request, which frees
 its KV blocks at the engine's next step.
 """
@@ -13,24 +13,24 @@ import queue
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
-from paged_backend import AsyncEngine, RequestOutput, SamplingParams
-from paged_backend.engine import Prompt
+from paged_backend import RequestOutput, SamplingParams
+from paged_backend.entrypoints.engine_client import EngineClient, Prompt
 from paged_backend.model.lora import LoRASpec
 
 
-def stream_outputs(aengine: AsyncEngine, prompt: Prompt, params: SamplingParams,
+def stream_outputs(client: EngineClient, prompt: Prompt, params: SamplingParams,
                    timeout: float | None, lora: LoRASpec | None = None) -> Iterator[RequestOutput]:
     """Yield one request's outputs as they change (blocking); the last has finished=True."""
-    for _, output in run_batch(aengine, [prompt], params, timeout, lora):
+    for _, output in run_batch(client, [prompt], params, timeout, lora):
         yield output
 
 
-def run_batch(aengine: AsyncEngine, prompts: Sequence[Prompt], params: SamplingParams,
+def run_batch(client: EngineClient, prompts: Sequence[Prompt], params: SamplingParams,
               timeout: float | None, lora: LoRASpec | None = None) -> Iterator[tuple[int, RequestOutput]]:
     """Queue every prompt before waiting on any; yield (prompt index, output) as outputs arrive."""
-    validate_all(aengine, prompts, params, lora)
+    validate_all(client, prompts, params, lora)
     outputs: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
-    ids = [aengine.submit(p, params, None, lambda o, i=i: outputs.put((i, o)), **lora_option(lora))
+    ids = [client.submit(p, params, None, lambda o, i=i: outputs.put((i, o)), lora=lora)
            for i, p in enumerate(prompts)]
     deadline = make_deadline(timeout)
     pending = set(range(len(ids)))
@@ -43,16 +43,16 @@ def run_batch(aengine: AsyncEngine, prompts: Sequence[Prompt], params: SamplingP
             yield index, output
     finally:
         for index in pending:
-            aengine.abort(ids[index])
+            client.abort(ids[index])
 
 
-async def astream_outputs(aengine: AsyncEngine, prompt: Prompt, params: SamplingParams,
+async def astream_outputs(client: EngineClient, prompt: Prompt, params: SamplingParams,
                           timeout: float | None, lora: LoRASpec | None = None) -> AsyncIterator[RequestOutput]:
     """The same as `stream_outputs`, awaiting on the caller's event loop."""
     loop = asyncio.get_running_loop()
     outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    request_id = aengine.submit(prompt, params, None, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
-                                **lora_option(lora))
+    request_id = client.submit(prompt, params, None, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
+                                lora=lora)
     deadline = make_deadline(timeout)
     finished = False
     try:
@@ -66,24 +66,17 @@ async def astream_outputs(aengine: AsyncEngine, prompt: Prompt, params: Sampling
             yield output
     finally:
         if not finished:
-            aengine.abort(request_id)
+            client.abort(request_id)
 
 
-def validate_all(aengine: AsyncEngine, prompts: Sequence[Prompt], params: SamplingParams,
+def validate_all(client: EngineClient, prompts: Sequence[Prompt], params: SamplingParams,
                  lora: LoRASpec | None = None) -> None:
     """Check the whole batch first, so a bad prompt (or an unknown adapter) never leaves half a batch running."""
-    if lora is not None:
-        aengine.engine.resolve_lora(lora)
     for i, prompt in enumerate(prompts):
         try:
-            aengine.engine.validate(aengine.engine.tokenize(prompt)[1], params)
+            client.validate(client.tokenize(prompt)[1], params, lora)
         except ValueError as exc:
             raise ValueError(f"prompt {i}: {exc}") from None
-
-
-def lora_option(lora: LoRASpec | None) -> dict:
-    """Only a call with an adapter passes one, so engine fronts without LoRA (Ray replicas) keep working."""
-    return {} if lora is None else {"lora": lora}
 
 
 def get_before(outputs: queue.SimpleQueue, deadline: float | None, timeout: float | None):
