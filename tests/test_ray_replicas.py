@@ -172,10 +172,45 @@ async def test_leaving_a_stream_early_aborts_the_request_on_its_replica(replicat
             break
     assert aengine.inflight == {} and sum(aengine.router.outstanding) == 0
     for _ in range(100):
-        if aengine.engine.stats()["num_running"] == 0:
+        if aengine.stats()["num_running"] == 0:
             break
         await asyncio.sleep(0.05)
-    assert aengine.engine.stats()["num_running"] == 0
+    assert aengine.stats()["num_running"] == 0
+
+
+def test_the_replicated_engine_is_an_engine_client_submit_and_abort_included(replicated, reference):
+    """What LangChain and the server call: submit with a sink (the same tokens as one engine), abort
+    of a submitted request, the limits, and LoRA refused by name; stats combine the replicas' hit rates."""
+    import queue
+
+    from paged_backend.entrypoints.engine_client import EngineClient
+
+    llm, expected = reference
+    aengine = replicated.aengine
+    assert isinstance(aengine, EngineClient)
+    assert (aengine.max_model_len, aengine.vocab_size, aengine.eos_token_ids) == \
+        (llm.engine.max_model_len, llm.engine.vocab_size, llm.engine.eos_token_ids)
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    aengine.submit(PROMPTS[7], PARAMS[7], None, outputs.put)
+    while not (last := outputs.get(timeout=60)).finished:
+        pass
+    assert same_completion(last, expected[7])
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    request_id = aengine.submit("a long one", long, None, outputs.put)
+    outputs.get(timeout=60)
+    aengine.abort(request_id)
+    for _ in range(100):
+        if aengine.stats()["num_running"] == 0 and request_id not in aengine.submitted:
+            break
+        time.sleep(0.05)
+    assert aengine.stats()["num_running"] == 0 and aengine.inflight == {}
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        aengine.validate([5, 6], GREEDY, lora="german")
+    assert aengine.list_loras() == [] and not aengine.supports_lora
+    stats = aengine.stats()
+    queried = sum(s["prefix_cache_queried_tokens"] for s in stats["replicas"].values())
+    assert queried == stats["prefix_cache_queried_tokens"] > 0
+    assert stats["prefix_cache_hit_rate"] == stats["prefix_cache_hit_tokens"] / queried
 
 
 def test_a_replica_streams_at_most_a_window_ahead_of_its_consumer(replicated):

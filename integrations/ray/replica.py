@@ -8,6 +8,7 @@ path), `generate` is a Ray streaming generator that yields every incremental out
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from collections.abc import AsyncIterator, Sequence
@@ -39,9 +40,14 @@ class ReplicaInfo:
     hostname: str
     pid: int
     device: str
+    eos_token_ids: frozenset[int] = frozenset()
+    context_note: str = ""  # why the context is shorter than the model's positions, when it is
 
 
 class EngineReplica:
+    """Owns its engine (it builds the LLM), so it reads the engine's settings directly; requests and
+    stats go through the AsyncEngine, whose thread alone steps the engine."""
+
     def __init__(self, model: str | None, tokenizer: str | None, engine_config: dict[str, Any]) -> None:
         self.llm = LLM(model, tokenizer, **engine_config)
         self.aengine = AsyncEngine(self.llm.engine)
@@ -50,7 +56,7 @@ class EngineReplica:
         engine = self.llm.engine
         return ReplicaInfo(engine.max_model_len, engine.vocab_size, engine.config.block_size,
                            engine.config.max_num_seqs, engine.tokenizer, socket.gethostname(), os.getpid(),
-                           str(engine.cache.kv.device))
+                           str(engine.device), engine.eos_token_ids, engine.context_note)
 
     @ray.method(num_returns="streaming", _generator_backpressure_num_objects=STREAM_WINDOW)
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
@@ -68,11 +74,9 @@ class EngineReplica:
     def abort(self, request_id: str) -> None:
         self.aengine.abort(request_id)
 
-    def stats(self) -> dict[str, float]:
-        stats = self.llm.engine.stats()
-        # Needed to combine hit rates across replicas; Engine.stats reports only the ratio.
-        stats["prefix_cache_queried_tokens"] = self.llm.engine.kv.queried_tokens
-        return stats
+    async def stats(self) -> dict[str, float]:
+        # AsyncEngine.stats waits for the engine thread's answer: off this actor's event loop.
+        return await asyncio.to_thread(self.aengine.stats)
 
 
 def launch_replicas(

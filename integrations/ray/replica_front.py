@@ -1,8 +1,10 @@
-"""ReplicaFront: the engine-shaped face of a set of replicas, for code written against one Engine.
+"""ReplicaFront: what a set of replicas looks like from the client: one model's tokenizer and limits,
+and the replicas' stats summed.
 
-It tokenizes and validates requests on the client with the replicas' own tokenizer and limits (so a
-bad request is refused before it travels), and sums the replicas' stats. The OpenAI server reads
-exactly these members from `aengine.engine`: tokenizer, tokenize, validate, max_model_len, stats.
+It tokenizes and checks requests on the client with the replicas' own tokenizer and limits and the
+engine's own checks (`paged_backend.core.request_checks`), so a bad request is refused before it
+travels, with the message one engine would give. `ReplicatedAsyncEngine` answers the `EngineClient`
+protocol through it.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from paged_backend import Engine, SamplingParams
+from paged_backend import SamplingParams
+from paged_backend.core.request_checks import check_request, tokenize_prompt
 
 from .replica import Prompt, ReplicaInfo
 from .router import Router
 
 STATS_TIMEOUT_S = 5.0
 SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions",
-          "prefix_cache_hit_tokens", "num_computed_tokens")
+          "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "num_computed_tokens")
 
 
 class ReplicaFront:
@@ -30,15 +33,18 @@ class ReplicaFront:
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
         self.vocab_size = first.vocab_size
+        self.eos_token_ids = first.eos_token_ids
+        self.context_note = first.context_note
         self.replicas = replicas
         self.router = router
 
-    # One Engine's own checks, so a replicated engine accepts and refuses exactly what one engine does.
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return Engine.tokenize(self, prompt)
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        Engine.validate(self, token_ids, params)
+        has_tokenizer = self.tokenizer is not None
+        check_request(token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                      has_tokenizer=has_tokenizer, can_constrain=has_tokenizer, context_note=self.context_note)
 
     def stats(self) -> dict[str, Any]:
         """The live replicas' stats summed (ratios weighted by blocks), plus each replica's own."""
@@ -50,7 +56,7 @@ class ReplicaFront:
         total["kv_usage"] = sum(s["kv_usage"] * s["kv_blocks_total"] for s in per_replica.values()) / blocks
         total["kv_utilisation_mean"] = (sum(s["kv_utilisation_mean"] for s in per_replica.values())
                                         / max(1, len(per_replica)))
-        queried = sum(s["prefix_cache_queried_tokens"] for s in per_replica.values())
+        queried = total["prefix_cache_queried_tokens"]
         total["prefix_cache_hit_rate"] = total["prefix_cache_hit_tokens"] / queried if queried else 0.0
         total["num_replicas_alive"] = len(live)
         total["replicas"] = per_replica

@@ -8,6 +8,10 @@ outputs were streamed, the request ends with a finished output whose `error` say
 elsewhere could change what was already shown. A request that gets no answer within
 `request_timeout_s` is aborted on its replica and ends the same way. Ray reports a dead actor to
 every pending call at once, so no request waits on a dead replica.
+
+It is an `EngineClient`, so the OpenAI server and LangChain run on it as on one AsyncEngine. LoRA
+adapters are not served here (each replica would need them registered): a request naming one is
+refused, and the adapter list is empty.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import ray
@@ -25,10 +30,13 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from paged_backend import RequestOutput, SamplingParams
+from paged_backend.core.outputs import failed_output
 from paged_backend.core.request import LogitsProcessor
+from paged_backend.entrypoints.engine_client import Sink
+from paged_backend.model.lora import LoRASpec
 
 from .background_loop import BackgroundLoop
-from .errors import NoLiveReplicaError, failed_output
+from .errors import NoLiveReplicaError
 from .prefix_table import PrefixTable
 from .replica import Prompt, launch_replicas
 from .replica_front import ReplicaFront
@@ -56,7 +64,11 @@ class ReplicatedAsyncEngine:
         self.infos = ray.get([r.describe.remote() for r in self.replicas], timeout=startup_timeout_s)
         prefixes = PrefixTable(self.infos[0].block_size) if prefix_aware else None
         self.router = Router(len(self.replicas), prefixes, balance_slack)
-        self.engine = ReplicaFront(self.infos, self.replicas, self.router)
+        self.front = ReplicaFront(self.infos, self.replicas, self.router)
+        self.tokenizer = self.front.tokenizer
+        self.max_model_len = self.front.max_model_len
+        self.vocab_size = self.front.vocab_size
+        self.eos_token_ids = self.front.eos_token_ids
         self.request_timeout_s = request_timeout_s
         self.max_attempts = max_attempts
         self.owns_replicas = owns_replicas
@@ -67,6 +79,7 @@ class ReplicatedAsyncEngine:
         self.ids = itertools.count()
         self.id_prefix = uuid.uuid4().hex[:8]  # several clients may share replicas: keep ids apart
         self.background: BackgroundLoop | None = None
+        self.submitted: dict[str, Future[None]] = {}  # request id -> the task feeding its sink (submit)
 
     @classmethod
     def launch(cls, model: str | None = None, num_replicas: int = 2, *, tokenizer: str | None = None,
@@ -82,13 +95,19 @@ class ReplicatedAsyncEngine:
             kill_all(replicas)
             raise
 
+    @property
+    def engine(self) -> ReplicaFront:
+        """The replicas' front, under the name code written against `AsyncEngine.engine` reads."""
+        return self.front
+
     # ------------------------------------------------------------ public API
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       logits_processor: LogitsProcessor | None = None) -> AsyncIterator[RequestOutput]:
+                       logits_processor: LogitsProcessor | None = None,
+                       lora: LoRASpec | None = None) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as they change; the last one has `finished=True`. A
         `logits_processor` travels to the replica (Ray pickles it), as on AsyncEngine."""
-        params, text, token_ids, request_id = self.prepare(prompt, params, request_id)
+        params, text, token_ids, request_id = self.prepare(prompt, params, request_id, lora)
         run = self.attempts(prompt, text, token_ids, params, request_id, True, logits_processor)
         async with contextlib.aclosing(run) as outs:
             async for output in outs:
@@ -103,10 +122,31 @@ class ReplicatedAsyncEngine:
             final = output
         return final
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               logits_processor: LogitsProcessor | None = None,
+               lora: LoRASpec | None = None) -> Iterator[RequestOutput]:
         """The same as `generate`, for plain threads."""
-        return self.loop().iterate(self.generate(prompt, params, request_id))
+        return self.loop().iterate(self.generate(prompt, params, request_id, logits_processor, lora))
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, sink: Sink,
+               logits_processor: LogitsProcessor | None = None, lora: LoRASpec | None = None) -> str:
+        """Validate here (ValueError), then run the request on the client's thread, handing every output
+        to `sink` until a finished one; `abort` stops it."""
+        params, text, token_ids, request_id = self.prepare(prompt, params, request_id, lora)
+
+        async def feed() -> None:
+            run = self.attempts(prompt, text, token_ids, params, request_id, True, logits_processor)
+            try:
+                async with contextlib.aclosing(run) as outputs:
+                    async for output in outputs:
+                        sink(output)
+            except Exception as exc:  # noqa: BLE001  (the sink must still get a finished output)
+                sink(failed_output(request_id, text, token_ids, f"{type(exc).__name__}: {exc}"))
+
+        task = asyncio.run_coroutine_threadsafe(feed(), self.loop().loop)
+        self.submitted[request_id] = task
+        task.add_done_callback(lambda _: self.submitted.pop(request_id, None))
+        return request_id
 
     async def run_batch(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
                         on_finished: Callable[[], None] | None = None) -> list[RequestOutput]:
@@ -124,6 +164,9 @@ class ReplicatedAsyncEngine:
         return list(await asyncio.gather(*(run_one(prompt, p) for prompt, p in zip(prompts, params))))
 
     def abort(self, request_id: str) -> None:
+        task = self.submitted.get(request_id)
+        if task is not None:  # cancelling it closes the request's stream, which aborts it on its replica
+            task.cancel()
         index = self.inflight.get(request_id)
         if index is not None:
             self.replicas[index].abort.remote(request_id)
@@ -132,6 +175,32 @@ class ReplicatedAsyncEngine:
         if self.background is None:
             self.background = BackgroundLoop()
         return self.background
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        return self.front.tokenize(prompt)
+
+    def validate(self, token_ids: list[int], params: SamplingParams, lora: LoRASpec | None = None) -> None:
+        if lora is not None:
+            raise ValueError("a replicated engine serves no LoRA adapters (each replica would need them "
+                             f"registered); got lora={lora!r}")
+        self.front.validate(token_ids, params)
+
+    def stats(self) -> dict[str, Any]:
+        """The live replicas' stats summed (see ReplicaFront.stats); each replica answers from its engine thread."""
+        return self.front.stats()
+
+    @property
+    def supports_lora(self) -> bool:
+        return False
+
+    def list_loras(self) -> list[str]:
+        return []
+
+    def add_lora(self, name: str, source: Any) -> None:
+        raise ValueError("a replicated engine serves no LoRA adapters")
+
+    def remove_lora(self, name: str) -> None:
+        raise ValueError(f"unknown LoRA adapter {name!r}: a replicated engine serves no LoRA adapters")
 
     def is_alive(self) -> bool:
         """Whether any replica can still take requests (what the server's /health reports)."""
@@ -149,11 +218,11 @@ class ReplicatedAsyncEngine:
 
     # ------------------------------------------------------------ one request
 
-    def prepare(self, prompt: Prompt, params: SamplingParams | None,
-                request_id: str | None) -> tuple[SamplingParams, str | None, list[int], str]:
+    def prepare(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                lora: LoRASpec | None = None) -> tuple[SamplingParams, str | None, list[int], str]:
         params = params or SamplingParams()
-        text, token_ids = self.engine.tokenize(prompt)
-        self.engine.validate(token_ids, params)
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params, lora)
         if request_id is None:
             request_id = f"{self.id_prefix}-{next(self.ids)}"
         elif request_id in self.inflight:

@@ -32,7 +32,7 @@ class ReplicatedLLM:
 
     @property
     def tokenizer(self) -> Any:
-        return self.aengine.engine.tokenizer
+        return self.aengine.tokenizer
 
     def generate(
         self,
@@ -45,10 +45,9 @@ class ReplicatedLLM:
         A request whose replicas all failed comes back finished with `error` set."""
         prompts = normalise_prompts(prompts)
         params = normalise_params(sampling_params, len(prompts))
-        front = self.aengine.engine
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                front.validate(front.tokenize(prompt)[1], p)
+                self.aengine.validate(self.aengine.tokenize(prompt)[1], p)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
         with tqdm(total=len(prompts), disable=not use_tqdm, desc="Generating", unit="req") as bar:
@@ -59,7 +58,7 @@ class ReplicatedLLM:
         return self.aengine.stream(prompt, params)
 
     def stats(self) -> dict[str, Any]:
-        return self.aengine.engine.stats()
+        return self.aengine.stats()
 
     def shutdown(self) -> None:
         """Kill the replicas and stop the client thread."""
