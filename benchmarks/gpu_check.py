@@ -2,7 +2,7 @@
 
 Sections (each prints PASS/FAIL or its figures; the exit code is 1 if any check failed):
 
-- kernel_tests: tests/test_kernels.py compiled on the GPU (bf16 included).
+- kernel_tests: tests/kernels/test_kernels.py compiled on the GPU (bf16 included).
 - greedy: engine output equals HF `generate(do_sample=False)` on CUDA, tiny models of several
   architectures in fp32 with chunked prefill, plus the default model when it is installed.
 - micro: the Triton attention kernel against torch SDPA on the same data already gathered into
@@ -173,9 +173,9 @@ def run_kernel_tests(sizes: Sizes, device: torch.device, dry_run: bool) -> dict[
 
 def check_greedy(sizes: Sizes, device: torch.device, dry_run: bool) -> dict[str, Any]:
     add_tests_to_path()
-    from engine_helpers import greedy, mixed_prompts, run_to_completion
+    from helpers.engine import greedy, mixed_prompts, run_to_completion
+    from helpers.models import build
     from paged_backend.kernels import dispatch
-    from tiny_models import build
 
     from paged_backend import Engine, EngineConfig
 

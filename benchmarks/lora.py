@@ -12,7 +12,7 @@ three ways, alternating in each round, medians over the rounds:
 It prints output tokens/s of each and the ratios engine_lora / engine_base (target >= 0.8) and
 engine_lora / peft_sequential (target >= 3), with the machine's load, and how many requests the
 engine answered exactly as the PEFT batch did (left padding may flip a near-tie, so this is a report,
-not an assertion: tests/test_lora.py checks equality on unpadded references).
+not an assertion: tests/model/test_lora.py checks equality on unpadded references).
 
     python benchmarks/lora.py [--max-tokens 64] [--repeats 2] [--threads 2]
 """

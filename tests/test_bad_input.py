@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import assert_all_blocks_free, greedy, hf_greedy, run_to_completion
-from tiny_models import build
+from helpers.engine import assert_all_blocks_free, greedy, hf_greedy, run_to_completion
+from helpers.models import build
 
 from paged_backend import (
     Engine,
@@ -114,7 +114,7 @@ def test_failed_forward_ends_only_that_step(model, monkeypatch):
 
 def test_architecture_without_adapter_refuses_to_run():
     """BLOOM, MPT and Falcon bypass the attention interface and now run through adapters
-    (tests/test_adapters.py); an architecture with neither is refused, by name."""
+    (tests/model/test_adapters.py); an architecture with neither is refused, by name."""
     import transformers as tf
 
     class MadeUpConfig(tf.PretrainedConfig):

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import charts
 import common
 import throughput
-from tiny_models import build
+from helpers.models import build
 
 SYSTEM_FIELDS = {"label", "useful_tokens", "tokens_per_s", "wall_s", "ttft_first_s", "ttft_median_s", "peak_rss_mb",
                  "run_peak_rss_mb", "setup_s", "tokens_equal_sequential"}

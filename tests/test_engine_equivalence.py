@@ -4,19 +4,21 @@ else shares the batch, through chunked prefill, preemption and requests joining 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import check_against_hf, greedy, hf_case, mixed_prompts
-from tiny_models import CONFIGS, build
+from helpers.engine import (
+    MAX_NEW,
+    MT_BENCH,
+    check_engine,
+    greedy,
+    hf_case,
+    mixed_prompts,
+)
+from helpers.models import CONFIGS, build
 
 from paged_backend import Engine, EngineConfig
 from paged_backend.model.model_loader import SUPPORTED
-
-MAX_NEW = 12
-
 
 # Each of these runs the three scenarios below apart; every other type runs them together, in one test.
 CORE = ("gemma", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3")
@@ -25,10 +27,6 @@ CORE = ("gemma", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "llama", "mistral", 
 @pytest.fixture(scope="module", params=CORE)
 def arch_case(request):
     return hf_case(request.param, build(request.param), MAX_NEW)
-
-
-def check_engine(model, prompts, refs, config: EngineConfig, late_from: int | None = None) -> Engine:
-    return check_against_hf(model, prompts, refs, config, MAX_NEW, late_from)
 
 
 def test_plain_batch(arch_case):
@@ -62,7 +60,7 @@ def test_mixed_batch_with_chunks_and_preemption(name):
 
 def test_every_supported_type_has_a_test():
     """A type without a tiny model here (or an adapter case in test_adapters.py) is not in SUPPORTED."""
-    from test_adapters import ADAPTED_CONFIGS
+    from helpers.adapters import ADAPTED_CONFIGS
 
     tested = {CONFIGS[name]().model_type for name in CONFIGS}
     tested |= {ADAPTED_CONFIGS[name]().model_type for name in ADAPTED_CONFIGS} | {"baichuan"}  # Baichuan: checkpoints
@@ -92,9 +90,6 @@ def test_longrope_context_is_capped_at_the_original_length():
         engine.add_request(list(range(1, 70)), greedy(4))
     with pytest.raises(ValueError, match="max_model_len=128.*original_max_position_embeddings=64"):
         Engine(model, None, EngineConfig(num_kv_blocks=64, max_model_len=128))
-
-
-MT_BENCH = Path(os.environ.get("PAGED_BACKEND_DATA", Path(__file__).resolve().parents[1] / "benchmarks" / "data"))
 
 
 @pytest.mark.slow

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_helpers import mixed_prompts
-from tiny_models import build
+from helpers.engine import mixed_prompts
+from helpers.models import build
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

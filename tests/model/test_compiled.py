@@ -1,0 +1,100 @@
+"""The compiled engine: its greedy output equals HF `generate` (mixed batch, chunked prefill, preemption)
+for several architectures, and steady state never recompiles. One compiled engine per architecture (compiling is the slow part)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers.adapters import build_adapted, random_baichuan_weights, write_baichuan
+from helpers.engine import (
+    assert_all_blocks_free,
+    greedy,
+    hf_case,
+    mixed_prompts,
+    run_to_completion,
+)
+from helpers.models import build
+from torch._dynamo.utils import counters
+
+from paged_backend import Engine, EngineConfig
+from paged_backend.model import compilation
+
+MAX_NEW = 10
+
+
+def build_baichuan_13b(name: str):
+    """Baichuan-13B's form (ALiBi, our own model class), loaded as a user's checkpoint would be."""
+    import tempfile
+    from pathlib import Path
+
+    from paged_backend.model.model_loader import load_model
+
+    with tempfile.TemporaryDirectory() as tmp:  # the weights are read into memory
+        model, _ = load_model(write_baichuan(Path(tmp) / name, "13b", random_baichuan_weights()), device="cpu")
+    model.generation_config.eos_token_id = None
+    return model
+
+
+# Every family with an attention adapter (BLOOM, MPT, Falcon, Baichuan) runs its adapter's code compiled.
+BUILDERS = {"llama": build, "qwen3": build, "gemma": build, "gpt2": build, "bloom": build_adapted,
+            "mpt": build_adapted, "falcon-7b": build_adapted, "baichuan-13b": build_baichuan_13b}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def compiled_case(request):
+    """(name, model, prompts, HF references, a compiled engine that preempts and chunks prefills)."""
+    name, model, prompts, refs = hf_case(request.param, BUILDERS[request.param](request.param), MAX_NEW)
+    # 20 blocks of 4 slots hold about two long requests; 24 tokens per step slice the longer prompts.
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=20, block_size=4, max_num_batched_tokens=24,
+                                              compile=True))
+    assert engine.compiled
+    return name, model, prompts, refs, engine
+
+
+def test_compiled_greedy_equals_hf(compiled_case):
+    _, _, prompts, refs, engine = compiled_case
+    ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts[:5]]
+    finals = {o.request_id: o for _ in range(3) for o in engine.step() if o.finished}
+    ids += [engine.add_request(p, greedy(MAX_NEW)) for p in prompts[5:]]  # join the running batch
+    finals.update(run_to_completion(engine))
+    assert [finals[rid].outputs[0].token_ids for rid in ids] == refs
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+def test_no_recompiles_in_steady_state(compiled_case):
+    name, _, _, _, engine = compiled_case
+    if name != "llama":
+        pytest.skip("one architecture is enough to count recompiles")
+    lengths = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda inputs: lengths.append(inputs.input_ids.shape[1]) or forward(inputs)
+    graphs_before = counters["stats"]["unique_graphs"]
+    prompts = iter(mixed_prompts(30, seed=3))
+    for step in range(30):
+        if step % 3 == 0:  # a new prompt every third step: prefill chunks, then decode of varying width
+            engine.add_request(next(prompts), greedy(MAX_NEW))
+        engine.step()
+    engine.runner.forward = forward
+    run_to_completion(engine)
+    assert len(set(lengths)) >= 5 and 1 in lengths, lengths
+    assert counters["stats"]["unique_graphs"] == graphs_before
+
+
+def test_compile_defaults_off_on_cpu():
+    assert compilation.wants_compile(None, torch.device("cuda"))
+    assert not compilation.wants_compile(None, torch.device("cpu"))
+    assert not Engine(build("llama"), None, EngineConfig(num_kv_blocks=8)).compiled
+    with pytest.raises(ValueError, match="compile"):
+        EngineConfig(compile="yes")
+
+
+def test_a_path_that_cannot_compile_runs_eagerly_and_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(compilation, "eager_reason", lambda: "tensor parallelism runs eagerly")
+    with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
+        engine = Engine(build("llama"), None, EngineConfig(num_kv_blocks=8, compile=True))
+    assert not engine.compiled
+    assert engine.runner.forward_model is engine.model
+    assert [r.message for r in caplog.records].count("compile: tensor parallelism runs eagerly") == 1

@@ -1,0 +1,69 @@
+"""A PEFT model (LoRA layers inside a transformers model) runs on the engine through every entry point,
+LoRA applied: `LLM`, `Engine`, LangChain's `ChatPaged(model=...)` and `generate(cache_implementation=
+"paged")` give the PEFT model's own greedy tokens. Prompt-learning adapters are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.engine import greedy, hf_greedy, mixed_prompts
+from helpers.models import build
+from peft import LoraConfig, PrefixTuningConfig, get_peft_model
+
+from paged_backend import LLM, Engine, EngineConfig, UnsupportedArchitectureError
+
+MAX_NEW = 8
+
+
+def lora_model(seed: int = 0):
+    """A tiny Llama with LoRA on q/v whose B matrices are non-zero, so the adapter changes the output."""
+    model = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def peft_case():
+    model = lora_model()
+    prompts = mixed_prompts(4)
+    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    with model.disable_adapter():
+        assert [hf_greedy(model, p, MAX_NEW) for p in prompts] != refs, "LoRA should change the greedy output"
+    return model, prompts, refs
+
+
+def test_llm_and_engine_take_a_peft_model(peft_case):
+    model, prompts, refs = peft_case
+    outs = LLM(model, num_kv_blocks=32).generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=32))
+    assert engine.model is model.get_base_model()
+
+
+def test_generate_on_a_peft_model(peft_case):
+    model, prompts, refs = peft_case
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                             do_sample=False, cache_implementation="paged")
+    assert out[0, len(prompts[0]):].tolist() == refs[0]
+
+
+def test_chat_paged_takes_a_peft_model(peft_case):
+    """`ChatPaged(model=peft_model)` builds its engine on the LoRA model (token prompts: no tokenizer here)."""
+    from paged_backend.integrations.langchain import ChatPaged
+
+    model, prompts, refs = peft_case
+    aengine = ChatPaged(model=model, engine_config={"num_kv_blocks": 32}).async_engine
+    assert aengine.engine.model is model.get_base_model()
+    *_, final = aengine.stream(prompts[1], greedy(MAX_NEW))
+    assert final.outputs[0].token_ids == refs[1]
+
+
+def test_prompt_learning_adapter_is_refused():
+    model = get_peft_model(build("llama"), PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"))
+    with pytest.raises(UnsupportedArchitectureError, match="prompt-learning"):
+        LLM(model, num_kv_blocks=8)
