@@ -8,10 +8,17 @@ import threading
 import time
 
 import pytest
-from engine_helpers import assert_all_blocks_free, greedy, hf_greedy, mixed_prompts
-from tiny_models import build
+from helpers.engine import assert_all_blocks_free, greedy, hf_greedy, mixed_prompts
+from helpers.models import build
 
-from paged_backend import AsyncEngine, CompletionOutput, Engine, EngineConfig, RequestMetrics, RequestOutput
+from paged_backend import (
+    AsyncEngine,
+    CompletionOutput,
+    Engine,
+    EngineConfig,
+    RequestMetrics,
+    RequestOutput,
+)
 from paged_backend.core.outputs import failed_output
 from paged_backend.entrypoints.engine_client import EngineClient
 
@@ -34,7 +41,9 @@ def test_each_client_has_every_protocol_member_with_the_protocol_parameters(clie
         cls = AsyncEngine
     else:
         pytest.importorskip("ray")
-        from paged_backend.integrations.ray.replicated_engine import ReplicatedAsyncEngine as cls
+        from paged_backend.integrations.ray.replicated_engine import (
+            ReplicatedAsyncEngine as cls,
+        )
     source = inspect.getsource(cls)
     for name, member in protocol_members().items():
         if member is None:  # a data attribute: set in __init__
