@@ -231,6 +231,7 @@ class Engine:
         else:
             text, token_ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         self.validate(token_ids, params)
+        token_ids = params.kept_prompt(token_ids, self.max_model_len)  # the one place prompts are truncated
         adapter = self.resolve_lora(lora)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         group: list[Request] = []

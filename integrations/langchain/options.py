@@ -48,6 +48,8 @@ class PagedOptions(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     """Hold every answer to a shape, in vLLM's vocabulary: {"json": schema}, {"json_object": True},
     {"regex": ...}, {"choice": [...]} or {"grammar": EBNF}, optionally with "disable_any_whitespace"."""
+    truncate_prompt_tokens: int | None = None
+    """Answer from the prompt's last k tokens only (-1: as many as the engine's context holds)."""
     stop: list[str] | None = None
     """Stop strings; a call's `stop` is added to these, and the text is cut before the match."""
     timeout: float | None = None

@@ -47,6 +47,7 @@ OPENAI: Translation = table("OpenAI request", {
     "ignore_eos": "ignore_eos",
     "skip_special_tokens": "skip_special_tokens",
     "include_stop_str_in_output": "include_stop_str_in_output",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
 })
 
 # vLLM's older /generate body: SamplingParams' own field names, each unchanged.
@@ -69,6 +70,7 @@ LANGCHAIN: Translation = table("LangChain", {
     "best_of": "best_of",
     "structured_outputs": "structured_outputs",
     "stop": ("stop", as_list),
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
 })
 
 # transformers' GenerationConfig, after transformers prepared it (integrations/transformers_generate.py).
@@ -93,4 +95,5 @@ CLI: Translation = table("command-line", {
     "repetition_penalty": "repetition_penalty",
     "seed": "seed",
     "stop": "stop",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
 })

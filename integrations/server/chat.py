@@ -38,7 +38,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         prompt_ids = render_chat(state.tokenizer, messages, tools, body.add_generation_prompt,
                                  body.chat_template_kwargs)
     params = to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured)
-    check_prompt(state.client, prompt_ids, params, "messages")
+    prompt_ids = check_prompt(state.client, prompt_ids, params, "messages")
     request_id = new_id("chatcmpl")
     jobs = [Job(0, prompt_ids, with_choices(params, body.n), bias_processor(state.client, body.logit_bias), lora)]
     if body.stream:

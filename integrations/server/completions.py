@@ -42,8 +42,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, http_re
     state.check_sequences(len(texts), per_prompt, "prompt" if len(texts) > 1 else "best_of" if body.best_of else "n")
     with request_field("prompt"):
         prompts = [state.tokenize(text) for text in texts]
-    for _, ids in prompts:
-        check_prompt(state.client, ids, params)
+    prompts = [(text, check_prompt(state.client, ids, params)) for text, ids in prompts]
     bias = bias_processor(state.client, body.logit_bias)
     jobs = [Job(i * body.n, ids, with_choices(params, body.n, body.best_of), bias, lora)
             for i, (_, ids) in enumerate(prompts)]

@@ -37,7 +37,6 @@ NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search runs on /generate and offline through LLM.beam_search"),
     "length_penalty": ((1.0,), "it only shapes beam search"),
     "spaces_between_special_tokens": ((True,), "special tokens are always decoded with spaces between them"),
-    "truncate_prompt_tokens": ((None,), "prompts are never truncated; a prompt too long for the context is a 400"),
     "prompt_logprobs": ((None,), "use echo with logprobs on /v1/completions to score the prompt"),
     "allowed_token_ids": ((None,), "use logit_bias"),
     "bad_words": ((None, []), "use logit_bias or stop"),
@@ -85,6 +84,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: what the context holds)
     # vLLM's structured outputs: {"json" | "json_object" | "regex" | "choice" | "grammar": ...,
     # "disable_any_whitespace": bool}, or one of the older guided_* fields.
     structured_outputs: dict[str, Any] | None = None
@@ -96,7 +96,6 @@ class SamplingFields(BaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

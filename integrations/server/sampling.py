@@ -83,9 +83,11 @@ def then(first: LogitsProcessor | None, second: LogitsProcessor | None) -> Logit
     return lambda output_ids, row: second(output_ids, first(output_ids, row))
 
 
-def check_prompt(client: EngineClient, token_ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
-    """Refuse (400) a prompt that, with its max_tokens, does not fit the context, giving the numbers."""
+def check_prompt(client: EngineClient, token_ids: list[int], params: SamplingParams, what: str = "prompt") -> list[int]:
+    """Refuse (400) a prompt that, with its max_tokens, does not fit the context, giving the numbers; else
+    return the tokens the engine will run (truncate_prompt_tokens applied), which usage counts."""
     limit = client.max_model_len
+    token_ids = params.kept_prompt(token_ids, limit)
     wanted = len(token_ids) + (params.max_tokens or 1)
     if wanted > limit:
         asked = params.max_tokens if params.max_tokens is not None else 1
@@ -97,3 +99,4 @@ def check_prompt(client: EngineClient, token_ids: list[int], params: SamplingPar
         client.validate(token_ids, params)
     except ValueError as exc:
         raise bad_request(str(exc), param=field_named_in(str(exc))) from None
+    return token_ids

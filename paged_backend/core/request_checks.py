@@ -31,6 +31,7 @@ def check_request(token_ids: list[int], params: SamplingParams, *, max_model_len
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")  # noqa: TRY004  (a ValueError, as every refusal)
     params.validate()
+    token_ids = params.kept_prompt(token_ids, max_model_len)  # what the engine's intake will run
     if not token_ids:
         raise ValueError("the prompt is empty")
     if len(token_ids) >= max_model_len:

@@ -31,6 +31,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # The answer must match a JSON Schema, regex, choice or grammar (a dict of its fields is accepted too).
     structured_outputs: StructuredOutputsParams | None = None
+    # Run only the prompt's last k tokens; -1: the most the context holds (max_model_len - 1). None: all.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +48,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def kept_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt tokens a request runs: the last truncate_prompt_tokens of them, else all."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1:
+            keep = max(1, max_model_len - 1)  # room for the one token every request generates
+        return token_ids[-keep:] if keep is not None and len(token_ids) > keep else token_ids
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample `index` of a multi-sample request: one sample, a distinct derived seed."""
@@ -84,6 +93,9 @@ class SamplingParams:
               "prompt_logprobs", self.prompt_logprobs, "must be an int >= 0 or None")
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", self.structured_outputs, "must be StructuredOutputsParams or None")
+        keep = self.truncate_prompt_tokens
+        check(keep is None or (isinstance(keep, int) and not isinstance(keep, bool) and (keep >= 1 or keep == -1)),
+              "truncate_prompt_tokens", keep, "must be an int >= 1, -1 (what the context holds) or None")
 
 
 def check(ok: bool, name: str, value: object, rule: str) -> None:

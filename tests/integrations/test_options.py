@@ -95,10 +95,12 @@ def test_each_front_end_default_comes_from_the_defaults_table() -> None:
 def test_cli_sampling_flags_keep_their_names() -> None:
     args = build_parser().parse_args(["generate", "--max-tokens", "5", "--temperature", "0.3", "--top-k", "4",
                                       "--top-p", "0.8", "--min-p", "0.05", "--repetition-penalty", "1.1",
-                                      "--seed", "3", "--stop", "A", "--stop", "B", "hi"])
+                                      "--seed", "3", "--stop", "A", "--stop", "B", "--truncate-prompt-tokens", "8",
+                                      "hi"])
     params = make_params(args)
     assert (params.max_tokens, params.temperature, params.top_k, params.top_p, params.min_p,
-            params.repetition_penalty, params.seed, params.stop) == (5, 0.3, 4, 0.8, 0.05, 1.1, 3, ["A", "B"])
+            params.repetition_penalty, params.seed, params.stop, params.truncate_prompt_tokens) == (
+        5, 0.3, 4, 0.8, 0.05, 1.1, 3, ["A", "B"], 8)
     assert args.prompts == ["hi"]  # a repeatable flag takes one value: the prompt after it stays a prompt
 
 

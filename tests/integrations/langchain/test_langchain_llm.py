@@ -13,7 +13,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 from paged_backend.integrations.langchain import ChatPaged, PagedLLM, get_async_engine
 from paged_backend.integrations.langchain.engines import build_key
 
-from paged_backend import AsyncEngine
+from paged_backend import AsyncEngine, SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = "The three primary colours are"
@@ -157,3 +157,15 @@ def test_structured_outputs_as_an_option_and_per_call() -> None:
     assert streamed == code
     with pytest.raises(ValueError, match="structured_outputs.regex is invalid"):
         llm.invoke(PROMPT, structured_outputs={"regex": "[A-"})
+
+
+async def test_truncate_prompt_tokens_answers_from_the_prompt_tail(aengine: AsyncEngine) -> None:
+    """The option passes through LangChain (constructor or call) to the engine, which keeps the last k tokens."""
+    text = await PagedLLM(temperature=0, max_tokens=4, truncate_prompt_tokens=3).ainvoke(PROMPT)
+    tail = aengine.engine.tokenizer(PROMPT)["input_ids"][-3:]
+    async for output in aengine.generate(tail, SamplingParams(temperature=0, max_tokens=4)):
+        last = output
+    assert text == last.outputs[0].text
+    assert await PagedLLM(temperature=0, max_tokens=4).ainvoke(PROMPT, truncate_prompt_tokens=3) == text
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        PagedLLM(max_tokens=1).invoke(PROMPT, truncate_prompt_tokens=0)

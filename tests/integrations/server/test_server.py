@@ -615,3 +615,29 @@ def test_serve_command_wires_its_flags() -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_truncate_prompt_tokens_on_completions_and_chat(tiny: Served) -> None:
+    """The server passes truncate_prompt_tokens to the engine: the answer is the truncated prompt's."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "user", "content": "What is the weather in Paris today?"}]
+    ids = httpx.post(f"{tiny.url}/tokenize", json={"model": "tiny", "messages": messages}, headers=headers).json()
+    tail = ids["tokens"][-5:]
+
+    def complete(route: str, **body) -> dict:
+        answer = httpx.post(f"{tiny.url}/v1/{route}", json=greedy(model="tiny", max_tokens=4, **body),
+                            headers=headers, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]
+
+    assert ids["count"] > 5
+    alone = complete("completions", prompt=tail)["text"]
+    assert complete("completions", prompt=ids["tokens"], truncate_prompt_tokens=5)["text"] == alone
+    assert complete("chat/completions", messages=messages, truncate_prompt_tokens=5)["message"]["content"] == alone
+    chat = httpx.post(f"{tiny.url}/v1/chat/completions", headers=headers, timeout=60,
+                      json=greedy(model="tiny", max_tokens=2, messages=messages, truncate_prompt_tokens=5)).json()
+    assert chat["usage"]["prompt_tokens"] == 5  # usage counts the tokens the engine ran
+    for route, body in (("completions", {"prompt": "hi"}), ("chat/completions", {"messages": messages})):
+        refused = httpx.post(f"{tiny.url}/v1/{route}", json=greedy(model="tiny", truncate_prompt_tokens=0, **body),
+                             headers=headers)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
