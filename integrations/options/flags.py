@@ -15,7 +15,7 @@ import textwrap
 import tokenize
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from functools import cache
 from typing import Any
 

@@ -19,7 +19,12 @@ from paged_backend.integrations.options.vocabularies import (
     SAMPLING_PARAMS,
 )
 from paged_backend.integrations.server.cli import add_serve_arguments
-from paged_backend.integrations.server.protocol import ChatCompletionRequest, CompletionRequest
+from paged_backend.integrations.server.protocol import (
+    NEUTRAL_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from paged_backend.integrations.server.sampling import to_sampling_params
 
 from paged_backend import EngineConfig, SamplingParams, StructuredOutputsParams
@@ -153,3 +158,19 @@ def test_field_comments_read_the_comment_above_and_at_the_end_of_a_field() -> No
     assert comments["num_kv_blocks"] == "wins over kv_cache_bytes when set"
     assert comments["self_check"].startswith("At start-up, run a few tokens")
     assert field_comments(SamplingParams)["temperature"] == "0 means greedy"
+
+
+# Request fields that are not sampling options, or reach SamplingParams by another path (named where).
+OPENAI_ELSEWHERE = {"model", "stream", "stream_options", "user",  # what to run and how to answer
+                    "n",  # with_choices: the request's samples
+                    "logit_bias",  # a per-request logits processor (server/sampling.py)
+                    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}  # structured.py
+LANGCHAIN_ELSEWHERE = {"model", "tokenizer", "engine_config", "model_name", "timeout", "streaming", "lora"}
+
+
+def test_no_front_end_field_is_left_out_of_its_table() -> None:
+    """A sampling field a front end declares but its table lacks would be silently ignored: every field is
+    in the table, refused at any non-neutral value, or reaches the engine by a path named above."""
+    assert set(SamplingFields.model_fields) - OPENAI.names - set(NEUTRAL_FIELDS) == OPENAI_ELSEWHERE
+    assert set(PagedOptions.model_fields) - LANGCHAIN.names == LANGCHAIN_ELSEWHERE
+    assert not OPENAI.names & set(NEUTRAL_FIELDS)
