@@ -3,7 +3,9 @@
 Front ends hold one of these and nothing else: never the `Engine` it wraps, never its fields. Two
 classes implement it: `AsyncEngine` (one engine stepped by its own thread, in this process) and the
 Ray `ReplicatedAsyncEngine` (requests routed to engine replicas in other processes). A test of a route
-can pass a small fake of its own.
+can pass a small fake of its own. (The offline integrations, `generate(cache_implementation="paged")`,
+its beam and PEFT forms and the pipeline, drive an `Engine` of their own step by step, as `LLM` does:
+they are not clients of a shared engine.)
 
 Every member is safe to call from any thread: requests and aborts are queued for whatever steps the
 engine, and `stats()` is answered by that stepper, never read while it steps. The limits
