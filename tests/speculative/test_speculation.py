@@ -521,7 +521,7 @@ def test_serve_takes_a_speculative_config(monkeypatch):
     class Loaded(Exception):
         pass
 
-    def fake_llm(model, tensor_parallel_size=1, **config):
+    def fake_llm(model, tensor_parallel_size=1, quantization=None, **config):  # LLM's own keywords aside
         seen.update(config)
         raise Loaded
 
