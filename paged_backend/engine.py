@@ -29,6 +29,7 @@ from paged_backend.core.outputs import (
 )
 from paged_backend.core.request import LogitsProcessor, Request, RequestStatus
 from paged_backend.core.request_checks import check_request, tokenize_prompt
+from paged_backend.core.request_group import RequestGroup
 from paged_backend.core.scheduler import Scheduler
 from paged_backend.model import compilation, cuda_graphs
 from paged_backend.model.decode_padding import DecodePadding
@@ -96,7 +97,7 @@ class Engine:
         self.captured = self.maybe_capture()
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = find_eos_ids(model, tokenizer)
-        self.requests: dict[str, list[Request]] = {}  # user's id -> its samples
+        self.requests: dict[str, RequestGroup] = {}  # user's id -> its samples
         self.pending_outputs: list[RequestOutput] = []
         self.ids = itertools.count()
         self.utilisation_samples: list[float] = []
@@ -234,22 +235,14 @@ class Engine:
         token_ids = params.kept_prompt(token_ids, self.max_model_len)  # the one place prompts are truncated
         adapter = self.resolve_lora(lora)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
-        group: list[Request] = []
         samples = params.num_samples
-        keep_best = params.n if samples > params.n else None
+        group = RequestGroup(request_id, keep_best=params.n if samples > params.n else None)
         for index in range(samples):
             sample_params = params if samples == 1 else params.for_sample(index)
             internal_id = request_id if samples == 1 else f"{request_id}#{index}"
-            group.append(self.make_request(internal_id, text, token_ids, sample_params, metrics,
-                                           stream and keep_best is None, cache_salt))
-        for index, request in enumerate(group):
-            request.index, request.group, request.external_id = index, group, request_id
-            request.keep_best = keep_best
-            if index:  # the samples share one prompt: sample 0 scores it, the others may use the cache
-                request.prompt_logprobs = None
-            request.logits_processor = logits_processor
-            request.lora = adapter
-            request.leader = group[0] if index else None
+            self.make_request(group, internal_id, text, token_ids, sample_params, metrics, stream and not group.ranked,
+                              cache_salt, logits_processor, adapter)
+        for request in group.samples:
             self.enqueue(request)
         self.requests[request_id] = group
         return request_id
@@ -306,12 +299,16 @@ class Engine:
                 request.grammar.start(sorted(request.stop_ids))
             except Exception as exc:  # noqa: BLE001  (compiling failed: this request's error, not the engine's)
                 self.compiling.append(request)  # abort_request finds it here
-                self.abort_request(request.external_id, f"structured_outputs could not be compiled: {exc}")
+                self.abort_request(request.group.request_id, f"structured_outputs could not be compiled: {exc}")
                 continue
             self.scheduler.add(request)
 
-    def make_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
-                     metrics: RequestMetrics, stream: bool, cache_salt: str | None) -> Request:
+    def make_request(self, group: RequestGroup, request_id: str, text: str | None, token_ids: list[int],
+                     params: SamplingParams, metrics: RequestMetrics, stream: bool, cache_salt: str | None,
+                     logits_processor: LogitsProcessor | None, adapter: LoRAAdapter | None) -> Request:
+        """A new sample of `group`; it joins the group as its next sample."""
+        # The samples share one prompt: the leader scores it, the others may take it from the cache.
+        scores_prompt = params.prompt_logprobs is not None and not group.samples
         return Request(
             request_id=request_id,
             prompt=text,
@@ -324,8 +321,11 @@ class Engine:
             generator=self.make_generator(params.seed),
             detokenizer=self.make_detokenizer(token_ids, params),
             logprobs=[] if params.logprobs is not None else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            prompt_logprobs=[None] if scores_prompt else None,
             cache_salt=cache_salt,
+            lora=adapter,
+            logits_processor=logits_processor,
+            group=group,
         )
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -357,11 +357,11 @@ class Engine:
         group = self.requests.get(request_id)
         if group is None:
             return
-        for request in group:
+        for request in group.samples:
             if not request.is_finished:
                 request.error = error
                 self.finish(request, "abort")
-        self.pending_outputs.append(self.make_output(group[-1], group, []))
+        self.pending_outputs.append(self.make_output(group.samples[-1], group.samples, []))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending_outputs) or bool(self.compiling)
@@ -392,7 +392,7 @@ class Engine:
                 request.spec_token_ids = []
             if self.speculator is not None and self.speculator.draft is not None:
                 self.speculator.draft.cancel()
-            for request_id in dict.fromkeys(r.external_id for r in batch.requests):
+            for request_id in dict.fromkeys(r.group.request_id for r in batch.requests):
                 self.abort_request(request_id, error=f"{type(exc).__name__}: {exc}")
             outputs, self.pending_outputs = outputs + self.pending_outputs, []
             return outputs
@@ -454,14 +454,14 @@ class Engine:
                 appended.append(token)
                 if request.logprobs is not None:
                     record_logprobs(request, sampled, row)
-                elif request.keep_best is not None:
+                elif request.group.ranked:
                     request.cumulative_logprob += sampled.logprobs[row]
                 self.check_stop(request, token)
                 if request.grammar is not None and not request.is_finished:
                     self.advance_grammar(request, token)
                 if request.is_finished:
                     break
-            if request.stream or request.group_finished():
+            if request.stream or request.group.finished:
                 outputs.extend(self.outputs_after(request, appended))
         return outputs
 
@@ -494,34 +494,35 @@ class Engine:
             request.status = RequestStatus.FINISHED
         else:
             self.scheduler.finish(request)
-        if request.group_finished():
-            del self.requests[request.external_id]
+        if request.group.finished:
+            del self.requests[request.group.request_id]
 
     def outputs_after(self, request: Request, delta_ids: list[int]) -> list[RequestOutput]:
         """The user-facing outputs after `request` changed. For n > 1, every delta is attributable: an
         output carries either the one sample that changed (with its delta) or, last of all, every sample
         in index order (finished, no delta of its own)."""
-        if len(request.group) == 1 or not request.group_finished():
+        group = request.group
+        if len(group.samples) == 1 or not group.finished:
             return [self.make_output(request, [request], delta_ids)]
-        final = self.make_output(request, request.group, [])
+        final = self.make_output(request, group.samples, [])
         if not request.stream:
             return [final]
         return [self.make_output(request, [request], delta_ids, finished=False), final]
 
     def make_output(self, request: Request, samples: list[Request], delta_ids: list[int],
                     finished: bool | None = None) -> RequestOutput:
-        finished = request.group_finished() if finished is None else finished
+        finished = request.group.finished if finished is None else finished
         detok = request.detokenizer
         delta = detok.take_delta(request.is_finished) if detok and (delta_ids or len(samples) == 1) else ""
         return RequestOutput(
-            request_id=request.external_id,
+            request_id=request.group.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions_of(samples),
             finished=finished,
             metrics=request.metrics,
-            num_cached_tokens=request.group[0].num_cached_tokens,
-            prompt_logprobs=request.group[0].prompt_logprobs,
+            num_cached_tokens=request.group.leader.num_cached_tokens,
+            prompt_logprobs=request.group.leader.prompt_logprobs,
             error=request.error,
             delta_text=delta,
             delta_token_ids=delta_ids,
@@ -562,11 +563,10 @@ class Engine:
 
 def completions_of(samples: list[Request]) -> list[CompletionOutput]:
     """The completions an output carries; a best_of group keeps its best samples, best first, indexed 0..n-1."""
-    keep = samples[0].keep_best
-    if keep is None or len(samples) == 1:
+    group = samples[0].group
+    if not group.ranked or len(samples) == 1:
         return [completion_of(r) for r in samples]
-    best = sorted(samples, key=lambda r: -r.mean_logprob)[:keep]  # stable: ties keep the lower index
-    return [completion_of(r, index=i) for i, r in enumerate(best)]
+    return [completion_of(r, index=i) for i, r in enumerate(group.selected())]
 
 
 def completion_of(request: Request, index: int | None = None) -> CompletionOutput:

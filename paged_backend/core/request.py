@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from paged_backend.core.outputs import Logprob, RequestMetrics, SampleLogprobs
+from paged_backend.core.request_group import RequestGroup
 from paged_backend.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -59,11 +60,9 @@ class Request:
     cache_salt: str | None = None  # isolates this request's prefix-cache entries from other tenants'
     lora: LoRAAdapter | None = None  # the adapter it runs with (None: the base model)
     lora_slot: int = 0  # while running: the device slot of its adapter (0: the base)
-    leader: Request | None = None  # for samples 1..n-1: wait until sample 0 has computed the prompt
-    index: int = 0  # which of the n (or best_of) samples this is
-    keep_best: int | None = None  # best_of > n: the group returns only its keep_best best-scoring samples
-    group: list[Request] = field(default_factory=list)  # all samples of the user's request, in index order
-    external_id: str = ""  # the id the user gave; samples of an n > 1 request share it
+    # The user's request this is a sample of (n, best_of); None: a group of its own, made at construction.
+    group: RequestGroup = None  # type: ignore[assignment]
+    index: int = field(init=False, default=0)  # which of its group's samples this is (joined at construction)
     logits_processor: LogitsProcessor | None = None  # (output ids, row [V]) -> row, before sampling
     penalty_state: PenaltyState | None = None  # built on first use by the sampler
     grammar: GrammarState | None = None  # structured outputs: the matcher its tokens must satisfy
@@ -77,6 +76,11 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, entry per later prompt token]
     num_cached_tokens: int = 0
     error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.group is None:
+            self.group = RequestGroup(self.request_id)
+        self.index = self.group.join(self)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,23 +98,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def group_finished(self) -> bool:
-        return all(r.is_finished for r in self.group)
-
     @property
     def wants_logprob(self) -> bool:
         """Whether the sampler must report this request's chosen-token logprobs (asked for, or to rank it)."""
-        return self.logprobs is not None or self.keep_best is not None
+        return self.logprobs is not None or self.group.ranked
 
     @property
     def mean_logprob(self) -> float:
         """The score best_of ranks samples by: log probability per generated token."""
         return self.cumulative_logprob / max(1, len(self.output_token_ids))
-
-    def is_waiting_for_leader(self) -> bool:
-        """A later sample starts only once the first has cached the prompt, so it can share it."""
-        leader = self.leader
-        return leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens `[start, stop)` of prompt + output, without concatenating the whole sequence."""

@@ -106,7 +106,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
             request = self.waiting[i]
-            if request.is_waiting_for_leader() or (self.lora is not None and not self.lora.can_run(request.lora)):
+            if request.group.waits_for_leader(request) or (self.lora is not None and not self.lora.can_run(request.lora)):
                 i += 1
                 continue
             if not self.admit(request, budget):
