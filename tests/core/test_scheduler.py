@@ -6,35 +6,46 @@ from paged_backend.config import EngineConfig
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.outputs import RequestMetrics
 from paged_backend.core.request import Request
+from paged_backend.core.request_group import RequestGroup
 from paged_backend.core.scheduler import Scheduler
 from paged_backend.sampling.sampling_params import SamplingParams
 
 BLOCK = 4
 
 
-def make_request(name: str, prompt_len: int, max_tokens: int) -> Request:
+def make_request(name: str, prompt_len: int, max_tokens: int, prompt: list[int] | None = None) -> Request:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(name, None, list(range(1, prompt_len + 1)), params, max_tokens, frozenset(), RequestMetrics(0.0))
+    prompt = list(range(1, prompt_len + 1)) if prompt is None else prompt
+    return Request(name, None, prompt, params, max_tokens, frozenset(), RequestMetrics(0.0))
 
 
-def make_scheduler(num_blocks: int, budget: int = 64, max_seqs: int = 8) -> Scheduler:
+def make_scheduler(num_blocks: int, budget: int = 64, max_seqs: int = 8, prefix_caching: bool = False) -> Scheduler:
     config = EngineConfig(block_size=BLOCK, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
                           max_num_seqs=max_seqs)
-    return Scheduler(config, KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False))
+    return Scheduler(config, KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix_caching))
 
 
-def step(scheduler: Scheduler) -> tuple[list[str], list[str]]:
+def scheduled(scheduler: Scheduler) -> list[tuple[str, int]]:
+    """One step (see `step`) as the (name, new tokens) of each request it scheduled, in batch order."""
+    return step(scheduler, counts=True)[0]
+
+
+def step(scheduler: Scheduler, counts: bool = False) -> tuple[list, list[str]]:
     """One engine step without a model: advance every scheduled request, give each that reached the end
-    of its tokens one new token, finish those at max_tokens. Returns (scheduled, finished) names."""
+    of its tokens one new token, finish those at max_tokens, register filled blocks in the prefix cache.
+    Returns (scheduled, finished) names; with `counts`, scheduled as (name, new tokens) pairs."""
     batch = scheduler.schedule()
     finished = []
     for request, n in zip(batch.requests, batch.num_new_tokens):
         request.num_computed_tokens += n
+        scheduler.kv.cache_full_blocks(request)
         if request.num_computed_tokens == request.num_tokens:
             request.output_token_ids.append(7)
             if request.num_output_tokens >= request.max_tokens:
                 scheduler.finish(request)
                 finished.append(request.request_id)
+    if counts:
+        return [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)], finished
     return [r.request_id for r in batch.requests], finished
 
 
@@ -96,3 +107,124 @@ def test_a_preempted_request_finished_while_waiting_leaves_the_queue():
     while scheduler.has_unfinished():
         step(scheduler)
     assert a.is_finished and scheduler.kv.pool.num_free == 6
+
+
+def test_a_step_never_schedules_more_than_the_token_budget():
+    scheduler = make_scheduler(num_blocks=64, budget=10)
+    for name in "abcde":
+        scheduler.add(make_request(name, 7, 3))
+    while scheduler.has_unfinished():
+        batch = scheduled(scheduler)
+        total = sum(n for _, n in batch)
+        assert total <= 10
+        if scheduler.waiting:  # work was left over: the step used the whole budget
+            assert total == 10
+
+
+def test_decoding_requests_are_scheduled_before_waiting_prompts():
+    scheduler = make_scheduler(num_blocks=64, budget=8)
+    for name in "ab":
+        scheduler.add(make_request(name, 3, 10))
+    assert scheduled(scheduler) == [("a", 3), ("b", 3)]
+    scheduler.add(make_request("long", 20, 10))
+    # The decodes take their one token each first; the new prompt gets what is left of the budget.
+    assert scheduled(scheduler) == [("a", 1), ("b", 1), ("long", 6)]
+    assert scheduled(scheduler) == [("a", 1), ("b", 1), ("long", 6)]
+
+
+def test_a_long_prompt_is_prefilled_in_budget_sized_chunks_and_samples_after_the_last():
+    scheduler = make_scheduler(num_blocks=64, budget=8)
+    long = make_request("long", 21, 2)
+    scheduler.add(long)
+    chunks = []
+    while not long.output_token_ids:
+        ((_, n),) = scheduled(scheduler)
+        chunks.append(n)
+        assert len(long.block_ids) == -(-long.num_computed_tokens // BLOCK)  # blocks grow with the chunks
+    assert chunks == [8, 8, 5]
+    assert scheduled(scheduler) == [("long", 1)]  # then it decodes
+
+
+def test_a_later_prompt_takes_the_budget_a_finishing_chunk_leaves():
+    scheduler = make_scheduler(num_blocks=64, budget=8)
+    scheduler.add(make_request("long", 12, 2))
+    scheduler.add(make_request("short", 6, 2))
+    assert scheduled(scheduler) == [("long", 8)]
+    assert scheduled(scheduler) == [("long", 4), ("short", 4)]
+    assert scheduled(scheduler) == [("long", 1), ("short", 2)]
+
+
+def test_out_of_blocks_the_newest_running_request_is_preempted_and_recomputes_from_the_start():
+    scheduler = make_scheduler(num_blocks=9, budget=64)
+    a, b, c = make_request("a", 8, 8), make_request("b", 4, 8), make_request("c", 4, 8)
+    for request in (a, b, c):
+        scheduler.add(request)
+    scheduled(scheduler)  # a: 2 blocks, b: 1, c: 1 (prompts), each with its first output token
+    while not scheduler.num_preemptions:
+        batch = scheduled(scheduler)
+    assert [name for name, _ in batch] == ["a", "b"]  # c, the newest, gave way; a and b went on
+    assert c.block_ids == [] and c.num_computed_tokens == 0 and c.metrics.num_preemptions == 1
+    assert list(scheduler.waiting) == [c] and scheduler.running == [a, b]
+    assert scheduler.kv.pool.num_free == 9 - len(a.block_ids) - len(b.block_ids)  # c's blocks back in the pool
+    made = c.num_tokens
+    while c not in scheduler.running:
+        batch = scheduled(scheduler)
+    assert ("c", made) in batch  # recomputes its prompt and the tokens it had made, in one go
+
+
+def test_a_first_admission_starts_after_the_longest_cached_prefix_and_computes_the_last_prompt_token():
+    scheduler = make_scheduler(num_blocks=64, budget=64, prefix_caching=True)
+    prompt = list(range(100, 112))  # three full blocks
+    scheduler.add(make_request("first", 0, 1, prompt))
+    assert scheduled(scheduler) == [("first", 12)]
+    same = make_request("same", 0, 1, list(prompt))
+    longer = make_request("longer", 0, 1, prompt + [7, 8])
+    forked = make_request("forked", 0, 1, prompt[:6] + [0] * 6)  # shares the first block only
+    for request in (same, longer, forked):
+        scheduler.add(request)
+    # The same prompt: two blocks from the cache, the third recomputed so its last token has logits.
+    assert scheduled(scheduler) == [("same", 4), ("longer", 2), ("forked", 8)]
+    assert [same.num_cached_tokens, longer.num_cached_tokens, forked.num_cached_tokens] == [8, 12, 4]
+
+
+def test_a_preempted_request_readmitted_recomputes_instead_of_counting_a_new_prefix_hit():
+    """`num_cached_tokens` reports the first admission's hit; a re-admission after preemption may take
+    its own blocks back from the cache, but that is not a hit the user's prompt got."""
+    scheduler = make_scheduler(num_blocks=6, max_seqs=2, prefix_caching=True)
+    a, b = make_request("a", 4, 12), make_request("b", 5, 12, list(range(50, 55)))
+    scheduler.add(a)
+    scheduler.add(b)
+    while not scheduler.num_preemptions:
+        scheduled(scheduler)
+    assert b.num_cached_tokens == 0
+    while b not in scheduler.running:
+        tokens = b.num_tokens
+        batch = scheduled(scheduler)
+    recomputed = dict(batch)["b"]
+    assert 0 < recomputed < tokens and (tokens - recomputed) % BLOCK == 0  # its own full blocks came back
+    assert b.num_cached_tokens == 0
+
+
+def test_no_more_than_max_num_seqs_requests_run_at_once():
+    scheduler = make_scheduler(num_blocks=64, budget=64, max_seqs=2)
+    for name in "abcd":
+        scheduler.add(make_request(name, 3, 2))
+    assert scheduled(scheduler) == [("a", 3), ("b", 3)]  # budget for all four, room for two
+    assert [r.request_id for r in scheduler.waiting] == ["c", "d"]
+    assert scheduled(scheduler) == [("a", 1), ("b", 1)]  # a and b finish here
+    assert scheduled(scheduler) == [("c", 3), ("d", 3)]
+
+
+def test_a_later_sample_is_admitted_only_after_its_leader_computed_the_prompt_and_shares_its_blocks():
+    scheduler = make_scheduler(num_blocks=64, budget=8, prefix_caching=True)
+    group = RequestGroup("user", None)
+    prompt = list(range(30, 43))  # 13 tokens: two chunks at budget 8
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    leader, follower = (Request(f"user#{i}", None, list(prompt), params, 4, frozenset(), RequestMetrics(0.0),
+                                group=group) for i in range(2))
+    scheduler.add(leader)
+    scheduler.add(follower)
+    assert scheduled(scheduler) == [("user#0", 8)]  # budget left, but the follower waits
+    assert scheduled(scheduler) == [("user#0", 5)]
+    assert scheduled(scheduler) == [("user#0", 1), ("user#1", 1)]  # three blocks shared, one token computed
+    assert follower.num_cached_tokens == 12 and follower.block_ids[:3] == leader.block_ids[:3]
