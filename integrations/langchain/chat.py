@@ -1,6 +1,7 @@
 """ChatPaged: a LangChain chat model on the shared paged engine.
 
-Messages go through the model's chat template (or `chat_template`), tools too; calls run on
+Messages go through the model's chat template (or `chat_template`) by the shared renderer, tools too
+(rendered by the template when it can, else described Hermes style in the system turn); calls run on
 the engine's continuous batch, so concurrent `ainvoke`s and a `batch` share forward passes.
 """
 
@@ -40,9 +41,11 @@ from pydantic import ConfigDict
 
 from paged_backend import SamplingParams
 
+from ..chat import render_chat
 from ..hermes import OPEN, CallStream
+from ..logprobs import chat_logprobs
 from ..structured import add_json_instruction, forced_tool_spec, response_format_spec
-from .completion import Completion, openai_logprobs
+from .completion import Completion
 from .messages import to_chat_dicts
 from .options import PagedOptions, merge_stops
 from .submit import astream_outputs, run_batch, stream_outputs
@@ -237,15 +240,10 @@ class ChatPaged(PagedOptions, BaseChatModel):
         return PreparedCall(prompt_text=prompt_text, tools=shown_tools, params=params, timeout=timeout, lora=lora)
 
     def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
-        def apply(with_tools: list[dict[str, Any]] | None) -> str:
-            return self.tokenizer_.apply_chat_template(conversation, tools=with_tools, tokenize=False,
-                                                       add_generation_prompt=True, chat_template=self.chat_template)
-        text = apply(tools or None)
-        if tools and text == apply(None):
-            raise ValueError(f"the chat template of {self.resolved_model_name} does not render tools, so the model "
-                             "would never see them; pass chat_template= a template that does (for ChatML models: "
-                             "paged_backend.integrations.langchain.HERMES_TOOL_TEMPLATE)")
-        return text
+        """Through the shared renderer and its tool policy: tools the template cannot render are
+        described Hermes style in the system turn (integrations/chat.py)."""
+        return render_chat(self.tokenizer_, conversation, tools or None, chat_template=self.chat_template,
+                           tokenize=False)
 
     # ------------------------------------------------------------------ outputs
 
@@ -304,5 +302,6 @@ class ChatPaged(PagedOptions, BaseChatModel):
         metadata = {"model_name": self.resolved_model_name, "finish_reason": done.finish_reason,
                     "model_provider": "paged_backend"}
         if done.logprobs is not None:
-            metadata["logprobs"] = {"content": openai_logprobs(self.tokenizer_, done.token_ids, done.logprobs)}
+            pairs = list(zip(done.token_ids, done.logprobs))
+            metadata["logprobs"] = chat_logprobs(self.tokenizer_, pairs, self.top_logprobs or 0)
         return metadata

@@ -33,13 +33,3 @@ def usage(output: RequestOutput, completion: CompletionOutput) -> dict[str, Any]
     generated = len(completion.token_ids)
     return {"input_tokens": prompt, "output_tokens": generated, "total_tokens": prompt + generated,
             "input_token_details": {"cache_read": output.num_cached_tokens}}
-
-
-def openai_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict]) -> list[dict[str, Any]]:
-    """OpenAI chat shape: per token, its text, logprob and the ranked alternatives."""
-    entries = []
-    for token_id, candidates in zip(token_ids, logprobs):
-        ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in candidates.items() if lp.rank)
-        entries.append({"token": tokenizer.decode([token_id]), "logprob": candidates[token_id].logprob,
-                        "top_logprobs": [{"token": tokenizer.decode([tid]), "logprob": lp} for _, tid, lp in ranked]})
-    return entries

@@ -20,6 +20,7 @@ from pydantic import ConfigDict
 
 from paged_backend import CompletionOutput, RequestOutput, SamplingParams
 
+from ..logprobs import completion_logprobs, positions
 from .options import PagedOptions
 from .submit import astream_outputs, run_batch, stream_outputs
 
@@ -127,14 +128,6 @@ class PagedLLM(PagedOptions, BaseLLM):
     def generation_info(self, completion: CompletionOutput) -> dict[str, Any]:
         info: dict[str, Any] = {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
         if completion.logprobs is not None:
-            info["logprobs"] = completion_logprobs(self.async_engine.tokenizer, completion)
+            info["logprobs"] = completion_logprobs(self.async_engine.tokenizer, positions(completion),
+                                                   self.logprobs or 0)
         return info
-
-
-def completion_logprobs(tokenizer: Any, completion: CompletionOutput) -> dict[str, Any]:
-    """OpenAI completions shape: tokens, token_logprobs, top_logprobs."""
-    decode = (lambda tid: tokenizer.decode([tid])) if tokenizer is not None else str
-    steps = list(zip(completion.token_ids, completion.logprobs or []))
-    return {"tokens": [decode(tid) for tid, _ in steps],
-            "token_logprobs": [lps[tid].logprob for tid, lps in steps],
-            "top_logprobs": [{decode(t): lp.logprob for t, lp in lps.items() if lp.rank} for _, lps in steps]}

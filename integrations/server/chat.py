@@ -12,12 +12,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from paged_backend import RequestOutput
 
 from ..hermes import CallDelta, CallStream
+from ..logprobs import chat_logprobs, positions
 from ..structured import add_json_instruction
 from .chat_template import render_chat
 from .errors import APIError, request_field
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import ChatCompletionRequest
-from .responses import DONE, chat_logprobs, positions, sse, sse_error, usage
+from .responses import DONE, sse, sse_error, usage
 from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices
 from .state import ServerState
 from .structured import structured_spec

@@ -12,18 +12,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_backend import RequestOutput
 
+from ..logprobs import completion_logprobs, positions, token_text
 from .errors import APIError, bad_request, request_field
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import CompletionRequest
-from .responses import (
-    DONE,
-    completion_logprobs,
-    positions,
-    sse,
-    sse_error,
-    token_text,
-    usage,
-)
+from .responses import DONE, sse, sse_error, usage
 from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices
 from .state import ServerState
 from .structured import structured_spec

@@ -18,6 +18,7 @@ from paged_backend.entrypoints.beam_search import (
     BeamSearchParams,
     beam_search,
 )
+from paged_backend.integrations.chat import render_chat
 from paged_backend.model.attention import ATTENTION_NAME, register
 from paged_backend.model.lora import LoRARequest, LoRASpec
 from paged_backend.model.model_loader import load_model
@@ -134,7 +135,10 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation and generate."""
+        """Render each conversation (OpenAI-shaped messages) through the chat template and generate.
+        `tools` (OpenAI function tools) follow the shared tool policy (integrations/chat.py): rendered
+        by a template that supports tools, else described Hermes style in the system turn; past
+        assistant `tool_calls` and `tool` results are rendered the same way."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template")
         if conversations and isinstance(conversations[0], dict):
@@ -145,10 +149,8 @@ class LLM:
 
     def render_chat(self, conversation: Conversation, add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None, extra: dict[str, Any]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 return_dict=False, **extra)
-        return list(ids)
+        return render_chat(self.tokenizer, conversation, tools, add_generation_prompt=add_generation_prompt,
+                           template_kwargs=extra)
 
     def run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
             loras: list[LoRASpec | None] | None = None) -> list[RequestOutput]:

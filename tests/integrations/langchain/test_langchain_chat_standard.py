@@ -2,9 +2,9 @@
 
 Skipped groups, and why:
 - tool calling, tool choice, tool message histories, structured output, agent loop, unicode
-  tool calls: the default model's ChatML template does not render tools (ChatPaged refuses tools
-  there rather than drop them), so these run in test_langchain_tools.py, on the same weights with
-  a template that renders tools.
+  tool calls: the default model's ChatML template does not render tools (ChatPaged then describes
+  them Hermes style in the system turn), so these run in test_langchain_tools.py, on the same weights
+  with a template that renders tools.
 - json mode: the standard test needs the model to pick the keys its prompt names; ChatPaged's json
   mode holds the answer to any JSON object (tested in test_langchain_tools.py), but the keys are the
   model's choice and the 135M model names only "setup", not "punchline". The json_schema path, which

@@ -174,9 +174,21 @@ def test_tokenizer_response_parser_is_used_where_present(tokenizer: Any) -> None
     assert parsed.content == "Hi" and parsed.tool_calls[0]["args"] == {"a": 1, "b": 2}
 
 
-def test_a_template_without_tools_is_refused_not_ignored() -> None:
-    with pytest.raises(ValueError, match="does not render tools"):
-        ChatPaged(max_tokens=2).bind_tools([get_weather]).invoke("Weather in Paris?")
+def test_a_template_without_tools_gets_the_hermes_tool_prompt(tokenizer: Any) -> None:
+    """The default model's template ignores tools: they are described in the system turn (the shared
+    tool policy), past calls and results written as Hermes text, and the answer still parses."""
+    model = ChatPaged(temperature=0, max_tokens=48)
+    history = [SystemMessage("Be brief."), HumanMessage("What is the weather in Paris?"),
+               AIMessage("", tool_calls=[{"name": "get_weather", "args": {"location": "Paris"}, "id": "c1"}]),
+               ToolMessage("18 C", tool_call_id="c1")]
+    call = model.prepare(history, None, {"tools": [convert_to_openai_tool(get_weather)]})
+    system = call.prompt_text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n") and "<tools>" in system
+    assert '"name": "get_weather"' in system
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_call>' in call.prompt_text
+    assert "<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>" in call.prompt_text
+    message = model.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
 
 
 def test_tools_reach_the_prompt_and_a_forced_call_parses(tokenizer: Any) -> None:
