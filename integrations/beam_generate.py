@@ -1,6 +1,6 @@
 """`generate(num_beams > 1, cache_implementation="paged")`: transformers' beam search on the engine.
 
-The call is prepared with transformers' helpers as for greedy and sampling, then each input row runs
+The call is prepared with transformers' helpers (through `hf_generation_prep`) as for greedy and sampling, then each input row runs
 through `paged_backend.entrypoints.beam_search`, which follows transformers' ranking, length penalty and
 early-stopping rules step for step; beams share their prompt's blocks through the prefix cache. The
 result is what `generate` returns: each row's best `num_return_sequences` beams, prompt as given,
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from paged_backend.integrations import hf_generation_prep as prep
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
@@ -22,7 +23,7 @@ from paged_backend.entrypoints.beam_search import BeamSearchParams, beam_search
 
 
 def wants_beams(model: PreTrainedModel, generation_config: GenerationConfig | None, kwargs: dict) -> bool:
-    config, _ = model._prepare_generation_config(generation_config, **dict(kwargs))
+    config, _ = prep.merged_config(model, generation_config, dict(kwargs))
     return config.num_beams is not None and config.num_beams > 1
 
 
@@ -34,28 +35,27 @@ def generate_beams(model: PreTrainedModel, engine: Engine, inputs: torch.Tensor 
     refuse(logits_processor=logits_processor, stopping_criteria=stopping_criteria, streamer=streamer,
            tokenizer=kwargs.pop("tokenizer", None))
     kwargs.pop("cache_implementation", None)
-    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    config, model_kwargs = prep.merged_config(model, generation_config, kwargs)
     if config.get_generation_mode() is not GenerationMode.BEAM_SEARCH:
         raise NotImplementedError(f"generation mode {config.get_generation_mode().value!r} is not supported with "
                                   "cache_implementation='paged'; of the beam modes only plain beam search is")
     refuse(return_dict_in_generate=config.return_dict_in_generate, stop_strings=config.stop_strings,
            max_time=config.max_time)
-    input_ids, _, model_kwargs = model._prepare_model_inputs(inputs, config.bos_token_id, model_kwargs)
+    input_ids, _, model_kwargs = prep.model_inputs(model, inputs, config, model_kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
-    model._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device)
+    prep.prepare_special_tokens(model, config, attention_mask is not None, input_ids, per_row=False)
     if attention_mask is None:
-        attention_mask = model._prepare_attention_mask_for_generation(input_ids, config, {})
+        attention_mask = prep.default_attention_mask(model, input_ids, config)
     width = input_ids.shape[1]
-    config = model._prepare_generated_length(config, kwargs.get("max_length") is None and
-                                             model.generation_config.max_length is None, True,
-                                             "input_ids", width, input_ids)
+    config = prep.generated_length(model, config, kwargs.get("max_length") is None and
+                                   model.generation_config.max_length is None, True, input_ids)
     refuse_processors(model, config, input_ids)
     prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
-    eos = config._eos_token_tensor
+    eos = prep.eos_token_ids(config)
     params = BeamSearchParams(
         beam_width=config.num_beams, max_tokens=config.max_length - width,
         length_penalty=config.length_penalty, early_stopping=config.early_stopping,
-        ignore_eos=eos is None, eos_token_ids=None if eos is None else tuple(eos.flatten().tolist()),
+        ignore_eos=eos is None, eos_token_ids=None if eos is None else tuple(eos),
     )
     outputs = beam_search(engine, prompts, params)
     return assemble(input_ids, [o.sequences[: config.num_return_sequences] for o in outputs], config)
@@ -63,8 +63,8 @@ def generate_beams(model: PreTrainedModel, engine: Engine, inputs: torch.Tensor 
 
 def assemble(input_ids: torch.Tensor, beams: list[list[Any]], config: GenerationConfig) -> torch.LongTensor:
     """Rows as `generate` lays them out: the prompt as given, then the beam, then fill."""
-    pad, eos = config._pad_token_tensor, config._eos_token_tensor
-    fill = int(pad) if pad is not None else int(eos.flatten()[0]) if eos is not None else -1
+    pad, eos = prep.pad_token_id(config), prep.eos_token_ids(config)
+    fill = pad if pad is not None else eos[0] if eos is not None else -1
     length = max(len(b.token_ids) for row in beams for b in row)
     rows = []
     for prompt, row_beams in zip(input_ids.cpu(), beams):
@@ -81,8 +81,7 @@ def refuse(**options: Any) -> None:
 
 
 def refuse_processors(model: PreTrainedModel, config: GenerationConfig, input_ids: torch.Tensor) -> None:
-    processors = model._get_logits_processor(config, input_ids.shape[1], input_ids, None, LogitsProcessorList(),
-                                             input_ids.device, {})
+    processors = prep.logits_processors(model, config, input_ids, None, {})
     if processors:
         names = ", ".join(type(p).__name__ for p in processors)
         raise NotImplementedError(f"{names}: logits processors are not supported with num_beams > 1 and "

@@ -4,7 +4,7 @@
 `generation_config` it passes, or in `model.generation_config`) runs on one `Engine` per model object;
 every other call goes to transformers unchanged. `disable()` restores the original method.
 
-The call is prepared with transformers' own helpers (generation config merge, special tokens, attention
+The call is prepared with transformers' own helpers, reached through `hf_generation_prep` (generation config merge, special tokens, attention
 mask, `num_return_sequences` expansion, lengths, logits processors, stopping criteria), so options mean
 exactly what they mean in `generate`. Each row becomes one engine request (padding stripped). Rows whose
 call has logits processors (or asks for scores/logits) get them applied to their logits row inside the
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from paged_backend.integrations import hf_generation_prep as prep
 from paged_backend.integrations import peft_generate
 from paged_backend.integrations.beam_generate import generate_beams, wants_beams
 from transformers import GenerationConfig, PreTrainedModel
@@ -190,31 +191,29 @@ def prepare_job(
     kwargs.pop("cache_implementation", None)
     structured = structured_outputs_of(kwargs.pop("structured_outputs", None), tokenizer)
     has_default_max_length, has_default_min_length = default_lengths(model, generation_config, kwargs)
-    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    config, model_kwargs = prep.merged_config(model, generation_config, kwargs)
     speculative_config = take_prompt_lookup(config)
     if assistant_model is not None:
         if speculative_config is not None:
             raise ValueError("pass either assistant_model or prompt_lookup_num_tokens, not both")
         speculative_config = take_assistant(config, assistant_model)
     refuse_config(config)
-    input_ids, input_name, model_kwargs = model._prepare_model_inputs(inputs, config.bos_token_id, model_kwargs)
+    input_ids, input_name, model_kwargs = prep.model_inputs(model, inputs, config, model_kwargs)
     if input_name != "input_ids":
         raise NotImplementedError(f"{input_name} is not supported with cache_implementation='paged'; pass input_ids")
     attention_mask = model_kwargs.pop("attention_mask", None)
     refuse_model_kwargs(model_kwargs)
-    model._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device,
-                                  batch_size=input_ids.shape[0])
+    prep.prepare_special_tokens(model, config, attention_mask is not None, input_ids)
     if attention_mask is None:
-        attention_mask = model._prepare_attention_mask_for_generation(input_ids, config, {})
+        attention_mask = prep.default_attention_mask(model, input_ids, config)
     input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
     attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
     if streamer is not None:
         streamer.put(input_ids.cpu())  # transformers' own batch-size rule lives in the streamer
     width = input_ids.shape[1]
-    config = model._prepare_generated_length(config, has_default_max_length, has_default_min_length,
-                                             "input_ids", width, input_ids)
-    model._validate_generated_length(config, width, has_default_max_length)
-    criteria = model._get_stopping_criteria(config, stopping_criteria or StoppingCriteriaList(), tokenizer)
+    config = prep.generated_length(model, config, has_default_max_length, has_default_min_length, input_ids)
+    prep.validate_generated_length(model, config, width, has_default_max_length)
+    criteria = prep.stopping_criteria(model, config, stopping_criteria, tokenizer)
     job = build_job(config, input_ids, attention_mask, criteria, streamer, structured)
     job.vocabulary = tokenizer if structured is not None else None
     job.processors = [row_processors(model, config, job, i, logits_processor) for i in range(len(job.prompts))]
@@ -273,8 +272,7 @@ def row_processors(model: PreTrainedModel, config: GenerationConfig, job: Genera
     width = job.input_ids.shape[1]
     view = job.views[index : index + 1, :width]
     mask = torch.arange(width, device=view.device)[None] >= width - len(job.prompts[index])
-    processors = model._get_logits_processor(config, width, view, None, custom or LogitsProcessorList(),
-                                             view.device, {"attention_mask": mask.long()})
+    processors = prep.logits_processors(model, config, view, custom, {"attention_mask": mask.long()})
     refuse_processors(processors)
     return processors
 
@@ -283,8 +281,7 @@ def build_job(config: GenerationConfig, input_ids: torch.Tensor, attention_mask:
               criteria: StoppingCriteriaList, streamer: Any,
               structured: StructuredOutputsParams | None = None) -> GenerateJob:
     max_new = config.max_length - input_ids.shape[1]
-    eos = config._eos_token_tensor
-    eos_ids = [] if eos is None else eos.flatten().tolist()
+    eos_ids = prep.eos_token_ids(config) or []
     seeds = torch.randint(0, 2**62, (input_ids.shape[0],)).tolist() if config.do_sample else None
     options = {"do_sample": config.do_sample, "max_new_tokens": max_new, "eos_token_id": eos_ids,
                "structured_outputs": structured}
@@ -297,14 +294,14 @@ def build_job(config: GenerationConfig, input_ids: torch.Tensor, attention_mask:
     for i in range(rows.shape[0]):
         views[i, : rows.shape[1]] = torch.cat([rows[i][~mask[i]], rows[i][mask[i]]])
     views = views.to(input_ids.device)  # processors combine it with logits on the model's device
-    pad = config._pad_token_tensor
+    pad = prep.pad_token_id(config)
     return GenerateJob(
         input_ids=input_ids,
         prompts=[rows[i][mask[i]].tolist() for i in range(rows.shape[0])],
         views=views,
         params=params,
         max_new_tokens=max_new,
-        pad_token_id=None if pad is None else int(pad),
+        pad_token_id=pad,
         processors=[],
         criteria=StoppingCriteriaList(c for c in criteria if not is_native_criterion(c, config)),
         streamer=streamer,
@@ -319,8 +316,8 @@ def is_native_criterion(criterion: Any, config: GenerationConfig) -> bool:
     if type(criterion) is MaxLengthCriteria:
         return criterion.max_length == config.max_length
     if type(criterion) is EosTokenCriteria:
-        return config._eos_token_tensor is not None and torch.equal(criterion.eos_token_id.cpu(),
-                                                                     config._eos_token_tensor.cpu())
+        eos = prep.eos_token_tensor(config)
+        return eos is not None and torch.equal(criterion.eos_token_id.cpu(), eos.cpu())
     return False
 
 
