@@ -3,13 +3,15 @@
 
 Shared by the server and the LangChain adapter, which differ only in what they do with a block that
 is not a valid call (the server keeps the whole answer as text; LangChain reports an invalid call).
-`CallStream` lets both stream each call's name and arguments as the model writes them.
+`CallStream` lets both stream each call's name and arguments as the model writes them, and
+`content_so_far` release the text before the calls.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,18 @@ def partial_open(text: str) -> int:
         if text.endswith(OPEN[:n]):
             return n
     return 0
+
+
+def content_so_far(text: str) -> str:
+    """The part of a streamed answer that is certainly not a call: the text before the first opening
+    tag, less a suffix that may still become one."""
+    head = text.split(OPEN, 1)[0]
+    return head if len(head) < len(text) else head[:len(head) - partial_open(head)]
+
+
+def new_call_id() -> str:
+    """A fresh id for a parsed call, in OpenAI's `call_...` form."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def partial_close(text: str) -> int:

@@ -7,11 +7,17 @@ A tokenizer that ships a `response_template` is parsed with transformers' own pa
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..hermes import OPEN, CallStream, HermesCall, parse_call, partial_open, split_calls
+from ..hermes import (
+    CallStream,
+    HermesCall,
+    content_so_far,
+    new_call_id,
+    parse_call,
+    split_calls,
+)
 
 # ChatML with tools rendered Hermes/Qwen style, for models whose own template ignores tools.
 # Without tools it renders what SmolLM2's template renders.
@@ -102,10 +108,7 @@ class ContentStreamer:
 
     def feed(self, delta: str) -> str:
         self.text += delta
-        head = self.text.split(OPEN, 1)[0]
-        if head == self.text:  # no whole opening tag yet: hold back what may become one
-            head = head[:len(head) - partial_open(head)]
-        visible = head.strip()  # grows monotonically: head only grows until a tag appears
+        visible = content_so_far(self.text).strip()  # grows monotonically until a tag appears
         new = visible[len(self.released):]
         self.released = visible
         return new
@@ -136,7 +139,3 @@ class ContentStreamer:
 def tool_call_chunk(call: dict[str, Any], index: int) -> dict[str, Any]:
     args = call["args"] if isinstance(call["args"], str) else json.dumps(call["args"], ensure_ascii=False)
     return {"type": "tool_call_chunk", "name": call["name"], "args": args, "id": call["id"], "index": index}
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_backend import RequestOutput
 
-from ..hermes import CallDelta, CallStream
+from ..hermes import CallDelta, CallStream, new_call_id
 from ..logprobs import chat_logprobs, positions
 from ..structured import add_json_instruction
 from .chat_template import render_chat
@@ -22,7 +22,7 @@ from .responses import DONE, sse, sse_error, usage
 from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices
 from .state import ServerState
 from .structured import structured_spec
-from .tool_calls import ToolCall, ToolCallStreamer, new_call_id, parse_tool_calls
+from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, http_request: Request):

@@ -8,11 +8,10 @@ never sees half a call as text; the calls are parsed when the answer is complete
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..hermes import BLOCK, OPEN, HermesCall, partial_open, split_calls
+from ..hermes import BLOCK, OPEN, HermesCall, content_so_far, new_call_id, split_calls
 
 
 @dataclass(slots=True)
@@ -39,10 +38,6 @@ def to_tool_call(call: HermesCall) -> ToolCall:
     return ToolCall(call.name, json.dumps(call.arguments, ensure_ascii=False), new_call_id())
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 class ToolCallStreamer:
     """Feeds streamed text; `push` returns the content that is safe to send now."""
 
@@ -55,11 +50,8 @@ class ToolCallStreamer:
         self.text += delta
         if self.in_call:
             return ""
-        start = self.text.find(OPEN, self.sent)
-        if start >= 0:
-            self.in_call = True
-            return self.release(start)
-        return self.release(len(self.text) - partial_open(self.text))
+        self.in_call = OPEN in self.text
+        return self.release(len(content_so_far(self.text)))
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet sent, calls) once the answer is complete."""
