@@ -31,6 +31,7 @@ import torch
 from paged_backend.integrations import hf_generation_prep as prep
 from paged_backend.integrations import peft_generate
 from paged_backend.integrations.beam_generate import generate_beams, wants_beams
+from paged_backend.integrations.options.vocabularies import GENERATION_CONFIG
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import (
     EosTokenCriteria,
@@ -47,7 +48,6 @@ from paged_backend.config import EngineConfig
 from paged_backend.core.outputs import RequestOutput
 from paged_backend.engine import Engine
 from paged_backend.model.adapters import adapter_for
-from paged_backend.integrations.options.vocabularies import GENERATION_CONFIG
 from paged_backend.model.attention import ATTENTION_NAME
 from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams

@@ -7,9 +7,10 @@ import inspect
 import re
 from pathlib import Path
 
-import paged_backend
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
+
+import paged_backend
 
 OWNER = "hf_generation_prep.py"
 
