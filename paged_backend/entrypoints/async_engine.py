@@ -115,6 +115,8 @@ class AsyncEngine:
         """`Engine.stats()`, computed on the engine thread between two steps, so a metrics scrape never
         reads the scheduler or the block pool while a step changes them. Waits for at most the step in
         progress; once the engine thread has stopped, nothing else touches the engine, so it is read here."""
+        if not self.thread.is_alive():
+            return self.engine.stats()
         reply: Future[dict[str, Any]] = Future()
         self.commands.put(("stats", reply))
         self.wakeup.set()

@@ -138,7 +138,9 @@ def test_stats_of_an_idle_engine_come_back_at_once_and_after_shutdown_still_come
     assert time.monotonic() - start < 0.4  # the idle engine thread is woken, not waited for
     aengine.shutdown()
     assert not aengine.is_alive()
+    start = time.monotonic()
     assert aengine.stats()["kv_blocks_free"] == aengine.stats()["kv_blocks_total"]
+    assert time.monotonic() - start < 0.4  # read at once: no engine thread left to ask
 
 
 def test_validate_names_an_unknown_adapter_and_a_bad_prompt(aengine):
