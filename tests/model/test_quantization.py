@@ -87,5 +87,6 @@ def test_cli_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("paged_backend.entrypoints.llm.LLM", lambda *args, **kwargs: seen.update(kwargs))
     cli.make_llm(parser.parse_args(["--kv-cache-dtype", "int8", "--quantization", "int8"]))
     assert seen["kv_cache_dtype"] == "int8" and seen["quantization"] == "int8"
+    seen.clear()
     cli.make_llm(parser.parse_args([]))
-    assert seen["kv_cache_dtype"] == "auto" and seen["quantization"] is None
+    assert "kv_cache_dtype" not in seen and seen["quantization"] is None  # unset flags: EngineConfig's defaults
