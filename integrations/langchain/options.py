@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr
 
 from paged_backend import AsyncEngine, SamplingParams
-from paged_backend.integrations.options import defaults
+from paged_backend.integrations.options.schema import options_model
 from paged_backend.integrations.options.vocabularies import LANGCHAIN
 
 from .engines import describe_model, get_async_engine
@@ -20,8 +20,17 @@ from .engines import describe_model, get_async_engine
 SAMPLING_FIELDS = tuple(name for name in LANGCHAIN.rules if name != "stop")
 
 
-class PagedOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+CONFIG = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+# The sampling fields (temperature, top_p, ..., max_tokens, n, best_of, structured_outputs, stop,
+# truncate_prompt_tokens), generated from the LANGCHAIN table's rows: type, default and description.
+LangChainSamplingOptions = options_model("LangChainSamplingOptions", LANGCHAIN, CONFIG)
+
+
+class PagedOptions(LangChainSamplingOptions):
+    """The LANGCHAIN table's sampling options (inherited), and which engine and how to wait."""
+
+    model_config = CONFIG
 
     model: Any = None
     """None (the default model), a hub id, folder or .gguf path, a loaded PreTrainedModel or PEFT
@@ -32,26 +41,6 @@ class PagedOptions(BaseModel):
     model_name: str | None = None
     """Reported as model_name; defaults to the model's name or path."""
 
-    temperature: float = defaults.LANGCHAIN["temperature"]
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = defaults.LANGCHAIN["max_tokens"]
-    min_tokens: int = 0
-    n: int = 1
-    best_of: int | None = None
-    """Sample this many and keep the n with the best log probability per token (not with streaming)."""
-    structured_outputs: dict[str, Any] | None = None
-    """Hold every answer to a shape, in vLLM's vocabulary: {"json": schema}, {"json_object": True},
-    {"regex": ...}, {"choice": [...]} or {"grammar": EBNF}, optionally with "disable_any_whitespace"."""
-    truncate_prompt_tokens: int | None = None
-    """Answer from the prompt's last k tokens only (-1: as many as the engine's context holds)."""
-    stop: list[str] | None = None
-    """Stop strings; a call's `stop` is added to these, and the text is cut before the match."""
     timeout: float | None = None
     """Seconds one engine request may take; past it the request is aborted and TimeoutError raised."""
     streaming: bool = False

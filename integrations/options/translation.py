@@ -1,9 +1,10 @@
-"""`Translation`: one option vocabulary's names mapped onto `SamplingParams` fields."""
+"""`Translation`: one option vocabulary's names mapped onto `SamplingParams` fields, and, for a vocabulary
+that is a schema (a pydantic model), how each option is declared there (`Wire`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from paged_backend.sampling.sampling_params import SamplingParams
@@ -16,11 +17,32 @@ def same(value: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class Wire:
+    """How a front end's schema declares one option: its type there, its default, the pydantic
+    constraints on its value (`ge`, `le`, ...) and on each item of a list value (`items`), a short
+    description. Plain data, so that the tables load without pydantic (`schema.py` builds the fields)."""
+
+    type: Any
+    default: Any = None
+    description: str | None = None
+    constraints: Mapping[str, Any] = field(default_factory=dict)
+    items: Mapping[str, Any] = field(default_factory=dict)
+
+
+def wire(type_: Any, default: Any = None, description: str | None = None, items: Mapping[str, Any] | None = None,
+         **constraints: Any) -> Wire:
+    """A Wire written compactly: `wire(float, 1.0, ge=0.0, le=2.0)`."""
+    return Wire(type_, default, description, constraints, items or {})
+
+
+@dataclass(frozen=True)
 class Rule:
-    """Where one option goes: the SamplingParams field, and how its value changes form on the way."""
+    """Where one option goes: the SamplingParams field, how its value changes form on the way, and how
+    the vocabulary's schema declares it (None where the vocabulary has no schema of ours)."""
 
     field: str
     convert: Convert = same
+    wire: Wire | None = None
 
 
 @dataclass(frozen=True)
@@ -57,8 +79,15 @@ class Translation:
         return SamplingParams(**(self.fields(options) | fields))
 
 
-def table(vocabulary: str, rules: Mapping[str, str | tuple[str, Convert]]) -> Translation:
+def table(vocabulary: str, rules: Mapping[str, str | tuple[Any, ...]]) -> Translation:
     """A Translation written compactly: `name: field` when the value passes unchanged, else
-    `name: (field, convert)`."""
-    return Translation(vocabulary, {name: Rule(rule) if isinstance(rule, str) else Rule(*rule)
-                                    for name, rule in rules.items()})
+    `name: (field, convert)`, `name: (field, wire)` or `name: (field, convert, wire)`."""
+    return Translation(vocabulary, {name: rule_of(rule) for name, rule in rules.items()})
+
+
+def rule_of(rule: str | tuple[Any, ...]) -> Rule:
+    if isinstance(rule, str):
+        return Rule(rule)
+    field_name, *rest = rule
+    declared = rest.pop() if rest and isinstance(rest[-1], Wire) else None
+    return Rule(field_name, *rest, wire=declared)

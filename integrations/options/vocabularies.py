@@ -1,8 +1,13 @@
 """One translation table per option vocabulary into SamplingParams (`translation.Translation`).
 
-Adding a sampling option means a field on SamplingParams and a row in each table whose vocabulary has
-it. A front end reads its options, refuses those outside its table by name, and builds SamplingParams
-through the table; none of them copies options field by field itself. Defaults are in `defaults.py`.
+Adding a sampling option means a field on SamplingParams, a row in each table whose vocabulary has it,
+and their tests; nothing else. A row of a table whose front end is a schema (OPENAI: the server's
+request models; LANGCHAIN: PagedLLM/ChatPaged's fields) also says how that schema declares the option
+(`translation.Wire`: type, default, constraints, description), and the schema's fields are generated
+from it (`schema.options_model`). The command line's flags are generated from SamplingParams
+(`flags.py`). A front end reads its options, refuses those outside its table by name, and builds
+SamplingParams through the table; none of them declares or copies options field by field itself.
+Defaults are in `defaults.py`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,12 @@ from typing import Any
 
 from paged_backend.sampling.sampling_params import SamplingParams
 
-from .translation import Translation, table
+from . import defaults
+from .translation import Translation, table, wire
+
+# The seeds the engine's generator accepts, with room for each sample's seed + i (torch takes
+# [-2**63, 2**64 - 1]); OpenAI documents seed as a 64-bit signed integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 def as_list(value: Any) -> list:
@@ -28,49 +38,57 @@ def sample_if(do_sample: bool) -> float:
     return 1.0 if do_sample else 0.0
 
 
-# The OpenAI API's request fields and vLLM's extras on it (server/protocol.py's SamplingFields).
+# The OpenAI API's request fields and vLLM's extras on it (server/protocol.py's SamplingFields, whose fields
+# for these options are generated from the rows: OpenAI's wire type, default and range).
 # `n`/`best_of` become the engine request's samples, `max_tokens` comes from max_tokens or
 # max_completion_tokens, `logprobs` from logprobs/top_logprobs, `structured_outputs` from
 # response_format, tool_choice or the guided_* fields: the routes pass those in SamplingParams' names.
 OPENAI: Translation = table("OpenAI request", {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "seed": "seed",
-    "min_tokens": "min_tokens",
-    "stop": ("stop", as_list),
-    "stop_token_ids": ("stop_token_ids", as_list),
-    "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens",
-    "include_stop_str_in_output": "include_stop_str_in_output",
-    "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "temperature": ("temperature", wire(float, defaults.OPENAI["temperature"], ge=0.0, le=2.0)),
+    "top_p": ("top_p", wire(float, 1.0, gt=0.0, le=1.0)),
+    "top_k": ("top_k", wire(int, defaults.OPENAI["top_k"], ge=-1)),
+    "min_p": ("min_p", wire(float, 0.0, ge=0.0, le=1.0)),
+    "repetition_penalty": ("repetition_penalty", wire(float, 1.0, gt=0.0)),
+    "presence_penalty": ("presence_penalty", wire(float, 0.0, ge=-2.0, le=2.0)),
+    "frequency_penalty": ("frequency_penalty", wire(float, 0.0, ge=-2.0, le=2.0)),
+    "seed": ("seed", wire(int | None, None, ge=SEED_MIN, le=SEED_MAX)),
+    "min_tokens": ("min_tokens", wire(int, 0, ge=0)),
+    "stop": ("stop", as_list, wire(str | list[str] | None)),
+    "stop_token_ids": ("stop_token_ids", as_list, wire(list[int] | None, items={"ge": 0})),
+    "ignore_eos": ("ignore_eos", wire(bool, False)),
+    "skip_special_tokens": ("skip_special_tokens", wire(bool, True)),
+    "include_stop_str_in_output": ("include_stop_str_in_output", wire(bool, False)),
+    "truncate_prompt_tokens": ("truncate_prompt_tokens", wire(
+        int | None, None, "keep the prompt's last k tokens (-1: what the context holds)")),
 })
 
 # vLLM's older /generate body: SamplingParams' own field names, each unchanged.
 SAMPLING_PARAMS: Translation = table("SamplingParams", {f.name: f.name for f in dataclasses.fields(SamplingParams)})
 
-# PagedLLM / ChatPaged constructor fields and per-call options (langchain/options.py). Their stop strings
-# are the union of the constructor's and the call's before they are translated.
+# PagedLLM / ChatPaged constructor fields and per-call options (langchain/options.py's PagedOptions, whose
+# fields for these options are generated from the rows). Their stop strings are the union of the
+# constructor's and the call's before they are translated.
 LANGCHAIN: Translation = table("LangChain", {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "seed": "seed",
-    "max_tokens": "max_tokens",
-    "min_tokens": "min_tokens",
-    "n": "n",
-    "best_of": "best_of",
-    "structured_outputs": "structured_outputs",
-    "stop": ("stop", as_list),
-    "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "temperature": ("temperature", wire(float, defaults.LANGCHAIN["temperature"])),
+    "top_p": ("top_p", wire(float, 1.0)),
+    "top_k": ("top_k", wire(int, 0)),
+    "min_p": ("min_p", wire(float, 0.0)),
+    "repetition_penalty": ("repetition_penalty", wire(float, 1.0)),
+    "presence_penalty": ("presence_penalty", wire(float, 0.0)),
+    "frequency_penalty": ("frequency_penalty", wire(float, 0.0)),
+    "seed": ("seed", wire(int | None)),
+    "max_tokens": ("max_tokens", wire(int | None, defaults.LANGCHAIN["max_tokens"])),
+    "min_tokens": ("min_tokens", wire(int, 0)),
+    "n": ("n", wire(int, 1)),
+    "best_of": ("best_of", wire(int | None, None, (
+        "Sample this many and keep the n with the best log probability per token (not with streaming)."))),
+    "structured_outputs": ("structured_outputs", wire(dict[str, Any] | None, None, (
+        'Hold every answer to a shape, in vLLM\'s vocabulary: {"json": schema}, {"json_object": True}, '
+        '{"regex": ...}, {"choice": [...]} or {"grammar": EBNF}, optionally with "disable_any_whitespace".'))),
+    "stop": ("stop", as_list, wire(list[str] | None, None, (
+        "Stop strings; a call's `stop` is added to these, and the text is cut before the match."))),
+    "truncate_prompt_tokens": ("truncate_prompt_tokens", wire(int | None, None, (
+        "Answer from the prompt's last k tokens only (-1: as many as the engine's context holds)."))),
 })
 
 # transformers' GenerationConfig, after transformers prepared it (integrations/transformers_generate.py).

@@ -14,12 +14,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from paged_backend.integrations.options import defaults
+from paged_backend.integrations.options.schema import options_model
+from paged_backend.integrations.options.vocabularies import OPENAI
 
 from .errors import APIError, bad_request, not_supported
-
-# The seeds the engine's generator accepts, with room for each sample's seed + i (torch takes
-# [-2**63, 2**64 - 1]); OpenAI documents seed as a 64-bit signed integer.
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 STRICT = ConfigDict(extra="forbid", strict=True)
@@ -59,32 +57,22 @@ COMPLETION_NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-class SamplingFields(BaseModel):
-    """What completions and chat share: OpenAI's sampling fields plus vLLM's extras."""
+# OpenAI's sampling fields and vLLM's extra ones (temperature, top_p, stop, seed, penalties, top_k, min_p,
+# stop_token_ids, ...), generated from the OPENAI table's rows: each row gives its wire type, default and range.
+OpenAISamplingOptions = options_model("OpenAISamplingOptions", OPENAI, STRICT)
+
+
+class SamplingFields(OpenAISamplingOptions):
+    """What completions and chat share: the OPENAI table's sampling options (inherited), and the fields
+    that are not plain sampling options."""
 
     model_config = STRICT
     model: str
     n: int = Field(1, ge=1, le=64)
-    temperature: float = Field(defaults.OPENAI["temperature"], ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100], added to its logit
     user: str | None = None  # an end-user id for the caller's own bookkeeping; it changes no output
-    # vLLM's extra sampling fields (sent with the OpenAI client's `extra_body`).
-    top_k: int = Field(defaults.OPENAI["top_k"], ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: what the context holds)
     # vLLM's structured outputs: {"json" | "json_object" | "regex" | "choice" | "grammar": ...,
     # "disable_any_whitespace": bool}, or one of the older guided_* fields.
     structured_outputs: dict[str, Any] | None = None

@@ -12,11 +12,11 @@ from paged_backend import SamplingParams
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.entrypoints.engine_client import EngineClient
 from paged_backend.integrations.options.translation import Translation
-from paged_backend.integrations.options.vocabularies import OPENAI
+from paged_backend.integrations.options.vocabularies import OPENAI, SEED_MAX, SEED_MIN
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
 from .errors import APIError, bad_request
-from .protocol import SEED_MAX, SEED_MIN, SamplingFields
+from .protocol import SamplingFields
 
 
 def to_sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None,

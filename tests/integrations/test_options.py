@@ -11,6 +11,8 @@ import pytest
 from paged_backend.integrations.langchain.options import PagedOptions
 from paged_backend.integrations.options import defaults
 from paged_backend.integrations.options.flags import add_engine_flags, engine_options, field_comments
+from paged_backend.integrations.options.schema import options_model
+from paged_backend.integrations.options.translation import table, wire
 from paged_backend.integrations.options.vocabularies import (
     CLI,
     GENERATION_CONFIG,
@@ -26,6 +28,7 @@ from paged_backend.integrations.server.protocol import (
     SamplingFields,
 )
 from paged_backend.integrations.server.sampling import to_sampling_params
+from pydantic import ConfigDict, ValidationError
 
 from paged_backend import EngineConfig, SamplingParams, StructuredOutputsParams
 from paged_backend.entrypoints.cli import build_parser, make_params
@@ -76,6 +79,30 @@ def test_openai_request_fields_go_through_the_table() -> None:
     for name, rule in OPENAI.rules.items():
         assert getattr(params, rule.field) == EXPECTED.get(rule.field, VALUES[name]), name
     assert (params.max_tokens, params.logprobs) == (9, 2)
+
+
+def test_a_schema_vocabulary_declares_its_options_from_its_rows() -> None:
+    """A table's Wire gives the generated field its type, default, range, item range and description."""
+    rows = table("test", {"top_k": ("top_k", wire(int, 3, "how many", ge=1)),
+                          "stop_token_ids": ("stop_token_ids", wire(list[int] | None, items={"ge": 0}))})
+    model = options_model("TestOptions", rows, ConfigDict(extra="forbid", strict=True))
+    assert model().top_k == 3 and model.model_fields["top_k"].description == "how many"
+    assert model(stop_token_ids=[0, 2]).stop_token_ids == [0, 2]
+    for bad in ({"top_k": 0}, {"top_k": "2"}, {"stop_token_ids": [-1]}, {"colour": "red"}):
+        with pytest.raises(ValidationError):
+            model(**bad)
+    with pytest.raises(TypeError, match="no Wire"):
+        options_model("Untyped", table("untyped", {"seed": "seed"}), ConfigDict())
+
+
+@pytest.mark.parametrize(("vocabulary", "front_end"), [(OPENAI, SamplingFields), (LANGCHAIN, PagedOptions)],
+                         ids=["server", "langchain"])
+def test_front_end_sampling_fields_are_their_tables_rows(vocabulary, front_end) -> None:
+    for name, rule in vocabulary.rules.items():
+        declared = front_end.model_fields[name]
+        assert (declared.default, declared.description) == (rule.wire.default, rule.wire.description), name
+    with pytest.raises(ValidationError, match="less than or equal to 2"):
+        CompletionRequest(model="m", prompt="x", temperature=2.5)  # OPENAI's range on the server
 
 
 def test_langchain_constructor_fields_and_call_overrides_go_through_the_table() -> None:
