@@ -22,8 +22,8 @@ SAMPLING_FIELDS = tuple(name for name in LANGCHAIN.rules if name != "stop")
 
 CONFIG = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
-# The sampling fields (temperature, top_p, ..., max_tokens, n, best_of, structured_outputs, stop,
-# truncate_prompt_tokens), generated from the LANGCHAIN table's rows: type, default and description.
+# The sampling fields (temperature, max_tokens, stop, ...), generated from the LANGCHAIN table's rows:
+# type, default and description.
 LangChainSamplingOptions = options_model("LangChainSamplingOptions", LANGCHAIN, CONFIG)
 
 
