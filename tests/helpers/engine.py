@@ -6,6 +6,7 @@ import contextlib
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from paged_backend import Engine, EngineConfig, RequestOutput, SamplingParams
@@ -95,3 +96,13 @@ def check_engine(model, prompts, refs, config: EngineConfig, late_from: int | No
 
 
 MT_BENCH = Path(os.environ.get("PAGED_BACKEND_DATA", Path(__file__).resolve().parents[2] / "benchmarks" / "data"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second intra-op thread, and lose a lot when the cores are shared.
+    Autouse in each module that imports it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from helpers.engine import one_thread  # noqa: F401  (autouse: this module runs on one thread)
 from helpers.models import build, build_from_config
 from paged_backend.integrations import transformers_generate as tg
 from transformers import (
@@ -31,15 +32,6 @@ PAGED = {"cache_implementation": "paged"}
 # Two left-padded rows of different lengths.
 INPUT_IDS = torch.tensor([[0, 0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]])
 MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second intra-op thread, and lose a lot when the cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", autouse=True)

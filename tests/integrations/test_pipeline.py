@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from helpers.engine import one_thread  # noqa: F401  (autouse: this module runs on one thread)
 from paged_backend.integrations import transformers_generate as tg
 from paged_backend.integrations.pipeline import PagedTextGenerationPipeline, pipeline
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -33,15 +34,6 @@ def tiny_llama(tokenizer) -> transformers.PreTrainedModel:
             if p.dim() > 1:
                 p.normal_(0, 0.2)
     return model.eval()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second intra-op thread, and lose a lot when the cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
