@@ -2,7 +2,10 @@
 
 For every variant (weights in fp32 / bf16 / int8, KV cache in bf16 / int8) the engine
 1. scores the fp32 engine's own greedy answers teacher-forced (prompt logprobs of prompt + answer):
-   the mean |logprob difference| to fp32 over every answer token;
+   the mean |logprob difference| to fp32 over every answer token, and the share of answer positions
+   where the variant's own top token, given fp32's answer so far, is fp32's token
+   (`teacher_forced_agreement`: each position judged on its own, so one early difference does not
+   decide the rest);
 2. answers greedily itself: the share of the answer positions whose token equals fp32's
    (`agreement`; after a first difference the continuations usually part, so this also tracks how
    early they part) and the mean length of the identical prefix;
@@ -62,14 +65,17 @@ def answer(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
 
-def score(llm, prompts: list[list[int]], answers: list[list[int]]) -> list[list[float]]:
-    """The logprob of each answer token given the prompt and the answer before it (teacher-forced)."""
+def score(llm, prompts: list[list[int]], answers: list[list[int]]) -> tuple[list[list[float]], list[list[int]]]:
+    """Teacher-forced, for each answer token given the prompt and the answer before it: its logprob, and
+    the model's own top token at that position."""
     from paged_backend import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     outputs = llm.generate([p + a for p, a in zip(prompts, answers)], params, use_tqdm=False)
-    return [[out.prompt_logprobs[len(p) + i][token].logprob for i, token in enumerate(a)]
-            for out, p, a in zip(outputs, prompts, answers)]
+    rows = [[out.prompt_logprobs[len(p) + i] for i in range(len(a))] for out, p, a in zip(outputs, prompts, answers)]
+    logprobs = [[row[token].logprob for row, token in zip(r, a)] for r, a in zip(rows, answers)]
+    tops = [[next(t for t, lp in row.items() if lp.rank == 1) for row in r] for r in rows]
+    return logprobs, tops
 
 
 def decode_speed(llm, prompt: list[int], tokens: int) -> float:
@@ -84,7 +90,11 @@ def compare(reference: dict[str, Any], run: dict[str, Any]) -> dict[str, float]:
     prefixes = [next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), len(ref))
                 for ref, got in zip(reference["answers"], run["answers"])]
     total = sum(len(ref) for ref in reference["answers"])
+    # The reference answers are fp32's greedy tokens, so a teacher-forced top token equal to the answer
+    # token is the variant choosing what fp32 chose from the same context.
+    forced = sum(x == y for ref, top in zip(reference["scored_answers"], run["tops"]) for x, y in zip(ref, top))
     return {"mean_abs_dlogprob": statistics.fmean(diffs), "max_abs_dlogprob": max(diffs),
+            "teacher_forced_agreement": forced / total,
             "agreement": sum(same) / total, "identical_prefix_mean": statistics.fmean(prefixes)}
 
 
@@ -98,8 +108,10 @@ def run_quality(model: str | None, prompts: list[list[int]], variants: Sequence[
         llm = make_llm(model, variant, num_kv_blocks)
         reference = runs.get("fp32")
         answers = answer(llm, prompts, max_tokens)
-        scored = score(llm, prompts, reference["answers"] if reference else answers)
-        runs[variant] = {"answers": answers, "logprobs": scored, "dtype": str(llm.model.dtype),
+        scored_answers = reference["answers"] if reference else answers
+        logprobs, tops = score(llm, prompts, scored_answers)
+        runs[variant] = {"answers": answers, "scored_answers": scored_answers, "logprobs": logprobs, "tops": tops,
+                         "dtype": str(llm.model.dtype),
                          "kv_cache_dtype": str(llm.engine.cache.kv.dtype)}
         if speed_tokens:
             llms[variant] = llm
@@ -116,7 +128,7 @@ def run_quality(model: str | None, prompts: list[list[int]], variants: Sequence[
             runs[variant]["tokens_per_s"] = statistics.median(speeds[variant])
     report = {}
     for variant in variants:
-        summary = {k: v for k, v in runs[variant].items() if k not in ("answers", "logprobs")}
+        summary = {k: v for k, v in runs[variant].items() if k not in ("answers", "scored_answers", "logprobs", "tops")}
         report[variant] = {**summary, **compare(runs["fp32"], runs[variant])}
     return report
 
@@ -157,10 +169,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "variants": report}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'variant':<14} {'mean|dlogp|':>11} {'agreement':>9} {'prefix':>7} {'tok/s':>7}")
+    print(f"{'variant':<14} {'mean|dlogp|':>11} {'forced':>7} {'agreement':>9} {'prefix':>7} {'tok/s':>7}")
     for name, r in report.items():
         speed = f"{r['tokens_per_s']:7.1f}" if "tokens_per_s" in r else "      -"
-        print(f"{name:<14} {r['mean_abs_dlogprob']:11.4f} {r['agreement']:9.1%} {r['identical_prefix_mean']:7.1f} "
+        print(f"{name:<14} {r['mean_abs_dlogprob']:11.4f} {r['teacher_forced_agreement']:7.1%} {r['agreement']:9.1%} {r['identical_prefix_mean']:7.1f} "
               f"{speed}")
     print(f"load average {result['load_1m_start']:.1f} -> {result['load_1m_end']:.1f}; wrote {args.json}")
     return result

@@ -25,9 +25,12 @@ def test_quality_report(tmp_path: Path) -> None:
     assert list(report) == ["fp32", "kv_int8", "int8"]
     fp32 = report["fp32"]
     assert fp32["mean_abs_dlogprob"] == 0 and fp32["agreement"] == 1 and fp32["identical_prefix_mean"] == 6
+    # fp32's teacher-forced top tokens are its own greedy answer, position by position.
+    assert fp32["teacher_forced_agreement"] == 1
     assert report["kv_int8"]["kv_cache_dtype"] == "torch.int8" and report["int8"]["dtype"] == "torch.float32"
     for name in ("kv_int8", "int8"):
         assert 0 < report[name]["mean_abs_dlogprob"] < 0.5 and 0 <= report[name]["agreement"] <= 1
+        assert 0 <= report[name]["teacher_forced_agreement"] <= 1
         assert report[name]["tokens_per_s"] > 0
 
 
