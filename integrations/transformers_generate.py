@@ -12,7 +12,8 @@ engine step, on a `[1, L]` view of the row as `generate` would see it (padding f
 natively in the engine, any other stopping criterion is checked after each new token and aborts the row.
 The engine then only takes the argmax or samples from the processed scores. `prompt_lookup_num_tokens=k`
 runs on an engine with n-gram speculation (k tokens, transformers' lookup sizes) and `assistant_model=draft`
-on one with the draft model's speculation, batched rows included; greedy output is the one without it. When sampling, each row gets
+on one with the draft model's speculation, batched rows included; greedy output is the one without it, and
+scores/logits are those of the kept tokens, one per emitted token (`Row.process`). When sampling, each row gets
 its own seed drawn from torch's global generator, so `torch.manual_seed(s)` before the call makes it
 reproducible whatever else shares the engine's batch.
 """
@@ -228,9 +229,6 @@ def take_prompt_lookup(config: GenerationConfig) -> dict | None:
     k = config.prompt_lookup_num_tokens
     if not k:
         return None
-    if config.return_dict_in_generate and (config.output_scores or config.output_logits):
-        raise NotImplementedError("prompt_lookup_num_tokens with output_scores/output_logits is not supported with "
-                                  "cache_implementation='paged'")
     config.prompt_lookup_num_tokens = None
     return {"method": "ngram", "num_speculative_tokens": int(k),
             "prompt_lookup_max": int(config.max_matching_ngram_size or 2), "prompt_lookup_min": 1}
@@ -240,9 +238,6 @@ def take_assistant(config: GenerationConfig, assistant_model: PreTrainedModel) -
     """`assistant_model=` as the engine's draft-model speculation, proposing `num_assistant_tokens` (when the
     call or the model's generation config sets it) or DEFAULT_ASSISTANT_TOKENS tokens per step; the
     engine's per-step policy, not transformers' schedule, decides when fewer are proposed."""
-    if config.return_dict_in_generate and (config.output_scores or config.output_logits):
-        raise NotImplementedError("assistant_model with output_scores/output_logits is not supported with "
-                                  "cache_implementation='paged'")
     k = config.num_assistant_tokens or DEFAULT_ASSISTANT_TOKENS
     config.num_assistant_tokens = None
     return {"method": "draft_model", "model": assistant_model, "num_speculative_tokens": int(k)}
@@ -429,8 +424,14 @@ class Row:
 
     def process(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         """HF's processors on this row's logits `[V]`, as `generate` applies them to its batch row. The row
-        has received `num_new` of `output_ids`; a longer list holds tokens speculation is verifying."""
+        has received `num_new` of `output_ids`; a longer list holds tokens speculation is verifying.
+
+        Scores and logits are kept per position (the new token's index, `len(output_ids)`): speculation
+        verifies several positions in one step and may reject some, whose entries the next step
+        overwrites; only the first `num_new` ever reach the caller (`kept`)."""
         raw = logits.float()[None]
+        position = len(output_ids)
+        del self.scores[position:], self.logits[position:]
         if self.job.output_logits:
             self.logits.append(raw.clone())
         view = self.view()
@@ -448,8 +449,12 @@ class Row:
         self.num_new += 1
         if not self.job.criteria:
             return False
-        scores = tuple(self.scores) if self.job.output_scores else None
+        scores = tuple(self.kept(self.scores)) if self.job.output_scores else None
         return bool(self.job.criteria(self.view(), scores).any())
+
+    def kept(self, steps: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The entries of the tokens the row received (not those of proposals still being verified)."""
+        return steps[: self.num_new]
 
 
 class PagedGenerator:
@@ -610,8 +615,8 @@ def build_output(state: JobState) -> torch.LongTensor | GenerateDecoderOnlyOutpu
         return sequences
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
-        scores=stack_steps([row.scores for row in rows], length) if job.output_scores else None,
-        logits=stack_steps([row.logits for row in rows], length) if job.output_logits else None,
+        scores=stack_steps([row.kept(row.scores) for row in rows], length) if job.output_scores else None,
+        logits=stack_steps([row.kept(row.logits) for row in rows], length) if job.output_logits else None,
     )
 
 

@@ -415,10 +415,31 @@ def test_prompt_lookup_runs_on_engine_speculation(llama, options):
     assert tg.engine_for(llama.paged).config.speculative_config is None
 
 
-def test_prompt_lookup_with_scores_is_refused(llama):
-    with pytest.raises(NotImplementedError, match="prompt_lookup_num_tokens"):
-        llama.paged.generate(INPUT_IDS, attention_mask=MASK, prompt_lookup_num_tokens=2, max_new_tokens=4,
-                             return_dict_in_generate=True, output_scores=True, **PAGED)
+SCORED = {"return_dict_in_generate": True, "output_scores": True, "output_logits": True, "max_new_tokens": 12,
+          "do_sample": False}
+
+
+def assert_same_scores(actual, expected) -> None:
+    """The same tokens, and per emitted token the same processed scores and raw logits (finished rows' -inf
+    fillers included); speculation's multi-token verification forwards may round differently."""
+    assert torch.equal(actual.sequences, expected.sequences)
+    assert len(actual.scores) == len(expected.scores) == len(actual.logits) == len(expected.logits)
+    for ours, theirs in zip(actual.scores + actual.logits, expected.scores + expected.logits):
+        torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("options", [{}, {"repetition_penalty": 1.3}])
+def test_prompt_lookup_returns_scores_of_kept_tokens(llama, options):
+    """With output_scores/output_logits, speculation returns one entry per emitted token, as without it:
+    the target's scores at the kept positions, never those of rejected proposals."""
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8], [9, 10, 11, 9, 10, 11, 9, 10, 11, 9, 10, 11]])
+    args = SCORED | options | {"max_new_tokens": 24}
+    expected = llama.paged.generate(ids, **args, **PAGED)
+    actual = llama.paged.generate(ids, prompt_lookup_num_tokens=3, **args, **PAGED)
+    stats = tg.engine_for(llama.paged).stats()
+    assert stats["spec_num_draft_tokens"] > stats["spec_num_accepted_tokens"] > 0 or options
+    assert_same_scores(actual, expected)
+    assert_same_scores(actual, llama.ref.generate(ids, **args))
 
 
 # ---------------------------------------------------------------- assistant model
@@ -449,10 +470,28 @@ def test_assistant_model_runs_on_engine_draft_speculation(llama):
     assert tg.engine_for(llama.paged).config.speculative_config is None
 
 
+@pytest.mark.parametrize("seed", [1, 0])  # a random draft (most proposals rejected); the target's own weights
+def test_assistant_model_returns_scores_of_kept_tokens(llama, seed):
+    args = SCORED | {"repetition_penalty": 1.2} | eos_options(llama)
+    expected = llama.paged.generate(INPUT_IDS, attention_mask=MASK, **args, **PAGED)
+    actual = llama.paged.generate(INPUT_IDS, attention_mask=MASK, assistant_model=build("llama", seed=seed),
+                                  num_assistant_tokens=3, **args, **PAGED)
+    stats = tg.engine_for(llama.paged).stats()
+    assert stats["spec_num_draft_tokens"] > 0 and (stats["spec_acceptance_rate"] > 0.9) == (seed == 0)
+    assert_same_scores(actual, expected)
+    assert_engine_idle(llama.paged)
+
+
+def test_assistant_scores_match_transformers_assisted_generation(llama):
+    """transformers' own assisted generation (one row) returns the same scores per emitted token."""
+    args = SCORED | {"num_assistant_tokens": 3}
+    row = INPUT_IDS[1:]
+    expected = llama.ref.generate(row, assistant_model=build("llama", seed=1), **args)
+    actual = llama.paged.generate(row, assistant_model=build("llama", seed=1), **args, **PAGED)
+    assert_same_scores(actual, expected)
+
+
 def test_assistant_model_refusals(llama):
-    with pytest.raises(NotImplementedError, match="assistant_model"):
-        llama.paged.generate(INPUT_IDS, attention_mask=MASK, assistant_model=build("llama", seed=1), max_new_tokens=4,
-                             return_dict_in_generate=True, output_scores=True, **PAGED)
     with pytest.raises(ValueError, match="vocabulary"):
         small = build_from_config(lambda: LlamaConfig(
             vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
