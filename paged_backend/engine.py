@@ -81,7 +81,8 @@ class Engine:
         # A padded decode step's padding rows write to one block beyond those the block pool hands out.
         self.cache = PagedCache(shape, num_blocks + pad, self.config.block_size, kv_dtype, param.device)
         if draft is not None:  # as many blocks: the draft reads and writes through the target's block tables
-            draft.allocate(num_blocks + pad, self.config.block_size, kv_dtype, param.device)
+            draft.allocate(num_blocks + pad, self.config.block_size, kv_dtype, param.device,
+                           self.config.max_num_batched_tokens)
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.context_note = ""  # why the context is shorter than the model's positions, when it is
         self.max_model_len = self.resolve_max_model_len(text_config, draft)

@@ -7,7 +7,11 @@ once, for both models, and preemption (which frees them) simply sends the draft 
 
 Per step, `propose` runs k batched forwards of the draft over the requests that get proposals: the
 first also catches up every token the draft has not seen (the prompt after prefill, the tokens the
-target kept last step), each later one feeds the previous proposal. A request's
+target kept last step), each later one feeds the previous proposal. No draft forward holds more tokens
+than the engine's step budget (`max_num_batched_tokens`): when the unseen tokens do not fit, catch-up
+forwards of at most that many tokens run first (`catch_up`), so a long prompt never becomes one huge
+draft forward. The proposing forwards then hold at most one token per request plus what is left of
+the catch-up, and the requests themselves fit the target's step, so within the budget. A request's
 `num_draft_computed` counts the positions whose draft K/V is written; it never runs ahead of the
 target's progress once the step is verified (`settle`).
 
@@ -48,6 +52,7 @@ class DraftProposer:
         self.filled: list[int | None] = []  # block id -> the hash of the block content its draft slots hold
         self.pending: list[tuple[Request, int]] = []  # (request, catch-up start) of this step's proposals
         self.num_computed_tokens = 0  # tokens run through the draft (catch-up and proposals)
+        self.max_forward_tokens = 0  # the most tokens one draft forward may hold (set by `allocate`)
 
     @classmethod
     def prepare(cls, model: PreTrainedModel, self_check: bool) -> DraftProposer:
@@ -55,10 +60,13 @@ class DraftProposer:
         shape = prepare_model(model, model.config.get_text_config().num_hidden_layers, self_check)
         return cls(model.eval(), shape)
 
-    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        """The draft's K/V tensors, with the target's number of blocks so its block tables fit."""
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 max_forward_tokens: int) -> None:
+        """The draft's K/V tensors, with the target's number of blocks so its block tables fit; its forwards
+        hold at most `max_forward_tokens` tokens (the target's step budget)."""
         self.runner = ModelRunner(self.model, PagedCache(self.shape, num_blocks, block_size, dtype, device))
         self.filled = [None] * num_blocks
+        self.max_forward_tokens = max_forward_tokens
 
     # ------------------------------------------------------------ proposing
 
@@ -71,6 +79,7 @@ class DraftProposer:
             self.pending.append((request, request.num_draft_computed))
         tables = self.runner.block_table_array(requests)
         starts = np.array([r.num_draft_computed for r in requests], dtype=np.int64)
+        self.catch_up(requests, tables, starts)
         tokens = [r.token_slice(int(s), r.num_tokens) for r, s in zip(requests, starts)]
         proposals: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
@@ -91,10 +100,29 @@ class DraftProposer:
             request.draft_probs = torch.stack(probs[i]) if probs[i] else None
         return proposals
 
+    def catch_up(self, requests: list[Request], tables: np.ndarray, starts: np.ndarray) -> None:
+        """While the requests' unseen tokens exceed one forward's budget, run a forward of up to that many of
+        them (never a request's last token, which the proposing forward feeds); advances `starts`."""
+        ends = np.array([r.num_tokens for r in requests], dtype=np.int64)
+        while int((ends - starts).sum()) > self.max_forward_tokens:
+            # Fill the budget with each request's spare tokens in turn (its unseen tokens but the last).
+            filled = np.minimum(np.cumsum(ends - starts - 1), self.max_forward_tokens)
+            counts = np.diff(filled, prepend=0)
+            rows = np.flatnonzero(counts)
+            tokens = [requests[i].token_slice(int(starts[i]), int(starts[i] + counts[i])) for i in rows]
+            self.forward([requests[i] for i in rows], tables[rows], starts[rows], tokens)
+            starts += counts
+
     def draft_step(self, requests: list[Request], tables: np.ndarray, starts: np.ndarray,
                    tokens: list[list[int]]) -> tuple[list[int], list[torch.Tensor | None] | None]:
-        """One draft forward: sequence i computes `tokens[i]` from `starts[i]`; return the token each proposes
-        next and, for sampled requests, the distribution it was drawn from."""
+        """One proposing draft forward: return the token each sequence proposes next and, for sampled
+        requests, the distribution it was drawn from."""
+        return choose_tokens(self.forward(requests, tables, starts, tokens), requests)
+
+    def forward(self, requests: list[Request], tables: np.ndarray, starts: np.ndarray,
+                tokens: list[list[int]]) -> torch.Tensor:
+        """One draft forward where sequence i computes `tokens[i]` from `starts[i]`: the logits of each
+        sequence's last token."""
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
         self.num_computed_tokens += int(counts.sum())
         self.forget_blocks(tables, starts, counts)
@@ -106,8 +134,7 @@ class DraftProposer:
             sampling_requests=requests,
             metadata=metadata,
         )
-        logits = self.runner.forward(inputs).float()
-        return choose_tokens(logits, requests)
+        return self.runner.forward(inputs).float()
 
     # ------------------------------------------------------------ keeping track of the draft's K/V
 

@@ -22,6 +22,7 @@ from helpers.engine import (
     hf_case,
     hf_greedy,
     mixed_prompts,
+    one_thread,  # noqa: F401  (autouse: this module runs on one thread)
     run_to_completion,
 )
 from helpers.models import build, build_from_config
@@ -174,6 +175,31 @@ def test_draft_follows_prefix_hits_and_recomputes_only_what_it_never_wrote(arch_
     assert engine.stats()["prefix_cache_hit_tokens"] == 0
     # Five requests hit the 32 shared tokens; their drafts skip them too.
     assert computed[True] <= computed[False] - 5 * 28
+
+
+@pytest.mark.parametrize("proposer", ["draft", "self"])
+def test_draft_forwards_stay_within_the_step_budget(arch_case, proposer):
+    """Prompts up to 40 tokens with a step budget of 8, all joining at once: the draft catches each prompt
+    up in forwards of at most 8 tokens (never one forward of the whole prompt), output unchanged."""
+    arch, model, prompts, refs = arch_case
+    config = EngineConfig(num_kv_blocks=96, max_num_batched_tokens=8,
+                          speculative_config=spec_config(proposer, model, arch))
+    engine = Engine(model, None, config)
+    draft_runner = engine.speculator.draft.runner
+    sizes = []
+    original = draft_runner.forward
+
+    def forward(inputs):
+        sizes.append(inputs.input_ids.shape[1])
+        return original(inputs)
+
+    draft_runner.forward = forward
+    ids = [engine.add_request(p, greedy()) for p in prompts]
+    finals = run_to_completion(engine)
+    assert [finals[i].outputs[0].token_ids for i in ids] == refs
+    assert max(len(p) for p in prompts) > 8 and max(sizes) == 8  # long prompts were caught up in full chunks
+    assert engine.stats()["spec_num_draft_tokens"] > 0
+    assert_all_blocks_free(engine)
 
 
 def test_draft_model_from_a_folder_and_vocabulary_mismatch(tmp_path):
