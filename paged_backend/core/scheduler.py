@@ -5,7 +5,9 @@ running requests (oldest first) the tokens they lack under one token budget, the
 requests in arrival order, slicing long prompts (chunked prefill). A request admitted for the
 first time starts after its longest cached prefix. When blocks run out, the newest
 running request is preempted: its blocks are freed and it is recomputed later from its tokens.
-With LoRA, a waiting request whose adapter has no device slot free stays waiting (others may pass it).
+With LoRA, a waiting request whose adapter has no device slot free stays waiting, and others may pass
+it, except onto the one slot chosen to drain for it (see `lora_blocks`): a stream of requests for
+loaded adapters cannot keep it waiting for ever.
 """
 
 from __future__ import annotations
@@ -103,10 +105,15 @@ class Scheduler:
         return budget
 
     def schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        draining = 0  # the LoRA slot held back for a request that found none free (0: none so far this step)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
             request = self.waiting[i]
-            if request.group.waits_for_leader(request) or (self.lora is not None and not self.lora.can_run(request.lora)):
+            if request.group.waits_for_leader(request):
+                i += 1
+                continue
+            blocked, draining = self.lora_blocks(request, draining)
+            if blocked:
                 i += 1
                 continue
             if not self.admit(request, budget):
@@ -117,6 +124,26 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             batch.num_new_tokens.append(n)
             budget -= n
+
+    def lora_blocks(self, request: Request, draining: int) -> tuple[bool, int]:
+        """Whether the request's adapter keeps it waiting this step, and the slot held back from now on.
+
+        A request whose adapter is not loaded while every slot has running users cannot start. Left at
+        that, later requests for the loaded adapters would keep those slots busy for ever (with one slot,
+        a steady stream for adapter A starves a request for B). So the first such request picks one slot
+        to drain, and requests behind it in line that would add a user to that slot wait too: the slot
+        empties as its running requests finish (none is preempted for it) and the blocked request, first
+        in line, loads into it. Only that slot is held: requests for the other loaded adapters and for the
+        base model (which holds no slot) go ahead, so the rest of the batch keeps its throughput. No slot
+        empties during one pass (admitting only adds users), so one choice per step suffices."""
+        if self.lora is None or request.lora is None:
+            return False, draining
+        slot = self.lora.slot_of(request.lora)
+        if slot is not None:
+            return slot == draining, draining
+        if self.lora.has_idle_slot():
+            return False, draining
+        return True, draining or self.lora.slot_to_drain()
 
     def admit(self, request: Request, budget: int) -> bool:
         """Take the request's cached prefix and blocks for its first chunk; False (nothing held) if full."""

@@ -6,7 +6,8 @@ adapters sit in device *slots* at a time (`LoRASlots`): per targeted `nn.Linear`
 B of the loaded adapters, ranks padded to `max_lora_rank` with zeros, zeros where an adapter does not
 target the module; slot 0 is the base model (no delta). The scheduler admits a request only when its
 adapter has a slot (loaded already, or a slot no running request uses), so more distinct adapters
-than slots means waiting, never failing.
+than slots means waiting, never failing; and it keeps one busy slot from taking new users while a
+request waits for a slot (`slot_to_drain`), so that waiting ends.
 
 Each packed token carries its request's slot. Per step, the runner turns those into a mask of each
 token's rank columns (`LoRAStep`), opened as a context around the forward the way the attention ops
@@ -347,11 +348,16 @@ class LoRASlots:
     def slot_of(self, adapter: LoRAAdapter) -> int | None:
         return next((s for s in range(1, self.max_loras + 1) if self.loaded[s] is adapter), None)
 
-    def can_run(self, adapter: LoRAAdapter | None) -> bool:
-        """Whether a request with `adapter` can start now: the base, a loaded adapter, or a slot free to load into."""
-        if adapter is None or self.slot_of(adapter) is not None:
-            return True
+    def has_idle_slot(self) -> bool:
+        """Whether some slot has no running user, so an adapter not loaded yet can be loaded into it."""
         return any(self.users[s] == 0 for s in range(1, self.max_loras + 1))
+
+    def slot_to_drain(self) -> int:
+        """The slot to empty for a request that found every slot busy: the one with the fewest running
+        users (the soonest to drain, as far as counts tell), the least recently acquired among equals.
+        While the scheduler holds it back its count only falls and its last use stays oldest, so the
+        choice stays put from step to step instead of moving between slots that never empty."""
+        return min(range(1, self.max_loras + 1), key=lambda s: (self.users[s], self.last_used[s]))
 
     def acquire(self, adapter: LoRAAdapter | None) -> int:
         """The slot a running request uses (0 for the base), loading the adapter into an idle slot if needed."""
@@ -361,7 +367,7 @@ class LoRASlots:
         if slot is None:
             idle = [s for s in range(1, self.max_loras + 1) if self.users[s] == 0]
             if not idle:
-                raise RuntimeError("no idle LoRA slot (the scheduler checks can_run first)")
+                raise RuntimeError("no idle LoRA slot (the scheduler checks has_idle_slot first)")
             slot = min(idle, key=lambda s: (self.loaded[s] is not None, self.last_used[s]))  # empty, then LRU
             self.load(slot, adapter)
         self.users[slot] += 1

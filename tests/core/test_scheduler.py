@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import torch
+
 from paged_backend.config import EngineConfig
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.outputs import RequestMetrics
 from paged_backend.core.request import Request
 from paged_backend.core.request_group import RequestGroup
 from paged_backend.core.scheduler import Scheduler
+from paged_backend.model.lora import LoRAAdapter, LoRASlots
 from paged_backend.sampling.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -228,3 +231,66 @@ def test_a_later_sample_is_admitted_only_after_its_leader_computed_the_prompt_an
     assert scheduled(scheduler) == [("user#0", 5)]
     assert scheduled(scheduler) == [("user#0", 1), ("user#1", 1)]  # three blocks shared, one token computed
     assert follower.num_cached_tokens == 12 and follower.block_ids[:3] == leader.block_ids[:3]
+
+
+# ------------------------------------------------------------------------ LoRA slots
+
+
+def lora_scheduler(max_loras: int) -> Scheduler:
+    """A scheduler whose requests may name adapters, over `max_loras` slots of a one-linear model."""
+    config = EngineConfig(block_size=BLOCK, num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=16,
+                          enable_lora=True, max_loras=max_loras)
+    slots = LoRASlots(torch.nn.Sequential(torch.nn.Linear(4, 4)), max_loras, max_rank=2)
+    return Scheduler(config, KVCacheManager(256, BLOCK), lora=slots)
+
+
+ADAPTERS = {name: LoRAAdapter(name, i, {"0": (torch.ones(2, 4), torch.ones(4, 2), 1.0)})
+            for i, name in enumerate("ABC", start=1)}
+
+
+def add_lora_request(scheduler: Scheduler, name: str, adapter: str | None, max_tokens: int = 3) -> None:
+    request = make_request(name, 4, max_tokens)
+    request.lora = ADAPTERS[adapter] if adapter else None
+    scheduler.add(request)
+
+
+def test_a_stream_for_a_loaded_adapter_cannot_keep_another_waiting_for_its_slot():
+    """One slot: requests for A keep arriving; B waits only until A's running requests finish, because
+    the A requests that came after B wait behind it. Base requests are not held back."""
+    scheduler = lora_scheduler(max_loras=1)
+    add_lora_request(scheduler, "a0", "A")
+    scheduled(scheduler)
+    add_lora_request(scheduler, "b", "B")
+    seen: list[list[str]] = []
+    for t in range(1, 12):
+        add_lora_request(scheduler, f"a{t}", "A")
+        add_lora_request(scheduler, f"base{t}", None)
+        names, _ = step(scheduler)
+        seen.append(names)
+        assert f"base{t}" in names, "a base request holds no slot: it never waits for one"
+        if "b" in names:
+            break
+    assert "b" in seen[-1], "B never got the slot: the A requests behind it kept it busy"
+    assert len(seen) <= 4  # a0 needs its 3 tokens, then the slot is B's
+    assert not any(n.startswith("a") and n != "a0" for names in seen for n in names)
+    assert scheduler.lora.loaded[1] is ADAPTERS["B"]
+
+
+def test_only_the_slot_chosen_to_drain_is_held_back():
+    """Two slots: A (two users) and C (one user). B picks C to drain (fewer users); new A requests still
+    start while B waits, new C requests wait behind B, and B loads into C's slot once it is empty."""
+    scheduler = lora_scheduler(max_loras=2)
+    add_lora_request(scheduler, "a0", "A", max_tokens=8)
+    add_lora_request(scheduler, "a1", "A", max_tokens=8)
+    add_lora_request(scheduler, "c0", "C", max_tokens=3)
+    scheduled(scheduler)
+    add_lora_request(scheduler, "b", "B")
+    add_lora_request(scheduler, "c1", "C")
+    add_lora_request(scheduler, "a2", "A")
+    names, _ = step(scheduler)
+    assert "a2" in names and "b" not in names and "c1" not in names
+    names, finished = step(scheduler)
+    assert finished == ["c0"] and "b" not in names and "c1" not in names
+    names, _ = step(scheduler)
+    assert "b" in names and "c1" not in names  # C's slot went to B; C now waits for a slot in turn
+    assert scheduler.lora.loaded[1:] == [ADAPTERS["A"], ADAPTERS["B"]]

@@ -166,6 +166,30 @@ def test_more_adapters_than_slots_wait_instead_of_failing(case):
     assert_all_blocks_free(engine)
 
 
+def test_a_stream_for_one_adapter_does_not_starve_another_for_the_one_slot(case):
+    """max_loras=1 and a new "alpha" request every step: the "beta" request still starts within a few
+    steps (the alpha requests behind it wait), base requests are never held back, and every answer
+    is PEFT's with its own adapter."""
+    _, _, prompts, _, refs = case
+    engine = lora_engine(case, max_loras=1, num_kv_blocks=256)
+    alphas = [engine.add_request(prompts[1], greedy(MAX_NEW), lora="alpha")]
+    engine.step()
+    waiting = engine.add_request(prompts[2], greedy(MAX_NEW), lora="beta")
+    bases, finals, steps = [], {}, 0
+    while engine.scheduler.lora.loaded[1].name != "beta":
+        steps += 1
+        assert steps <= 2 * MAX_NEW, "beta never got the slot: the stream of alpha requests kept it busy"
+        alphas.append(engine.add_request(prompts[5], greedy(MAX_NEW), lora="alpha"))
+        bases.append(engine.add_request(prompts[0], greedy(MAX_NEW)))
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert engine.requests[bases[-1]].samples[0].num_computed_tokens > 0, "a base request waited for a slot"
+    finals.update(run_to_completion(engine))
+    assert finals[waiting].outputs[0].token_ids == refs[2]
+    assert [finals[r].outputs[0].token_ids for r in alphas] == [refs[1]] + [refs[5]] * (len(alphas) - 1)
+    assert all(finals[r].outputs[0].token_ids == refs[0] for r in bases)
+    assert_all_blocks_free(engine)
+
+
 # ------------------------------------------------------------------------ refusals
 
 
