@@ -136,12 +136,17 @@ class ReplicatedAsyncEngine:
 
         async def feed() -> None:
             run = self.attempts(prompt, text, token_ids, params, request_id, True, logits_processor)
+            last = None
             try:
                 async with contextlib.aclosing(run) as outputs:
-                    async for output in outputs:
-                        sink(output)
+                    async for last in outputs:
+                        sink(last)
+            except asyncio.CancelledError:  # `abort`: end the stream as one engine's abort does
+                if last is None or not last.finished:
+                    sink(failed_output(request_id, text, token_ids, None, last))
+                raise
             except Exception as exc:  # noqa: BLE001  (the sink must still get a finished output)
-                sink(failed_output(request_id, text, token_ids, f"{type(exc).__name__}: {exc}"))
+                sink(failed_output(request_id, text, token_ids, f"{type(exc).__name__}: {exc}", last))
 
         task = asyncio.run_coroutine_threadsafe(feed(), self.loop().loop)
         self.submitted[request_id] = task

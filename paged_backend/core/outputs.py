@@ -63,11 +63,12 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list, repr=False)
 
 
-def failed_output(request_id: str, prompt: str | None, prompt_token_ids: list[int], error: str,
+def failed_output(request_id: str, prompt: str | None, prompt_token_ids: list[int], error: str | None,
                   last: RequestOutput | None = None) -> RequestOutput:
-    """The finished output a request ends with when it is refused or fails outside the engine's step
-    (e.g. a duplicate id, a replica that died): `finish_reason="abort"`, `error` saying why. It keeps
-    whatever the caller already received in `last`, with no new delta."""
+    """The finished output a request ends with when it is refused, fails or is aborted outside the
+    engine's step (e.g. a duplicate id, a replica that died, a client's abort): `finish_reason="abort"`,
+    `error` saying why (None for an abort the caller asked for). It keeps whatever the caller already
+    received in `last`, with no new delta."""
     if last is not None:
         completion = replace(last.outputs[0], finish_reason="abort", stop_reason=None)
         return replace(last, outputs=[completion], finished=True, error=error, delta_text="", delta_token_ids=[])
