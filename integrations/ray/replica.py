@@ -3,7 +3,8 @@
 Each replica loads its own copy of the model by path, so replicas never share memory or a device.
 Requests reach it as plain Ray calls: `complete` returns the final output in one reply (the batch
 path), `generate` is a Ray streaming generator that yields every incremental output, at most
-`STREAM_WINDOW` outputs ahead of its consumer.
+`STREAM_WINDOW` outputs ahead of its consumer. A request naming a LoRA adapter carries it as a
+`ShippedLoRA`; the replica registers it first if it lacks it (see `replica_loras`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ray.actor import ActorHandle
 
 from paged_backend import LLM, AsyncEngine, RequestOutput, SamplingParams
 from paged_backend.core.request import LogitsProcessor
+
+from .replica_loras import ReplicaAdapters, ShippedLoRA
 
 Prompt = str | Sequence[int]
 
@@ -42,6 +45,7 @@ class ReplicaInfo:
     device: str
     eos_token_ids: frozenset[int] = frozenset()
     context_note: str = ""  # why the context is shorter than the model's positions, when it is
+    enable_lora: bool = False  # whether requests may name LoRA adapters
 
 
 class EngineReplica:
@@ -51,25 +55,40 @@ class EngineReplica:
     def __init__(self, model: str | None, tokenizer: str | None, engine_config: dict[str, Any]) -> None:
         self.llm = LLM(model, tokenizer, **engine_config)
         self.aengine = AsyncEngine(self.llm.engine)
+        self.adapters = ReplicaAdapters(self.llm)
 
     def describe(self) -> ReplicaInfo:
         engine = self.llm.engine
         return ReplicaInfo(engine.max_model_len, engine.vocab_size, engine.config.block_size,
                            engine.config.max_num_seqs, engine.tokenizer, socket.gethostname(), os.getpid(),
-                           str(engine.device), engine.eos_token_ids, engine.context_note)
+                           str(engine.device), engine.eos_token_ids, engine.context_note, engine.config.enable_lora)
 
     @ray.method(num_returns="streaming", _generator_backpressure_num_objects=STREAM_WINDOW)
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                       logits_processor: LogitsProcessor | None = None) -> AsyncIterator[RequestOutput]:
-        async for output in self.aengine.generate(prompt, params, request_id, logits_processor):
+                       logits_processor: LogitsProcessor | None = None,
+                       lora: ShippedLoRA | None = None) -> AsyncIterator[RequestOutput]:
+        name = await self.adapters.ensure(lora)
+        async for output in self.aengine.generate(prompt, params, request_id, logits_processor, name):
             yield output
 
     async def complete(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                       logits_processor: LogitsProcessor | None = None) -> RequestOutput:
+                       logits_processor: LogitsProcessor | None = None,
+                       lora: ShippedLoRA | None = None) -> RequestOutput:
+        name = await self.adapters.ensure(lora)
         final = None
-        async for output in self.aengine.generate(prompt, params, request_id, logits_processor):
+        async for output in self.aengine.generate(prompt, params, request_id, logits_processor, name):
             final = output
         return final
+
+    async def add_lora(self, lora: ShippedLoRA, source: Any) -> None:
+        """Register an adapter (its source already read from the object store by Ray), off the event loop."""
+        await asyncio.to_thread(self.adapters.register, lora, source)
+
+    async def remove_lora(self, name: str, token: str) -> None:
+        await asyncio.to_thread(self.adapters.remove, name, token)
+
+    def list_loras(self) -> list[str]:
+        return self.llm.list_loras()
 
     def abort(self, request_id: str) -> None:
         self.aengine.abort(request_id)

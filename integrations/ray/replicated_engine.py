@@ -9,9 +9,9 @@ elsewhere could change what was already shown. A request that gets no answer wit
 `request_timeout_s` is aborted on its replica and ends the same way. Ray reports a dead actor to
 every pending call at once, so no request waits on a dead replica.
 
-It is an `EngineClient`, so the OpenAI server and LangChain run on it as on one AsyncEngine. LoRA
-adapters are not served here (each replica would need them registered): a request naming one is
-refused, and the adapter list is empty.
+It is an `EngineClient`, so the OpenAI server runs on it as on one AsyncEngine. With replicas built
+with `enable_lora=True`, LoRA adapters are served as on one engine: `add_lora` registers an adapter on
+every replica, a request names one with `lora=` and is routed like any other (see `replica_loras`).
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from paged_backend.entrypoints.engine_client import Sink
 from paged_backend.model.lora import LoRASpec
 
 from .background_loop import BackgroundLoop
-from .errors import NoLiveReplicaError
+from .errors import NoLiveReplicaError, first_line
 from .prefix_table import PrefixTable
 from .replica import Prompt, launch_replicas
 from .replica_front import ReplicaFront
+from .replica_loras import ReplicaLoRAs, ShippedLoRA
 from .router import Router
 
 T = TypeVar("T")
@@ -65,6 +66,8 @@ class ReplicatedAsyncEngine:
         prefixes = PrefixTable(self.infos[0].block_size) if prefix_aware else None
         self.router = Router(len(self.replicas), prefixes, balance_slack)
         self.front = ReplicaFront(self.infos, self.replicas, self.router)
+        self.loras = ReplicaLoRAs(self.replicas, self.router, all(info.enable_lora for info in self.infos),
+                                  request_timeout_s or DEFAULT_TIMEOUT_S)
         self.tokenizer = self.front.tokenizer
         self.max_model_len = self.front.max_model_len
         self.vocab_size = self.front.vocab_size
@@ -107,18 +110,20 @@ class ReplicatedAsyncEngine:
                        lora: LoRASpec | None = None) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as they change; the last one has `finished=True`. A
         `logits_processor` travels to the replica (Ray pickles it), as on AsyncEngine."""
-        params, text, token_ids, request_id = self.prepare(prompt, params, request_id, lora)
-        run = self.attempts(prompt, text, token_ids, params, request_id, True, logits_processor)
+        params, text, token_ids, request_id, shipped = self.prepare(prompt, params, request_id, lora)
+        run = self.attempts(prompt, text, token_ids, params, request_id, True, logits_processor, shipped)
         async with contextlib.aclosing(run) as outs:
             async for output in outs:
                 yield output
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       logits_processor: LogitsProcessor | None = None) -> RequestOutput:
+                       logits_processor: LogitsProcessor | None = None,
+                       lora: LoRASpec | None = None) -> RequestOutput:
         """The final output only, in one reply from the replica (cheaper than streaming every token)."""
-        params, text, token_ids, request_id = self.prepare(prompt, params, request_id)
+        params, text, token_ids, request_id, shipped = self.prepare(prompt, params, request_id, lora)
         final = None
-        async for output in self.attempts(prompt, text, token_ids, params, request_id, False, logits_processor):
+        async for output in self.attempts(prompt, text, token_ids, params, request_id, False, logits_processor,
+                                          shipped):
             final = output
         return final
 
@@ -132,10 +137,10 @@ class ReplicatedAsyncEngine:
                logits_processor: LogitsProcessor | None = None, lora: LoRASpec | None = None) -> str:
         """Validate here (ValueError), then run the request on the client's thread, handing every output
         to `sink` until a finished one; `abort` stops it."""
-        params, text, token_ids, request_id = self.prepare(prompt, params, request_id, lora)
+        params, text, token_ids, request_id, shipped = self.prepare(prompt, params, request_id, lora)
 
         async def feed() -> None:
-            run = self.attempts(prompt, text, token_ids, params, request_id, True, logits_processor)
+            run = self.attempts(prompt, text, token_ids, params, request_id, True, logits_processor, shipped)
             last = None
             try:
                 async with contextlib.aclosing(run) as outputs:
@@ -154,19 +159,22 @@ class ReplicatedAsyncEngine:
         return request_id
 
     async def run_batch(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
-                        on_finished: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """Every prompt's final output, in input order. Only about two engine batches per replica are
-        in flight at once, so a request's timeout starts when a replica can soon take it."""
+                        on_finished: Callable[[], None] | None = None,
+                        loras: Sequence[LoRASpec | None] | None = None) -> list[RequestOutput]:
+        """Every prompt's final output, in input order (`loras`: each prompt's adapter). Only about two
+        engine batches per replica are in flight at once, so a request's timeout starts when a replica
+        can soon take it."""
         window = asyncio.Semaphore(sum(2 * info.max_num_seqs for info in self.infos))
+        loras = loras or [None] * len(prompts)
 
-        async def run_one(prompt: Prompt, p: SamplingParams) -> RequestOutput:
+        async def run_one(prompt: Prompt, p: SamplingParams, lora: LoRASpec | None) -> RequestOutput:
             async with window:
-                output = await self.complete(prompt, p)
+                output = await self.complete(prompt, p, lora=lora)
             if on_finished is not None:
                 on_finished()
             return output
 
-        return list(await asyncio.gather(*(run_one(prompt, p) for prompt, p in zip(prompts, params))))
+        return list(await asyncio.gather(*(run_one(*job) for job in zip(prompts, params, loras))))
 
     def abort(self, request_id: str) -> None:
         task = self.submitted.get(request_id)
@@ -185,9 +193,7 @@ class ReplicatedAsyncEngine:
         return self.front.tokenize(prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams, lora: LoRASpec | None = None) -> None:
-        if lora is not None:
-            raise ValueError("a replicated engine serves no LoRA adapters (each replica would need them "
-                             f"registered); got lora={lora!r}")
+        self.loras.resolve(lora)
         self.front.validate(token_ids, params)
 
     def stats(self) -> dict[str, Any]:
@@ -196,16 +202,22 @@ class ReplicatedAsyncEngine:
 
     @property
     def supports_lora(self) -> bool:
-        return False
+        """Whether the replicas were built with enable_lora=True (launch(..., enable_lora=True))."""
+        return self.loras.enabled
 
     def list_loras(self) -> list[str]:
-        return []
+        return self.loras.names()
 
     def add_lora(self, name: str, source: Any) -> None:
-        raise ValueError("a replicated engine serves no LoRA adapters")
+        """Register an adapter (a PEFT folder, which every replica must be able to read at that path, a
+        loaded PeftModel's active adapter, or `LoRAWeights`) on every live replica; a replica started or
+        restarted later reads it when a request first names it there. ValueError (the engine's) if it
+        does not fit. Blocks until the replicas have it."""
+        self.loras.add(name, source)
 
     def remove_lora(self, name: str) -> None:
-        raise ValueError(f"unknown LoRA adapter {name!r}: a replicated engine serves no LoRA adapters")
+        """Forget an adapter on every replica (ValueError naming the known ones when unknown)."""
+        self.loras.remove(name)
 
     def is_alive(self) -> bool:
         """Whether any replica can still take requests (what the server's /health reports)."""
@@ -224,27 +236,30 @@ class ReplicatedAsyncEngine:
     # ------------------------------------------------------------ one request
 
     def prepare(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                lora: LoRASpec | None = None) -> tuple[SamplingParams, str | None, list[int], str]:
+                lora: LoRASpec | None = None
+                ) -> tuple[SamplingParams, str | None, list[int], str, ShippedLoRA | None]:
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
-        self.validate(token_ids, params, lora)
+        shipped = self.loras.resolve(lora)
+        self.front.validate(token_ids, params)
         if request_id is None:
             request_id = f"{self.id_prefix}-{next(self.ids)}"
         elif request_id in self.inflight:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return params, text, token_ids, request_id
+        return params, text, token_ids, request_id, shipped
 
     async def attempts(self, prompt: Prompt, text: str | None, token_ids: list[int], params: SamplingParams,
-                       request_id: str, stream: bool,
-                       processor: LogitsProcessor | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str, stream: bool, processor: LogitsProcessor | None = None,
+                       lora: ShippedLoRA | None = None) -> AsyncIterator[RequestOutput]:
         """Run the request on up to `max_attempts` replicas in turn, until one answers."""
+        salt = None if lora is None else lora.prefix_salt
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         tried: list[int] = []
         last: RequestOutput | None = None
         error = "no attempt was made"
         for attempt in range(self.max_attempts):
             try:
-                index = await self.choose(token_ids, tried, deadline)
+                index = await self.choose(token_ids, tried, deadline, salt)
             except NoLiveReplicaError as exc:
                 error = str(exc) + (f"; before that: {error}" if tried else "")
                 break
@@ -252,7 +267,7 @@ class ReplicatedAsyncEngine:
             self.num_retries += attempt > 0
             self.inflight[request_id] = index
             try:
-                run = self.run_on(index, prompt, params, request_id, stream, deadline, processor)
+                run = self.run_on(index, prompt, params, request_id, stream, deadline, processor, lora)
                 async with contextlib.aclosing(run) as outputs:
                     async for output in outputs:
                         last = output
@@ -278,16 +293,18 @@ class ReplicatedAsyncEngine:
                 self.inflight.pop(request_id, None)
         yield failed_output(request_id, text, token_ids, error, last)
 
-    async def choose(self, token_ids: list[int], tried: list[int], deadline: float | None) -> int:
+    async def choose(self, token_ids: list[int], tried: list[int], deadline: float | None,
+                     salt: str | None = None) -> int:
         """A replica not tried yet; failing that, with restartable replicas, a tried one once Ray has
         brought it back (calls to a restarting actor fail at once, so the retry waits for it)."""
         try:
-            return self.router.choose(token_ids, exclude=tried)
+            return self.router.choose(token_ids, exclude=tried, salt=salt)
         except NoLiveReplicaError:
             back = await self.restarted(tried, deadline) if self.restartable else None
             if back is None:
                 raise
-            return self.router.choose(token_ids, exclude=[i for i in range(len(self.replicas)) if i != back])
+            return self.router.choose(token_ids, exclude=[i for i in range(len(self.replicas)) if i != back],
+                                      salt=salt)
 
     async def restarted(self, tried: list[int], deadline: float | None) -> int | None:
         """The first of `tried` that answers again after a restart; None if none does before the deadline."""
@@ -307,16 +324,18 @@ class ReplicatedAsyncEngine:
         return None
 
     async def run_on(self, index: int, prompt: Prompt, params: SamplingParams, request_id: str, stream: bool,
-                     deadline: float | None, processor: LogitsProcessor | None = None) -> AsyncIterator[RequestOutput]:
+                     deadline: float | None, processor: LogitsProcessor | None = None,
+                     lora: ShippedLoRA | None = None) -> AsyncIterator[RequestOutput]:
         replica = self.replicas[index]
         finished = False
         try:
             if not stream:
-                output = await wait_until(replica.complete.remote(prompt, params, request_id, processor), deadline)
+                output = await wait_until(replica.complete.remote(prompt, params, request_id, processor, lora),
+                                          deadline)
                 finished = True
                 yield output
                 return
-            refs = replica.generate.remote(prompt, params, request_id, processor)
+            refs = replica.generate.remote(prompt, params, request_id, processor, lora)
             while not finished:
                 output = await wait_until(await wait_until(refs.__anext__(), deadline), deadline)
                 finished = output.finished
@@ -333,12 +352,6 @@ async def wait_until(awaitable: Awaitable[T], deadline: float | None) -> T:
     if deadline is None:
         return await awaitable
     return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
-
-
-def first_line(exc: BaseException) -> str:
-    """Ray's first line says what happened, its last line why (e.g. "killed by `ray.kill`")."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
-    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
 
 
 def kill_all(replicas: Sequence[ActorHandle]) -> None:

@@ -9,7 +9,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from paged_backend import RequestOutput, SamplingParams
-from paged_backend.entrypoints.llm import normalise_params, normalise_prompts
+from paged_backend.entrypoints.llm import (
+    normalise_loras,
+    normalise_params,
+    normalise_prompts,
+)
+from paged_backend.model.lora import LoRASpec, portable_source
 
 from .replica import Prompt
 from .replicated_engine import DEFAULT_TIMEOUT_S, ReplicatedAsyncEngine
@@ -18,7 +23,8 @@ from .replicated_engine import DEFAULT_TIMEOUT_S, ReplicatedAsyncEngine
 class ReplicatedLLM:
     """`ReplicatedLLM(model, num_replicas)` starts that many EngineReplica actors on the running Ray
     cluster (each loads `model` itself) and routes every prompt to one of them. Extra keywords are
-    LLM / EngineConfig keywords, given to every replica."""
+    LLM / EngineConfig keywords, given to every replica (`enable_lora=True, max_loras=..,
+    max_lora_rank=..` as with `LLM`; then `add_lora` registers an adapter on every replica)."""
 
     def __init__(self, model: str | os.PathLike | None = None, num_replicas: int = 2, *,
                  tokenizer: str | os.PathLike | None = None, num_cpus: float = 1, num_gpus: float = 0,
@@ -39,23 +45,38 @@ class ReplicatedLLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: LoRASpec | Sequence[LoRASpec | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. As with `LLM.generate`, every
         prompt is validated first, so an invalid one raises ValueError (naming its index) and none runs.
-        A request whose replicas all failed comes back finished with `error` set."""
+        A request whose replicas all failed comes back finished with `error` set. `lora`: one adapter
+        (name or LoRARequest) for every prompt, or one per prompt (None: the base), as with `LLM`."""
         prompts = normalise_prompts(prompts)
         params = normalise_params(sampling_params, len(prompts))
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        loras = normalise_loras(lora, len(prompts))
+        for i, (prompt, p, adapter) in enumerate(zip(prompts, params, loras)):
             try:
-                self.aengine.validate(self.aengine.tokenize(prompt)[1], p)
+                self.aengine.validate(self.aengine.tokenize(prompt)[1], p, adapter)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
         with tqdm(total=len(prompts), disable=not use_tqdm, desc="Generating", unit="req") as bar:
-            return self.aengine.loop().run(self.aengine.run_batch(prompts, params, lambda: bar.update(1)))
+            return self.aengine.loop().run(self.aengine.run_batch(prompts, params, lambda: bar.update(1), loras))
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               lora: LoRASpec | None = None) -> Iterator[RequestOutput]:
         """One request's outputs as they change, for plain threads (see ReplicatedAsyncEngine.generate)."""
-        return self.aengine.stream(prompt, params)
+        return self.aengine.stream(prompt, params, lora=lora)
+
+    def add_lora(self, name: str, source: Any, adapter_name: str | None = None) -> None:
+        """Register a LoRA adapter on every replica (see ReplicatedAsyncEngine.add_lora); of a PeftModel,
+        its `adapter_name` (by default the active one), as `LLM.add_lora` takes it."""
+        self.aengine.add_lora(name, portable_source(source, adapter_name))
+
+    def remove_lora(self, name: str) -> None:
+        self.aengine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.aengine.list_loras()
 
     def stats(self) -> dict[str, Any]:
         return self.aengine.stats()

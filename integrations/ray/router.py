@@ -30,26 +30,27 @@ class Router:
         self.death_notes: dict[int, str] = {}
         self.lock = threading.Lock()  # sync and async callers may route from different threads
 
-    def choose(self, token_ids: Sequence[int], exclude: Collection[int] = ()) -> int:
-        """The replica for this request, counted as outstanding until `release`."""
+    def choose(self, token_ids: Sequence[int], exclude: Collection[int] = (), salt: str | None = None) -> int:
+        """The replica for this request, counted as outstanding until `release`. `salt` (e.g. the LoRA
+        adapter) sets the prompt's prefixes apart from the same tokens without it, as in the engines."""
         with self.lock:
             candidates = [i for i, up in enumerate(self.alive) if up and i not in exclude]
             if not candidates:
                 raise NoLiveReplicaError(self.describe_failures(exclude))
-            index = self.pick(candidates, token_ids)
+            index = self.pick(candidates, token_ids, salt)
             self.outstanding[index] += 1
             self.routed[index] += 1
             if self.prefixes is not None:
-                self.prefixes.record(token_ids, index)
+                self.prefixes.record(token_ids, index, salt)
             return index
 
-    def pick(self, candidates: list[int], token_ids: Sequence[int]) -> int:
+    def pick(self, candidates: list[int], token_ids: Sequence[int], salt: str | None = None) -> int:
         n = len(self.alive)
         least = min(candidates, key=lambda i: (self.outstanding[i], (i - self.next) % n))
         self.next = (least + 1) % n
         if self.prefixes is None:
             return least
-        owner, _ = self.prefixes.match(token_ids)
+        owner, _ = self.prefixes.match(token_ids, salt)
         if owner is None or owner == least or owner not in candidates:
             return least
         if self.outstanding[owner] > self.outstanding[least] + self.balance_slack:

@@ -117,8 +117,8 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/unload_lora_adapter", dependencies=authorised)
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-        try:
-            state.client.remove_lora(body.lora_name)
+        try:  # a replicated engine waits for its replicas: off the event loop
+            await asyncio.to_thread(state.client.remove_lora, body.lora_name)
         except ValueError as exc:
             raise APIError(404, str(exc), "lora_name", "model_not_found") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

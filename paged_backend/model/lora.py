@@ -63,6 +63,16 @@ class LoRAAdapter:
         return sorted({name.rsplit(".", 1)[-1] for name in self.weights})
 
 
+@dataclass(frozen=True, slots=True)
+class LoRAWeights:
+    """An adapter as plain data: its PEFT config and its `lora_A`/`lora_B` state dict on the host, in
+    PEFT's saved key names. What a loaded `PeftModel` becomes to travel to another process (see
+    `portable_source`); `add_lora` reads it like a folder."""
+
+    config: dict
+    state: dict[str, torch.Tensor]
+
+
 # ------------------------------------------------------------------------ reading adapters
 
 _ids = itertools.count(1)
@@ -71,10 +81,12 @@ _SUPPORTED_KEYS = (".lora_A.weight", ".lora_B.weight")
 
 def read_adapter(name: str, source: Any, model: nn.Module, max_rank: int,
                  adapter_name: str | None = None) -> LoRAAdapter:
-    """Read a LoRA adapter from a PEFT folder or a loaded `PeftModel` (its `adapter_name`, by default
-    the active one) and check it against `model`; ValueError saying what does not fit."""
+    """Read a LoRA adapter from a PEFT folder, a loaded `PeftModel` (its `adapter_name`, by default
+    the active one) or `LoRAWeights`, and check it against `model`; ValueError saying what does not fit."""
     if isinstance(source, (str, os.PathLike)):
         config, state = _read_folder(Path(source))
+    elif isinstance(source, LoRAWeights):
+        config, state = source.config, source.state
     elif callable(getattr(source, "get_base_model", None)) and hasattr(source, "peft_config"):
         config, state = _read_peft_model(source, adapter_name)
     else:
@@ -97,6 +109,19 @@ def read_adapter(name: str, source: Any, model: nn.Module, max_rank: int,
     if not weights:
         raise ValueError(f"LoRA adapter {name!r} has no LoRA weights")
     return LoRAAdapter(name, next(_ids), weights)
+
+
+def portable_source(source: Any, adapter_name: str | None = None) -> str | LoRAWeights:
+    """`source` in a form another process can read: a folder as its absolute path (that process reads
+    the files itself, so the path must exist there too), a `PeftModel` as the `LoRAWeights` of
+    `adapter_name` (by default its active adapter). Nothing is checked against a base model here."""
+    if isinstance(source, (str, os.PathLike)):
+        return os.path.abspath(os.fspath(source))
+    if isinstance(source, LoRAWeights):
+        return source
+    if callable(getattr(source, "get_base_model", None)) and hasattr(source, "peft_config"):
+        return LoRAWeights(*_read_peft_model(source, adapter_name))
+    raise TypeError(f"expected a PEFT adapter folder or a PeftModel, got {type(source).__name__}")
 
 
 def read_lora_layers(name: str, model: nn.Module, adapter_name: str, max_rank: int) -> LoRAAdapter:

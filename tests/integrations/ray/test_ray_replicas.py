@@ -1,7 +1,8 @@
-"""Engine replicas on Ray: routing, equivalence with one engine, streaming, Serve, and a killed replica.
+"""Engine replicas on Ray: routing, equivalence with one engine, streaming, LoRA adapters, Serve, and a
+killed replica.
 
-One local Ray instance (2 CPUs, 127.0.0.1 only) and two tiny-Llama replicas serve the whole module;
-the last test kills one of them. The model and a byte-level tokenizer are built here and saved to a
+One local Ray instance (2 CPUs, 127.0.0.1 only) and two tiny-Llama replicas (LoRA enabled) serve the
+whole module; the last test kills one of them. The model and a byte-level tokenizer are built here and saved to a
 temporary folder that each replica loads by path.
 """
 
@@ -19,10 +20,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import httpx
 import pytest
 import transformers as tf
+from helpers.lora import peft_with_adapters
 from helpers.models import build
+from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from paged_backend import LLM, SamplingParams
+from paged_backend import LLM, LoRARequest, SamplingParams
 
 ray = pytest.importorskip("ray")
 from paged_backend.integrations.ray import (
@@ -90,6 +93,22 @@ def test_prefix_table_matches_whole_blocks_only_and_forgets_a_replica():
     assert len(small.owners) == 3
 
 
+def test_prefix_table_and_router_keep_the_same_tokens_under_different_adapters_apart():
+    tokens = list(range(1, 10))
+    table = PrefixTable(block_size=4)
+    table.record(tokens, replica=1, salt="lora:alpha:1")
+    assert table.match(tokens) == (None, 0)  # the base model's prefix is another one
+    assert table.match(tokens, salt="lora:beta:2") == (None, 0)
+    assert table.match(tokens, salt="lora:alpha:1") == (1, 8)
+    table.record(tokens, replica=0)
+    assert table.match(tokens) == (0, 8) and table.match(tokens, salt="lora:alpha:1") == (1, 8)
+    router = Router(2, PrefixTable(block_size=4), balance_slack=4)
+    first = router.choose(tokens, salt="lora:alpha:1")
+    assert router.choose(tokens) != first, "the base request has no cached prefix: least outstanding decides"
+    assert router.choose([99] * 8) == first  # round robin: `first` is now the busier one...
+    assert router.choose(tokens, salt="lora:alpha:1") == first and router.prefix_hits == 1  # ...yet holds the prefix
+
+
 # ------------------------------------------------------------------ fixtures: one Ray session per module
 
 def byte_tokenizer() -> tf.PreTrainedTokenizerFast:
@@ -116,9 +135,37 @@ def reference(model_dir):
 
 
 @pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """A PEFT model on the saved tiny Llama's architecture with adapters alpha, beta, gamma; alpha and beta
+    also saved as folders."""
+    model = peft_with_adapters()
+    root = tmp_path_factory.mktemp("adapters")
+    model.save_pretrained(root, selected_adapters=["alpha", "beta"])
+    return model, {name: str(root / name) for name in ("alpha", "beta")}
+
+
+LORA_PROMPTS = PROMPTS[:8]
+LORAS = [None, "alpha", "beta", "alpha", "beta", None, "alpha", "beta"]
+
+
+@pytest.fixture(scope="module")
+def lora_reference(model_dir, adapters):
+    """One engine's answers with the adapters (its equality with PEFT is tests/model/test_lora.py's)."""
+    peft, folders = adapters
+    llm = LLM(model_dir, num_threads=1, enable_lora=True)
+    llm.add_lora("alpha", folders["alpha"])
+    llm.add_lora("beta", peft, adapter_name="beta")
+    outputs = llm.generate(LORA_PROMPTS, GREEDY, use_tqdm=False, lora=LORAS)
+    base = llm.generate(LORA_PROMPTS, GREEDY, use_tqdm=False)
+    assert all(o.outputs[0].token_ids != b.outputs[0].token_ids for o, b, n in zip(outputs, base, LORAS) if n), \
+        "every adapter should change the answer, or the tests could not fail"
+    return outputs
+
+
+@pytest.fixture(scope="module")
 def replicated(model_dir):
     start_local_ray(num_cpus=2)
-    llm = ReplicatedLLM(model_dir, num_replicas=2, num_cpus=0.5, request_timeout_s=60)
+    llm = ReplicatedLLM(model_dir, num_replicas=2, num_cpus=0.5, request_timeout_s=60, enable_lora=True, max_loras=2)
     yield llm
     llm.shutdown()
     ray.shutdown()
@@ -180,7 +227,8 @@ async def test_leaving_a_stream_early_aborts_the_request_on_its_replica(replicat
 
 def test_the_replicated_engine_is_an_engine_client_submit_and_abort_included(replicated, reference):
     """What LangChain and the server call: submit with a sink (the same tokens as one engine), abort
-    of a submitted request, the limits, and LoRA refused by name; stats combine the replicas' hit rates."""
+    of a submitted request, the limits, and an unknown adapter refused by name; stats combine the
+    replicas' hit rates."""
     import queue
 
     from paged_backend.entrypoints.engine_client import EngineClient
@@ -215,9 +263,9 @@ def test_the_replicated_engine_is_an_engine_client_submit_and_abort_included(rep
             break
         time.sleep(0.05)
     assert aengine.stats()["num_running"] == 0 and aengine.inflight == {}
-    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'german'; known adapters: none"):
         aengine.validate([5, 6], GREEDY, lora="german")
-    assert aengine.list_loras() == [] and not aengine.supports_lora
+    assert aengine.list_loras() == [] and aengine.supports_lora
     stats = aengine.stats()
     queried = sum(s["prefix_cache_queried_tokens"] for s in stats["replicas"].values())
     assert queried == stats["prefix_cache_queried_tokens"] > 0
@@ -260,6 +308,57 @@ async def test_prefix_aware_routing_lands_a_shared_system_prompt_where_it_is_cac
     assert sorted(owners) == [0, 1] and client.router.routed == [7, 7] and client.router.prefix_hits == 5
 
 
+# ------------------------------------------------------------------ LoRA adapters
+
+def replica_loras(llm) -> list[list[str]]:
+    return ray.get([r.list_loras.remote() for r in llm.aengine.replicas], timeout=30)
+
+
+def test_adapters_are_added_listed_and_removed_on_every_replica_and_answer_like_one_engine(
+        replicated, adapters, lora_reference):
+    peft, folders = adapters
+    replicated.add_lora("alpha", folders["alpha"])  # a folder travels as its path
+    replicated.add_lora("beta", peft, adapter_name="beta")  # a PeftModel travels as its weights
+    try:
+        assert replicated.list_loras() == ["alpha", "beta"]
+        assert replica_loras(replicated) == [["alpha", "beta"]] * 2
+        routed = list(replicated.aengine.router.routed)
+        outputs = replicated.generate(LORA_PROMPTS, GREEDY, use_tqdm=False, lora=LORAS)
+        assert all(o.error is None for o in outputs)
+        assert [o.outputs[0].token_ids for o in outputs] == [e.outputs[0].token_ids for e in lora_reference]
+        assert all(after > before for after, before in zip(replicated.aengine.router.routed, routed))
+        streamed = list(replicated.stream(LORA_PROMPTS[2], GREEDY, lora=LoRARequest("beta")))
+        assert streamed[-1].outputs[0].token_ids == lora_reference[2].outputs[0].token_ids
+        with pytest.raises(ValueError, match=r"prompt 1: unknown LoRA adapter 'gamma'; known adapters: "
+                                             r"\['alpha', 'beta'\]"):
+            replicated.generate(LORA_PROMPTS[:2], GREEDY, use_tqdm=False, lora=[None, "gamma"])
+        with pytest.raises(ValueError, match="already registered"):
+            replicated.add_lora("alpha", folders["beta"])
+        # The replicas' engines check an adapter: refused there with their message, registered nowhere.
+        dora = get_peft_model(build("llama"), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+        with pytest.raises(ValueError, match="DoRA adapters"):
+            replicated.add_lora("dora", dora)
+        replicated.remove_lora("alpha")
+        assert replicated.list_loras() == ["beta"] and replica_loras(replicated) == [["beta"]] * 2
+        with pytest.raises(ValueError, match=r"no LoRA adapter named 'alpha'; known: \['beta'\]"):
+            replicated.remove_lora("alpha")
+    finally:
+        for name in replicated.list_loras():
+            replicated.remove_lora(name)
+    assert replica_loras(replicated) == [[], []]
+
+
+def test_a_lora_request_with_a_path_registers_on_every_replica_on_first_use(replicated, adapters, lora_reference):
+    _, folders = adapters
+    try:
+        (output,) = replicated.generate(LORA_PROMPTS[1], GREEDY, use_tqdm=False,
+                                        lora=LoRARequest("alpha", folders["alpha"]))
+        assert output.outputs[0].token_ids == lora_reference[1].outputs[0].token_ids
+        assert replicated.list_loras() == ["alpha"] and replica_loras(replicated) == [["alpha"]] * 2
+    finally:
+        replicated.remove_lora("alpha")
+
+
 # ------------------------------------------------------------------ Ray Serve
 
 def free_port() -> int:
@@ -268,16 +367,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_deployment_answers_openai_requests_like_one_engine(replicated, reference):
+def test_serve_deployment_answers_openai_requests_like_one_engine(replicated, reference, adapters, lora_reference):
     from paged_backend.integrations.ray import build_app
     from ray import serve
 
     llm, _ = reference
+    _, folders = adapters
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app(replicas=replicated.aengine.replicas, model_name="tiny"), name="replicas",
-                  route_prefix="/")
+        serve.run(build_app(replicas=replicated.aengine.replicas, model_name="tiny",
+                            lora_modules={"alpha": folders["alpha"]}, allow_runtime_lora_updating=True),
+                  name="replicas", route_prefix="/")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
             assert http.get("/health").status_code == 200
             body = {"model": "tiny", "prompt": PROMPTS[:4], "max_tokens": 12, "temperature": 0}
@@ -291,19 +392,40 @@ def test_serve_deployment_answers_openai_requests_like_one_engine(replicated, re
             assert http.post("/v1/completions", json=forced).json()["choices"][0]["text"] == \
                 byte_tokenizer().decode([65] * 3)
             assert "paged_backend_num_requests_running" in http.get("/metrics").text
+            # LoRA adapters as on one engine's server: listed, chosen by `model`, loaded and unloaded.
+            assert model_cards(http) == [("tiny", None), ("alpha", "tiny")]
+            assert http.post("/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": folders["beta"]}
+                             ).status_code == 200
+            assert model_cards(http) == [("tiny", None), ("alpha", "tiny"), ("beta", "tiny")]
+            for i in (1, 2):
+                body = {"model": LORAS[i], "prompt": LORA_PROMPTS[i], "max_tokens": 12, "temperature": 0}
+                assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == \
+                    lora_reference[i].outputs[0].text
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
+            missing = http.post("/v1/completions", json=dict(body, model="beta"))
+            assert missing.status_code == 404 and "`alpha`" in missing.json()["error"]["message"]
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "alpha"}).status_code == 200
     finally:
         serve.shutdown()
 
 
+def model_cards(http: httpx.Client) -> list[tuple[str, str | None]]:
+    return [(c["id"], c.get("parent")) for c in http.get("/v1/models").json()["data"]]
+
+
 # ------------------------------------------------------------------ a replica Ray restarts
 
-async def test_a_restartable_replica_comes_back_and_reruns_what_it_lost(model_dir, reference, replicated):
+async def test_a_restartable_replica_comes_back_and_reruns_what_it_lost(model_dir, reference, replicated,
+                                                                          adapters, lora_reference):
+    """...and gets back the adapters registered before it died (it reads one when a request names it)."""
     llm, _ = reference
     prompts, params = PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     expected = llm.generate(prompts, params, use_tqdm=False)
-    restartable = ReplicatedLLM(model_dir, num_replicas=1, num_cpus=0.5, max_restarts=1, request_timeout_s=60)
+    restartable = ReplicatedLLM(model_dir, num_replicas=1, num_cpus=0.5, max_restarts=1, request_timeout_s=60,
+                                enable_lora=True)
     try:
         client = restartable.aengine
+        await asyncio.to_thread(restartable.add_lora, "beta", adapters[0], "beta")
         replica = client.replicas[0]
         first_pid = (await asyncio.to_thread(ray.get, replica.describe.remote())).pid
         batch = asyncio.ensure_future(client.run_batch(prompts, [params] * len(prompts)))
@@ -316,6 +438,10 @@ async def test_a_restartable_replica_comes_back_and_reruns_what_it_lost(model_di
         assert all(same_completion(o, e) for o, e in zip(outputs, expected))
         assert (await asyncio.to_thread(ray.get, replica.describe.remote())).pid != first_pid
         assert client.router.alive == [True] and client.is_alive()
+        assert await asyncio.to_thread(ray.get, replica.list_loras.remote()) == []  # a fresh process...
+        again = await client.complete(LORA_PROMPTS[2], GREEDY, lora="beta")  # ...reads the adapter on first use
+        assert again.error is None and again.outputs[0].token_ids == lora_reference[2].outputs[0].token_ids
+        assert await asyncio.to_thread(ray.get, replica.list_loras.remote()) == ["beta"]
     finally:
         restartable.shutdown()
 
