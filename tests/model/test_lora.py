@@ -6,6 +6,7 @@ run; more distinct adapters than slots wait; bad adapters are refused with a cle
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from paged_backend import (
     SamplingParams,
 )
 from paged_backend.entrypoints.beam_search import beam_search
+from paged_backend.model.lora import LoRAWeights, portable_source
 
 MAX_NEW = 8
 NAMES = [None, "alpha", "beta", "gamma"]
@@ -99,6 +101,21 @@ def test_lora_request_with_a_path_registers_on_first_use(case):
     rid = engine.add_request(prompts[1], greedy(MAX_NEW), lora=LoRARequest("alpha", str(folder)))
     assert engine.list_loras() == ["alpha"]
     assert run_to_completion(engine)[rid].outputs[0].token_ids == refs[1]
+
+
+def test_an_adapter_as_plain_weights_runs_like_the_peft_model(case):
+    """`portable_source` (what travels to Ray replicas): a folder as its absolute path, a PeftModel as
+    LoRAWeights (config + state dict, picklable), read back like a folder."""
+    import pickle
+
+    model, folder, prompts, _, refs = case
+    weights = pickle.loads(pickle.dumps(portable_source(model, "gamma")))
+    assert isinstance(weights, LoRAWeights) and weights.config["r"] == 2
+    assert portable_source(os.path.relpath(folder)) == str(folder)
+    engine = Engine(build("llama"), None, EngineConfig(enable_lora=True, num_kv_blocks=32))
+    engine.add_lora("gamma", weights)
+    rid = engine.add_request(prompts[3], greedy(MAX_NEW), lora="gamma")
+    assert run_to_completion(engine)[rid].outputs[0].token_ids == refs[3]
 
 
 def test_async_engine_streams_with_an_adapter(case):
