@@ -39,6 +39,7 @@ class TensorParallelGroup:
         self.workers = workers
         self.launched_by_torchrun = launched_by_torchrun
         self.closed = False
+        self.saved_env: dict[str, str | None] | None = None  # rank 0 of a spawned group: the environment before
 
     @classmethod
     def join(cls, size: int, worker_main: Callable[..., None], spawn_args: tuple) -> TensorParallelGroup:
@@ -64,9 +65,11 @@ class TensorParallelGroup:
                    for rank in range(1, size)]
         for worker in workers:
             worker.start()
+        saved_env = {name: os.environ.get(name) for name in GROUP_ENV}
         set_group_env(0, size, port)
         init_group()
         group = cls(size, 0, workers, launched_by_torchrun=False)
+        group.saved_env = saved_env
         atexit.register(group.close)
         return group
 
@@ -82,6 +85,8 @@ class TensorParallelGroup:
             worker.join(timeout=30)
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.saved_env is not None:  # else a later group in this process would take it for torchrun's
+            restore_env(self.saved_env)
 
 
 def leave_together(timeout_s: float = 30.0) -> None:
@@ -105,6 +110,17 @@ def init_group() -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend=backend)
+
+
+GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def restore_env(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def set_group_env(rank: int, size: int, port: int) -> None:
