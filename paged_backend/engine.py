@@ -71,8 +71,8 @@ class Engine:
         spec = self.config.speculative_config
         draft = None
         if spec is not None and spec.method == "draft_model":
-            if publish_step is not None:
-                raise NotImplementedError("speculative_config method 'draft_model' with tensor parallelism")
+            # Under tensor parallelism the draft is whole (not sharded) on rank 0, which alone proposes: its
+            # forwards have no collectives, and the other ranks see its proposals in the step inputs.
             draft = load_draft(spec.model, model, tokenizer, self.config.self_check)
         num_blocks = agree_on_blocks(self.choose_num_blocks(shape, kv_dtype, param.device, draft), param.device)
         self.graph_refusal = cuda_graphs.refusal(param.device, param.dtype, shape.head_dim,

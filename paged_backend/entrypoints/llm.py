@@ -39,7 +39,10 @@ class LLM:
 
     def __init__(self, model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1,
                  quantization: str | None = None, **engine_config: Any) -> None:
-        spawn_args = (model, tokenizer, dict(engine_config), tensor_parallel_size)
+        # Workers run the target's forwards only: proposals (a draft model's too) reach them inside rank 0's
+        # step inputs, so they get no speculative_config (nor a loaded draft to unpickle).
+        worker_config = {k: v for k, v in engine_config.items() if k != "speculative_config"}
+        spawn_args = (model, tokenizer, worker_config, tensor_parallel_size)
         load_kwargs = {k: engine_config.pop(k) for k in LOAD_KEYS if k in engine_config}
         config = EngineConfig(**engine_config)
         check_method(quantization)
@@ -56,6 +59,8 @@ class LLM:
         if quantization is not None:
             quantize_weights(model, quantization)
         leader = self.tp_group is None or self.tp_group.rank == 0
+        if not leader:  # under torchrun every rank gets the caller's arguments: the draft runs on rank 0 only
+            config.speculative_config = None
         self.engine = Engine(model, tokenizer, config, publish_step=None if self.tp_group is None or not leader
                              else broadcast_step)
         if not leader:

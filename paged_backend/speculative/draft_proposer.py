@@ -201,6 +201,10 @@ def choose_tokens(logits: torch.Tensor, requests: list[Request]) -> tuple[list[i
 def load_draft(source: Any, target: PreTrainedModel, tokenizer: Any, self_check: bool) -> DraftProposer:
     """Load (or adopt) the draft model on the target's device and dtype; it must share the target's
     vocabulary, since its proposals are token ids the target verifies."""
+    if getattr(source, "tp_size", None) not in (None, 1):
+        # Its forwards would wait on collectives the other ranks never join: the draft runs whole on rank 0.
+        raise ValueError("a tensor-parallel (sharded) model cannot be a draft model: pass its folder or hub id, "
+                         "and it is loaded whole")
     param = next(target.parameters())
     draft, draft_tokenizer = load_model(source, None, dtype=param.dtype, device=param.device,
                                         attn_implementation=ATTENTION_NAME)

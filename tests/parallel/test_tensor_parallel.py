@@ -48,6 +48,24 @@ def test_spawned_workers_match_one_process(tiny_path, single_tokens, caplog):
     assert all(not w.is_alive() for w in llm.tp_group.workers)
 
 
+def test_draft_model_on_rank_zero_matches_one_process(tiny_path, single_tokens):
+    """A draft model with tensor parallelism: whole on rank 0 (the target's own weights, unsharded, as its
+    draft), its proposals verified by the sharded target; the tokens are those of one process."""
+    spec = {"method": "draft_model", "model": str(tiny_path), "num_speculative_tokens": 3, "max_step_tokens": 512}
+    llm = LLM(str(tiny_path), tensor_parallel_size=2, speculative_config=spec, **ENGINE)
+    try:
+        draft = llm.engine.speculator.draft
+        assert draft.runner.cache.kv.shape[2] == 2 and draft.runner.publish is None  # whole, and rank 0's own
+        outputs = llm.generate(mixed_prompts(), greedy(12), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == single_tokens
+        stats = llm.engine.stats()
+        assert stats["spec_num_draft_tokens"] > 0 and stats["spec_acceptance_rate"] > 0.9
+        assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    finally:
+        llm.close()
+    assert all(not w.is_alive() for w in llm.tp_group.workers)
+
+
 def test_torchrun_launch_matches_one_process(tiny_path, single_tokens, tmp_path):
     script = tmp_path / "run.py"
     tests_dir = str(Path(__file__).resolve().parents[1])

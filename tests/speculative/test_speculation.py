@@ -218,6 +218,10 @@ def test_draft_model_from_a_folder_and_vocabulary_mismatch(tmp_path):
                                                      num_key_value_heads=1))
     with pytest.raises(ValueError, match="vocabulary has 128 tokens, the target's 256"):
         Engine(target, None, EngineConfig(num_kv_blocks=32, speculative_config=draft_config(other)))
+    sharded = build("llama", seed=1)
+    sharded._tp_size = 2  # what transformers records on a model it sharded while loading
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        Engine(target, None, EngineConfig(num_kv_blocks=32, speculative_config=draft_config(sharded)))
 
 
 def test_greedy_identity_with_prefix_hits(arch_case):
