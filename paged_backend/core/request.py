@@ -54,6 +54,7 @@ class Request:
     spec_allowance: int = 0  # proposals it may carry next step (per-request policy; 0: k)
     spec_pause: int = 0  # steps it sits out before proposing again
     spec_misses: int = 0  # verifications in a row that kept none of its proposals
+    spec_acceptance: float | None = None  # its estimated share of proposals kept (None: no verification yet)
     draft_probs: torch.Tensor | None = None  # [proposals, V]: the draft distributions sampled proposals came from
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, once computed

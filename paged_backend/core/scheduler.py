@@ -75,7 +75,8 @@ class Scheduler:
             if request.grammar is not None:  # its matcher would have to follow every proposal: it decodes plainly
                 continue
             # Keeping every proposal adds 1 + len(proposals) tokens: stay within max_tokens.
-            limit = self.speculator.allowance(request, min(room, request.max_tokens - request.num_output_tokens - 1))
+            limit = self.speculator.allowance(request, min(room, request.max_tokens - request.num_output_tokens - 1),
+                                              scheduled)
             if limit <= 0:
                 continue
             proposals = None if drafting else self.speculator.propose(request, limit)

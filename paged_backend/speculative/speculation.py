@@ -22,10 +22,16 @@ the sampler (`DraftRows`); its greedy proposals are the greedy limit (keep x iff
 Progress advances only by what was kept: the K/V written for rejected proposals sits beyond the
 request's computed tokens and is overwritten later, and blocks held only for them are freed at once.
 
-Policy, per step and per request: the scheduler adds proposals only while the step holds at most
-`max_step_tokens` tokens (a larger step is compute-bound); each request's proposal count follows what
-it kept last time (`Speculator.adapt`), and a request whose proposals are all rejected sits out a
-growing number of steps.
+Policy, per step and per request. A step of T tokens costs about a fixed part (reading the weights,
+dispatch) plus T times a per-token part; `knee_tokens` is their ratio. A proposal adds one token's
+work and, if kept, saves a request one step's share, so it pays when its chance of being kept is above
+T / (T + knee): almost any proposal pays on one stream, only well-aimed ones in a large batch. Each
+request keeps an estimate of that chance (a moving average of the share of its proposals kept) and
+proposes only while the estimate clears the bar at the step's size before proposals; one barred
+drifts back towards the prior, so text that starts copying later is tried again (a step so large that
+even the prior is barred takes proposals only from requests that earned a higher estimate). Its proposal count
+follows what it kept last time (`Speculator.adapt`), and one whose proposals are all rejected sits out
+a growing number of steps. `max_step_tokens` is a hard cap on the size of a step taking proposals.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ if TYPE_CHECKING:
     from paged_backend.speculative.draft_proposer import DraftProposer
 
 MAX_BACKOFF = 4  # a request whose proposals keep failing sits out at most 2**4 - 1 steps between tries
+ACCEPTANCE_PRIOR = 0.6  # the share of proposals a request is expected to keep before it has proposed
+ACCEPTANCE_WEIGHT = 0.3  # the weight of the latest verification in that moving average
+RECOVERY = 1 / 16  # each barred step moves the estimate this share of the way back to the prior
 
 
 class Speculator:
@@ -62,15 +71,25 @@ class Speculator:
         token budget. A step already holding `max_step_tokens` is compute-bound and gets none."""
         return max(0, min(budget_left, self.config.max_step_tokens - step_tokens))
 
-    def allowance(self, request: Request, limit: int) -> int:
-        """How many proposals the request may carry this step: `limit`, k, and (per-request policy) what its
-        recent verifications earned it; 0 while it sits out after proposals that were all rejected."""
+    def allowance(self, request: Request, limit: int, step_tokens: int) -> int:
+        """How many proposals the request may carry in a step of `step_tokens` scheduled tokens (before any
+        proposals, so every request meets the same bar): `limit`, k, and (per-request policy) what its
+        recent verifications earned it; 0 while it sits out after proposals that were all rejected, or
+        while its acceptance estimate is below the step's bar."""
         if not self.config.adapt_per_request:
             return min(limit, self.config.num_speculative_tokens)
         if request.spec_pause:
             request.spec_pause -= 1
             return 0
+        estimate = ACCEPTANCE_PRIOR if request.spec_acceptance is None else request.spec_acceptance
+        if estimate < self.bar(step_tokens):
+            request.spec_acceptance = estimate + (ACCEPTANCE_PRIOR - estimate) * RECOVERY
+            return 0
         return min(limit, request.spec_allowance or self.config.num_speculative_tokens)
+
+    def bar(self, step_tokens: int) -> float:
+        """The share of proposals a request must keep for proposing to pay in a step of this size."""
+        return step_tokens / (step_tokens + self.config.knee_tokens)
 
     def propose(self, request: Request, limit: int) -> list[int]:
         """Up to `min(limit, k)` n-gram tokens to verify after the request's last token."""
@@ -133,6 +152,8 @@ class Speculator:
         single token, after sitting out 1, 3, 7, then 15 steps as such misses repeat. So proposals go to
         the requests that copy (input-grounded text), not to those whose guesses keep failing."""
         k = self.config.num_speculative_tokens
+        estimate = ACCEPTANCE_PRIOR if request.spec_acceptance is None else request.spec_acceptance
+        request.spec_acceptance = estimate + (kept / proposed - estimate) * ACCEPTANCE_WEIGHT
         if kept == proposed:
             request.spec_misses = 0
             request.spec_allowance = min(k, proposed + 1)

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
-# Measured on the default model (benchmarks/speculative.py, README): with 16 decoding streams and the
-# per-request policy, lifting the cap gained 1.16x on input-grounded prompts but lost 9 % on MT-bench,
-# while a single stream gains either way; so by default only steps of at most 16 tokens take proposals.
-DEFAULT_MAX_STEP_TOKENS = 16
+# A hard cap on the size of a step that takes proposals; below it the per-request gate decides.
+DEFAULT_MAX_STEP_TOKENS = 512
+# The step size (tokens) at which a step's per-token work equals its fixed cost (reading the weights,
+# dispatch). Fitted to the default model's decode steps on a 2-core AVX2 CPU (README): about 95 ms fixed
+# and 3 ms per token. A proposal pays when its chance of being kept beats T / (T + knee) for a step of
+# T tokens (speculation.py), so the gate follows the step's size rather than one cut-off.
+DEFAULT_KNEE_TOKENS = 32
 DEFAULT_LOOKUP_MAX = 3
 DEFAULT_LOOKUP_MIN = 2
 
@@ -30,8 +33,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
     # The per-step policy: proposals are added only while the step holds at most this many tokens.
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
-    # The per-request policy: each request's proposal count follows what it kept (speculation.py).
+    # The per-request policy: each request's proposal count follows what it kept, and it proposes in a
+    # step of T tokens only while its acceptance estimate is at least T / (T + knee_tokens) (speculation.py).
     adapt_per_request: bool = True
+    knee_tokens: int = DEFAULT_KNEE_TOKENS
     # draft_model: a hub id, a folder or a loaded PreTrainedModel (compared by identity).
     model: Any = None
 
@@ -44,7 +49,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config 'model' is for method 'draft_model', not 'ngram'")
         if not isinstance(self.adapt_per_request, bool):
             raise ValueError(f"speculative_config adapt_per_request={self.adapt_per_request!r}: must be a bool")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_step_tokens"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_step_tokens", "knee_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config {name}={value!r}: must be an int >= 1")

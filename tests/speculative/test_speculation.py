@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -421,7 +422,9 @@ def test_unseeded_sampling_keeps_the_target_distribution():
     draft = tiny_vocab_model()  # the target sharpened: q overweights what p favours, so accepting
     with torch.no_grad():      # too often or resampling from p instead of the residual shows
         draft.lm_head.weight.mul_(3.0)
-    for spec in (None, {**NGRAM, "max_step_tokens": 8192}, draft_config(draft, k=2, max_step_tokens=8192)):
+    # 600 requests in one step: lift the per-request bar, which would rightly keep such a step plain.
+    unbarred = {"max_step_tokens": 8192, "knee_tokens": 10**6}
+    for spec in (None, {**NGRAM, **unbarred}, draft_config(draft, k=2, **unbarred)):
         engine = Engine(model, None, EngineConfig(num_kv_blocks=1024, block_size=4, max_num_seqs=1000,
                                                   max_num_batched_tokens=8192, speculative_config=spec))
         if spec and spec["method"] == "ngram":
@@ -483,6 +486,47 @@ def test_per_request_policy_backs_off_rejected_proposals(llama):
             proposed[adapt, wrong_every] = engine.stats()["spec_num_draft_tokens"]
     assert proposed[True, 1] < proposed[False, 1] / 4
     assert proposed[True, 10**6] == proposed[False, 10**6]
+
+
+def test_acceptance_bar_rises_with_the_step_size():
+    """The per-request gate: a request proposes in a step of T scheduled tokens only while its estimated
+    share of proposals kept is at least T / (T + knee). Keeping a quarter of its proposals bars it from a
+    16-token step (bar 1/3 with knee 32) but not from a single stream's (bar 1/33); a barred request
+    drifts back towards the prior and is let through again; one that keeps everything is never barred."""
+    from paged_backend.speculative.speculation import ACCEPTANCE_PRIOR, Speculator
+
+    speculator = Speculator(SpeculativeConfig(knee_tokens=32))
+    assert speculator.bar(16) == pytest.approx(1 / 3) and speculator.bar(1) == pytest.approx(1 / 33)
+    copier, guesser = SimpleNamespace(**FRESH), SimpleNamespace(**FRESH)
+    verifications = 0
+    while speculator.allowance(guesser, 4, 16):
+        speculator.adapt(guesser, 4, 1)
+        assert speculator.allowance(copier, 4, 16) == 4
+        speculator.adapt(copier, 4, 4)
+        verifications += 1
+    assert 2 <= verifications <= 6 and guesser.spec_acceptance < 1 / 3
+    assert speculator.allowance(guesser, 4, 1) > 0  # a single stream still takes its proposals
+    barred = 0
+    while speculator.allowance(guesser, 4, 16) == 0:
+        barred += 1
+        assert guesser.spec_acceptance < ACCEPTANCE_PRIOR
+    assert 0 < barred < 16
+    assert copier.spec_acceptance > 0.9
+    # A step so large that even the prior is below the bar: only an earned estimate gets through.
+    newcomer = SimpleNamespace(**FRESH)
+    assert speculator.allowance(newcomer, 4, 64) == 0 and speculator.allowance(copier, 4, 64) > 0
+
+
+FRESH = {"spec_pause": 0, "spec_allowance": 0, "spec_misses": 0, "spec_acceptance": None}
+
+
+def test_a_bar_above_every_estimate_stops_proposals_and_changes_no_output(llama):
+    model, prompts, answers = llama
+    for knee, expect_proposals in ((1, False), (10**6, True)):
+        config = EngineConfig(num_kv_blocks=64, speculative_config={**NGRAM, "knee_tokens": knee})
+        outputs, engine = run_engine(oracle(Engine(model, None, config), answers), prompts)
+        assert [o.token_ids for o in outputs] == [answers[tuple(p)] for p in prompts]
+        assert (engine.stats()["spec_num_draft_tokens"] > 0) == expect_proposals
 
 
 def run_engine(engine: Engine, prompts) -> tuple:
