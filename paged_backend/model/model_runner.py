@@ -19,6 +19,7 @@ from paged_backend.core.scheduler import ScheduledBatch
 from paged_backend.kernels import AttentionMetadata
 from paged_backend.model import compilation, custom_ops, lora
 from paged_backend.model.paged_cache import PagedCache
+from paged_backend.model.small_step_linear import small_step_linear
 from paged_backend.sampling.prompt_logprobs import PromptSpan, wanted_targets
 
 if TYPE_CHECKING:
@@ -70,7 +71,10 @@ class ModelRunner:
               lora.step_context(inputs.lora)):
             logits = self.graphs.replay(inputs) if self.graphs is not None and inputs.real_rows is not None else None
             if logits is None:
-                logits = self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices)
+                # Eager only: the compiled forward has its own matmul choices.
+                tokens = inputs.input_ids.shape[-1] if self.forward_model is self.model else 0
+                with small_step_linear(tokens, self.device):
+                    logits = self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices)
         return logits if inputs.real_rows is None else logits[: inputs.real_rows]
 
     def run_model(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
