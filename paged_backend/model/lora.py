@@ -85,13 +85,9 @@ def read_adapter(name: str, source: Any, model: nn.Module, max_rank: int,
     the active one) or `LoRAWeights`, and check it against `model`; ValueError saying what does not fit."""
     if isinstance(source, (str, os.PathLike)):
         config, state = _read_folder(Path(source))
-    elif isinstance(source, LoRAWeights):
-        config, state = source.config, source.state
-    elif callable(getattr(source, "get_base_model", None)) and hasattr(source, "peft_config"):
-        config, state = _read_peft_model(source, adapter_name)
     else:
-        raise TypeError(f"add_lora({name!r}, ...): expected a PEFT adapter folder or a PeftModel, "
-                        f"got {type(source).__name__}")
+        weights = portable_source(source, adapter_name, f"add_lora({name!r}, ...): ")
+        config, state = weights.config, weights.state
     check_config(name, config)
     weights = {}
     for module_name, (a, b) in _pair_weights(name, state).items():
@@ -111,17 +107,18 @@ def read_adapter(name: str, source: Any, model: nn.Module, max_rank: int,
     return LoRAAdapter(name, next(_ids), weights)
 
 
-def portable_source(source: Any, adapter_name: str | None = None) -> str | LoRAWeights:
+def portable_source(source: Any, adapter_name: str | None = None, context: str = "") -> str | LoRAWeights:
     """`source` in a form another process can read: a folder as its absolute path (that process reads
     the files itself, so the path must exist there too), a `PeftModel` as the `LoRAWeights` of
-    `adapter_name` (by default its active adapter). Nothing is checked against a base model here."""
+    `adapter_name` (by default its active adapter). Nothing is checked against a base model here;
+    `context` prefixes the TypeError for anything else."""
     if isinstance(source, (str, os.PathLike)):
         return os.path.abspath(os.fspath(source))
     if isinstance(source, LoRAWeights):
         return source
     if callable(getattr(source, "get_base_model", None)) and hasattr(source, "peft_config"):
         return LoRAWeights(*_read_peft_model(source, adapter_name))
-    raise TypeError(f"expected a PEFT adapter folder or a PeftModel, got {type(source).__name__}")
+    raise TypeError(f"{context}expected a PEFT adapter folder or a PeftModel, got {type(source).__name__}")
 
 
 def read_lora_layers(name: str, model: nn.Module, adapter_name: str, max_rank: int) -> LoRAAdapter:

@@ -28,7 +28,7 @@ PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class SmallStepLinear(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's protocol)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight = args[0], args[1]

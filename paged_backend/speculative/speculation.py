@@ -81,7 +81,7 @@ class Speculator:
         if request.spec_pause:
             request.spec_pause -= 1
             return 0
-        estimate = ACCEPTANCE_PRIOR if request.spec_acceptance is None else request.spec_acceptance
+        estimate = acceptance_estimate(request)
         if estimate < self.bar(step_tokens):
             request.spec_acceptance = estimate + (ACCEPTANCE_PRIOR - estimate) * RECOVERY
             return 0
@@ -152,7 +152,7 @@ class Speculator:
         single token, after sitting out 1, 3, 7, then 15 steps as such misses repeat. So proposals go to
         the requests that copy (input-grounded text), not to those whose guesses keep failing."""
         k = self.config.num_speculative_tokens
-        estimate = ACCEPTANCE_PRIOR if request.spec_acceptance is None else request.spec_acceptance
+        estimate = acceptance_estimate(request)
         request.spec_acceptance = estimate + (kept / proposed - estimate) * ACCEPTANCE_WEIGHT
         if kept == proposed:
             request.spec_misses = 0
@@ -188,6 +188,11 @@ class Speculator:
 
     def stats(self) -> dict[str, float]:
         return speculation_stats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
+
+
+def acceptance_estimate(request: Request) -> float:
+    """The request's estimated share of proposals kept; the prior until it has had a verification."""
+    return ACCEPTANCE_PRIOR if request.spec_acceptance is None else request.spec_acceptance
 
 
 def speculation_stats(drafts: int, proposed: int, accepted: int) -> dict[str, float]:

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.engine import assert_all_blocks_free, greedy, hf_greedy, mixed_prompts, run_to_completion
+from helpers.engine import (
+    assert_all_blocks_free,
+    greedy,
+    hf_greedy,
+    mixed_prompts,
+    run_to_completion,
+)
 from helpers.models import build
 
 from paged_backend import Engine, EngineConfig
