@@ -15,6 +15,7 @@ from paged_backend.integrations.options.flags import (
 )
 from paged_backend.integrations.options.vocabularies import CLI
 from paged_backend.sampling.sampling_params import SamplingParams
+from paged_backend.model.quantization import METHODS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="hub id, folder, .gguf file (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--quantization", default=None, choices=["int8"],
-                        help="weight-only quantization of the linear layers (needs torchao; compiles the forward)")
+    parser.add_argument("--quantization", default=None, choices=list(METHODS),
+                        help="weight-only quantization of the linear layers: int8 (torchao) or int4 (CPU; a GGUF "
+                             "file's Q4_1 tensors as they are)")
     add_engine_flags(parser.add_argument_group("engine"))
 
 

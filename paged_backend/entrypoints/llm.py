@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from paged_backend.entrypoints.beam_search import (
 )
 from paged_backend.integrations.chat import render_chat
 from paged_backend.model.attention import ATTENTION_NAME, register
+from paged_backend.model.default_model import gguf_file_path
 from paged_backend.model.lora import LoRARequest, LoRASpec
 from paged_backend.model.model_loader import load_model
 from paged_backend.model.quantization import check_method, quantize_weights
@@ -31,11 +33,21 @@ Conversation = list[dict[str, Any]]
 LOAD_KEYS = ("dtype", "device", "trust_remote_code")
 
 
+def gguf_source(model: Any) -> Path | None:
+    """The GGUF file `model` names (None: the default model's), whose quantized tensors int4 can take as they are."""
+    if model is None:
+        return gguf_file_path()
+    if isinstance(model, (str, os.PathLike)) and Path(model).suffix == ".gguf" and Path(model).is_file():
+        return Path(model)
+    return None
+
+
 class LLM:
     """`LLM(model)` where model is a hub id, a folder, a `.gguf` file, None (the default model) or a
     loaded `PreTrainedModel` (used as it is); extra keywords are EngineConfig fields.
-    `quantization="int8"` quantizes the linear layers' weights after loading (a loaded model's in place;
-    quantization.py); it compiles where the engine's `compile` setting says, as without quantization."""
+    `quantization="int8"` or `"int4"` quantizes the linear layers' weights after loading (a loaded model's in
+    place; quantization.py; int4 takes a GGUF source's own Q4_1 tensors, the default model's included); it
+    compiles where the engine's `compile` setting says, as without quantization."""
 
     def __init__(self, model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1,
                  quantization: str | None = None, **engine_config: Any) -> None:
@@ -55,9 +67,10 @@ class LLM:
             load_kwargs["tp_plan"] = "auto"
             if config.num_threads is None and not torch.cuda.is_available():
                 config.num_threads = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+        gguf = gguf_source(model) if quantization == "int4" else None
         model, tokenizer = load_model(model, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
         if quantization is not None:
-            quantize_weights(model, quantization)
+            quantize_weights(model, quantization, gguf)
         leader = self.tp_group is None or self.tp_group.rank == 0
         if not leader:  # under torchrun every rank gets the caller's arguments: the draft runs on rank 0 only
             config.speculative_config = None

@@ -4,7 +4,8 @@ The forward is compiled with `dynamic=True`, so the packed length `T` and the nu
 rows are symbolic and one graph serves every step. Attention and the cache write are opaque custom ops
 (custom_ops.py) that read the step from a context, so nothing step-specific is guarded on. Sizes 0
 and 1 would be specialised by torch; compiling with `backed_size_oblivious` stops that for the kept
-rows, and start-up runs a dummy step of each of the two graphs that remain (`T = 1`, `T > 1`):
+rows, and start-up runs a dummy step of each of the two graphs that remain (`T = 1`, `T > 1`; int4 layers
+add a third past their dense-copy threshold):
 afterwards steady state never recompiles. Inductor's on-disk cache (torch's default) makes a second process's compile faster.
 
 A path the engine cannot compile (tensor parallelism, whose collectives run inside the forward)
@@ -21,13 +22,22 @@ import torch.distributed as dist
 import torch.fx.experimental._config as fx_config
 
 from paged_backend.kernels import AttentionMetadata
-from paged_backend.model import custom_ops
+from paged_backend.model import custom_ops, int4_linear
 
 logger = logging.getLogger(__name__)
 
 # (packed tokens, kept logits rows) of the warm-up steps: one per graph. transformers' mask code
 # branches on `T == 1`, so a one-token step is its own graph; any other size is size-oblivious.
 WARM_UP_SHAPES = ((1, 1), (3, 2))
+# Int4 layers branch on the step's rows (int4_linear.DENSE_ROWS): steps past it are a graph of their own.
+INT4_LARGE_STEP = (int4_linear.DENSE_ROWS + 8, 2)
+
+
+def warm_up_shapes(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """The (tokens, kept rows) of one dummy step per graph `model`'s compiled forward has."""
+    if int4_linear.has_int4_layers(model):
+        return (*WARM_UP_SHAPES, INT4_LARGE_STEP)
+    return WARM_UP_SHAPES
 
 
 def wants_compile(setting: bool | None, device: torch.device) -> bool:
@@ -47,14 +57,15 @@ def compile_model(model: torch.nn.Module) -> torch.nn.Module:
     return torch.compile(model, dynamic=True)
 
 
-def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor | None = None) -> float:
-    """Run `forward` on dummy steps of every specialised shape; return the seconds it took.
+def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor | None = None,
+            shapes: tuple[tuple[int, int], ...] = WARM_UP_SHAPES) -> float:
+    """Run `forward` on dummy steps of every specialised shape in `shapes`; return the seconds it took.
     The dummy K/V land in the first blocks, which hold nothing yet (no request has run) and which
     every later owner writes before reading."""
     device, num_blocks = kv.device, kv.shape[3] // block_size
     start = time.perf_counter()
     with torch.inference_mode(), fx_config.patch(backed_size_oblivious=True):
-        for tokens, rows in WARM_UP_SHAPES:
+        for tokens, rows in shapes:
             ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
             positions = torch.arange(tokens, device=device)[None]
             blocks = min(-(-tokens // block_size), num_blocks)

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels import AttentionMetadata
+from paged_backend.model import int4_linear
 from paged_backend.model.adapters import install_adapters, uninstall_adapters
 from paged_backend.model.attention import ATTENTION_NAME, register
 from paged_backend.model.model_runner import ModelRunner, StepInputs
@@ -70,15 +71,21 @@ def check_paged_matches_dense(model: PreTrainedModel, shape: KVShape) -> None:
         dense = dense_logits(model, seqs)
         paged = paged_logits(model, shape, seqs, param.dtype, param.device)
     worst = (paged.float() - dense.float()).abs().max().item()
-    allowed = TOLERANCE.get(param.dtype, 6e-2) * max(1.0, dense.float().abs().max().item())
+    precision = computing_dtype(model, param.dtype)
+    allowed = TOLERANCE.get(precision, 6e-2) * max(1.0, dense.float().abs().max().item())
     if not worst <= allowed:  # also refuses NaN
         raise UnsupportedArchitectureError(
             f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r}): the paged engine's "
             f"logits differ from the model's own forward by {worst:.4g} (tolerance {allowed:.4g} in "
-            f"{str(param.dtype).removeprefix('torch.')}) on a short chunked-prefill and decode check, so this "
+            f"{str(precision).removeprefix('torch.')}) on a short chunked-prefill and decode check, so this "
             "architecture does not run correctly on it and is refused (EngineConfig(self_check=False) skips the check)"
         )
     _checked[model] = (param.dtype, param.device)
+
+
+def computing_dtype(model: PreTrainedModel, dtype: torch.dtype) -> torch.dtype:
+    """The precision the model's matmuls run in: int4 layers take bf16 activations whatever the model's dtype."""
+    return int4_linear.COMPUTE_DTYPE if int4_linear.has_int4_layers(model) else dtype
 
 
 def dense_logits(model: PreTrainedModel, seqs: list[torch.Tensor]) -> torch.Tensor:

@@ -93,7 +93,8 @@ class ModelRunner:
     def compile(self) -> float:
         """Compile the model forward and warm it up on every shape class; return the seconds taken."""
         self.forward_model = compilation.compile_model(self.model)
-        return compilation.warm_up(self.run_model, self.cache.kv, self.cache.block_size, self.cache.kv_scales)
+        return compilation.warm_up(self.run_model, self.cache.kv, self.cache.block_size, self.cache.kv_scales,
+                                   compilation.warm_up_shapes(self.model))
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         requests, counts = batch.requests, np.asarray(batch.num_new_tokens, dtype=np.int64)

@@ -1,50 +1,86 @@
-"""Weight-only quantization of a model's linear layers: `LLM(..., quantization="int8")`, through torchao.
+"""Weight-only quantization of a model's linear layers: `LLM(..., quantization="int8" | "int4")`.
 
 int8 is torchao's `Int8WeightOnlyConfig`: each linear weight becomes int8 with one scale per output
 channel; activations, embeddings, norms and the KV cache keep the model's dtype. On an AVX2 CPU it
 decoded slower than the original weights both eagerly and compiled (README, "Precision"), so it
 saves memory, not time, and compiling follows the engine's own `compile` setting.
 
-int4 is refused: torchao 0.18's `Int4WeightOnlyConfig` has no CPU format (each packing needs CUDA or
-an extra kernel library), and torch's own CPU int4 matmul (`_weight_int4pack_mm_for_cpu`) took about
-30 ms for one token through a 576 x 1536 layer on an AVX2 CPU, where the fp32 matmul took 0.5 ms.
+int4 (CPU only) is `Int4Linear` (int4_linear.py): 4-bit codes with a scale and offset per group of
+32 inputs, multiplied by torch's CPU int4 kernel in small steps, which decodes several times faster
+than bf16 weights on an AVX-512 CPU. The decoder's projections become int4; the output projection
+(LM head, often tied to the embedding) keeps the model's dtype. A llama GGUF file's own Q4_1 tensors
+(the default model's) are taken as they are (gguf_int4.py); other weights are rounded per group.
 """
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import torch
+
+from paged_backend.model.int4_linear import Int4Linear, can_quantize, has_int4_layers
+
+logger = logging.getLogger(__name__)
 
 METHODS = ("int8", "int4")
 
 
 def check_method(method: str | None) -> None:
     """ValueError for anything but None or a method this engine applies."""
-    if method is None or method == "int8":
+    if method is None or method in METHODS:
         return
-    if method == "int4":
-        raise ValueError("quantization='int4' is not supported: torchao has no CPU int4 weight format and torch's "
-                         "CPU int4 matmul was measured far slower than fp32 here; use quantization='int8' (a model "
-                         "quantized by a transformers quantizer runs as it is)")
-    raise ValueError(f"quantization={method!r}: choose one of {', '.join(map(repr, METHODS[:1]))} or None")
+    raise ValueError(f"quantization={method!r}: choose one of {', '.join(map(repr, METHODS))} or None")
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
-    """Whether the model's weights were already quantized (by a transformers quantizer or torchao)."""
+    """Whether the model's weights were already quantized (by a transformers quantizer, torchao or int4 here)."""
     if getattr(model, "hf_quantizer", None) is not None or getattr(model.config, "quantization_config", None):
+        return True
+    if has_int4_layers(model):
         return True
     return any(type(p).__module__.startswith("torchao") for p in model.parameters())
 
 
-def quantize_weights(model: torch.nn.Module, method: str) -> None:
-    """Quantize every linear layer of `model` in place (weight-only); a clear error if torchao is
-    missing or the model is quantized already."""
+def quantize_weights(model: torch.nn.Module, method: str, gguf: Path | None = None) -> None:
+    """Quantize the linear layers of `model` in place (weight-only); a clear error if the method's
+    library is missing, the device cannot run it, or the model is quantized already. `gguf`: the file
+    the model was loaded from, whose Q4_1 tensors int4 takes as they are."""
     check_method(method)
     if is_quantized(model):
         raise ValueError(f"quantization={method!r}: this model's weights are already quantized "
                          f"({type(model).__name__}); load it without quantization= to run it as it is")
+    if method == "int4":
+        quantize_int4(model, gguf)
+        return
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as exc:
         raise ImportError(f"quantization={method!r} needs torchao: pip install 'paged-backend[quant]' "
                           "(or pip install torchao)") from exc
     quantize_(model, Int8WeightOnlyConfig())
+
+
+def quantize_int4(model: torch.nn.Module, gguf: Path | None = None) -> None:
+    """Every decoder linear layer the int4 kernel can take becomes an `Int4Linear`; the LM head stays."""
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ValueError(f"quantization='int4' runs on CPU (torch's CPU int4 kernel); this model is on {device}: "
+                         "use quantization='int8' or a model quantized by a transformers quantizer")
+    head = model.get_output_embeddings()
+    targets = {name: module for name, module in model.named_modules()
+               if type(module) is torch.nn.Linear and module is not head and can_quantize(module)}
+    from_file = read_gguf_layers(gguf, model) if gguf is not None else {}
+    for name, linear in targets.items():
+        parent, _, attribute = name.rpartition(".")
+        layer = from_file.get(name) or Int4Linear.from_float(linear)
+        setattr(model.get_submodule(parent), attribute, layer)
+    kept = sum(type(m) is torch.nn.Linear for m in model.modules())
+    logger.info("quantization int4: %d linear layers (%d from the GGUF file's Q4_1 tensors), %d kept as they were",
+                len(targets), len(from_file.keys() & targets.keys()), kept)
+
+
+def read_gguf_layers(gguf: Path, model: torch.nn.Module) -> dict[str, Int4Linear]:
+    from paged_backend.model.gguf_int4 import read_q4_1_linears
+
+    return read_q4_1_linears(gguf, model)
