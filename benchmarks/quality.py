@@ -1,6 +1,6 @@
 """Quality of each precision against fp32: MT-bench answers, teacher-forced and free-running.
 
-For every variant (weights in fp32 / bf16 / int8, KV cache in bf16 / int8) the engine
+For every variant (weights in fp32 / bf16 / int8 / int4, KV cache in bf16 / int8) the engine
 1. scores the fp32 engine's own greedy answers teacher-forced (prompt logprobs of prompt + answer):
    the mean |logprob difference| to fp32 over every answer token, and the share of answer positions
    where the variant's own top token, given fp32's answer so far, is fp32's token
@@ -41,10 +41,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {"dtype": "bfloat16"},
     "int8": {"dtype": "float32", "quantization": "int8", "compile": False},
     "int8_compiled": {"dtype": "float32", "quantization": "int8", "compile": True},
+    # The default model's own Q4_1 weights (int4_linear.py), with bf16 activations.
+    "int4": {"dtype": "bfloat16", "quantization": "int4", "compile": False},
+    "int4_compiled": {"dtype": "bfloat16", "quantization": "int4", "compile": True},
     "kv_bf16": {"dtype": "float32", "kv_cache_dtype": "bf16"},
     "kv_int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
 }
-DEFAULT_VARIANTS = ("fp32", "bf16", "int8", "kv_bf16", "kv_int8")
+DEFAULT_VARIANTS = ("fp32", "bf16", "int8", "int4", "kv_bf16", "kv_int8")
 
 
 def make_llm(model: str | None, variant: str, num_kv_blocks: int):

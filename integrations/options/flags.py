@@ -44,6 +44,17 @@ def add_engine_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
         add_flag(parser, field.name, hints[field.name], None, help_text, ENGINE_CHOICES.get(field.name))
 
 
+def add_quantization_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--quantization auto|none|int8|int4`, LLM's `quantization=` ("none" is None)."""
+    from paged_backend.model.quantization import AUTO, METHODS
+
+    parser.add_argument("--quantization", default=AUTO, type=lambda text: None if text == "none" else text,
+                        choices=[AUTO, None, *METHODS], metavar="{auto,none,int8,int4}",
+                        help="weight-only quantization of the linear layers: auto (the default model as int4 where it "
+                             "runs in bf16 on CPU, else none), none, int8 (torchao) or int4 (CPU; a GGUF file's Q4_1 "
+                             "tensors as they are)")
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields the user set on the command line (flags left out keep the config's default)."""
     return {name: getattr(args, name) for name in ENGINE_FIELDS if getattr(args, name, None) is not None}

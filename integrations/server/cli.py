@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from paged_backend.integrations.options.flags import ENGINE_FIELDS, add_engine_flags, engine_options
+from paged_backend.integrations.options.flags import (
+    ENGINE_FIELDS,
+    add_engine_flags,
+    add_quantization_flag,
+    engine_options,
+)
 
 from .state import DEFAULT_MAX_SEQS_PER_REQUEST
 
@@ -23,8 +28,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the most sequences (prompts x n or best_of) one request may start; more is a 400 "
                         f"(default {DEFAULT_MAX_SEQS_PER_REQUEST})")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--quantization", default=None, choices=["int8"],
-                        help="weight-only quantization of the linear layers (needs torchao; compiles the forward)")
+    add_quantization_flag(engine)
     add_engine_flags(engine, [name for name in ENGINE_FIELDS if name not in LORA_FIELDS])
     lora = parser.add_argument_group("LoRA adapters")
     add_engine_flags(lora, LORA_FIELDS)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from paged_backend.integrations.options.flags import (
     add_engine_flags,
+    add_quantization_flag,
     add_sampling_flags,
     engine_options,
     sampling_options,
 )
 from paged_backend.integrations.options.vocabularies import CLI
 from paged_backend.sampling.sampling_params import SamplingParams
-from paged_backend.model.quantization import METHODS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,9 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="hub id, folder, .gguf file (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--quantization", default=None, choices=list(METHODS),
-                        help="weight-only quantization of the linear layers: int8 (torchao) or int4 (CPU; a GGUF "
-                             "file's Q4_1 tensors as they are)")
+    add_quantization_flag(parser)
     add_engine_flags(parser.add_argument_group("engine"))
 
 

@@ -24,7 +24,7 @@ from paged_backend.model.attention import ATTENTION_NAME, register
 from paged_backend.model.default_model import gguf_file_path
 from paged_backend.model.lora import LoRARequest, LoRASpec
 from paged_backend.model.model_loader import load_model
-from paged_backend.model.quantization import check_method, quantize_weights
+from paged_backend.model.quantization import AUTO, check_method, quantize_weights, resolve_method
 from paged_backend.parallel.launch import TensorParallelGroup
 from paged_backend.parallel.step_protocol import broadcast_step, serve_steps
 from paged_backend.sampling.sampling_params import SamplingParams
@@ -47,10 +47,11 @@ class LLM:
     loaded `PreTrainedModel` (used as it is); extra keywords are EngineConfig fields.
     `quantization="int8"` or `"int4"` quantizes the linear layers' weights after loading (a loaded model's in
     place; quantization.py; int4 takes a GGUF source's own Q4_1 tensors, the default model's included); it
-    compiles where the engine's `compile` setting says, as without quantization."""
+    compiles where the engine's `compile` setting says, as without quantization. The default `"auto"` runs
+    the default model as int4 where it loads in bf16 on CPU, and quantizes nothing else; None never quantizes."""
 
     def __init__(self, model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1,
-                 quantization: str | None = None, **engine_config: Any) -> None:
+                 quantization: str | None = AUTO, **engine_config: Any) -> None:
         # Workers run the target's forwards only: proposals (a draft model's too) reach them inside rank 0's
         # step inputs, so they get no speculative_config (nor a loaded draft to unpickle).
         worker_config = {k: v for k, v in engine_config.items() if k != "speculative_config"}
@@ -58,7 +59,7 @@ class LLM:
         load_kwargs = {k: engine_config.pop(k) for k in LOAD_KEYS if k in engine_config}
         config = EngineConfig(**engine_config)
         check_method(quantization)
-        if quantization is not None and tensor_parallel_size > 1:
+        if quantization not in (None, AUTO) and tensor_parallel_size > 1:
             raise ValueError("quantization= with tensor_parallel_size > 1 is not supported")
         register()
         self.tp_group = None
@@ -67,10 +68,13 @@ class LLM:
             load_kwargs["tp_plan"] = "auto"
             if config.num_threads is None and not torch.cuda.is_available():
                 config.num_threads = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
-        gguf = gguf_source(model) if quantization == "int4" else None
+        source = model
         model, tokenizer = load_model(model, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
-        if quantization is not None:
-            quantize_weights(model, quantization, gguf)
+        param = next(model.parameters())
+        method = resolve_method(quantization, source is None, param.device, param.dtype,
+                                plain_engine=self.tp_group is None and not config.enable_lora)
+        if method is not None:
+            quantize_weights(model, method, gguf_source(source) if method == "int4" else None)
         leader = self.tp_group is None or self.tp_group.rank == 0
         if not leader:  # under torchrun every rank gets the caller's arguments: the draft runs on rank 0 only
             config.speculative_config = None

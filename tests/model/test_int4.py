@@ -13,8 +13,8 @@ from helpers.models import build
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.model import int4_linear
-from paged_backend.model.int4_linear import DENSE_ROWS, GROUP_SIZE, Int4Linear
-from paged_backend.model.quantization import quantize_weights
+from paged_backend.model.int4_linear import DENSE_ROWS, GROUP_SIZE, Int4Linear, has_int4_layers
+from paged_backend.model.quantization import quantize_weights, resolve_method
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -106,6 +106,23 @@ def test_int4_compiles_once_for_small_and_large_steps() -> None:
     assert [o.outputs[0].token_ids for o in outs] == refs
 
 
+def test_auto_means_int4_for_the_default_model_in_bf16_on_cpu_only() -> None:
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert resolve_method("auto", True, cpu, bf16, plain_engine=True) == "int4"
+    assert resolve_method("auto", False, cpu, bf16, plain_engine=True) is None  # a model the caller chose
+    assert resolve_method("auto", True, cpu, torch.float32, plain_engine=True) is None  # fp32 asked or picked
+    assert resolve_method("auto", True, torch.device("cuda"), bf16, plain_engine=True) is None
+    assert resolve_method("auto", True, cpu, bf16, plain_engine=False) is None  # LoRA or tensor parallelism
+    assert resolve_method(None, True, cpu, bf16, plain_engine=True) is None
+    assert resolve_method("int8", False, cpu, torch.float32, plain_engine=True) == "int8"
+
+
+def test_a_given_model_is_not_quantized_by_default() -> None:
+    model = build("llama").to(torch.bfloat16)
+    LLM(model, compile=False, num_kv_blocks=16)
+    assert not has_int4_layers(model)
+
+
 def test_int4_is_refused_off_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     model = build("llama")
     meta = torch.nn.Parameter(torch.empty(1, device="meta"))
@@ -142,13 +159,14 @@ def test_default_model_q4_1_tensors_load_as_transformers_dequantizes_them() -> N
 
 
 @pytest.mark.slow
-def test_default_model_int4_answers_like_its_bf16_self() -> None:
+def test_default_model_in_bf16_runs_int4_by_default_and_answers_like_its_bf16_self() -> None:
     prompts = ["The capital of France is", "List three colours:"]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    int4 = LLM(None, dtype="bfloat16", quantization="int4", compile=False, num_kv_blocks=64)
+    int4 = LLM(None, dtype="bfloat16", compile=False, num_kv_blocks=64)  # quantization="auto"
     layer = int4.engine.model.model.layers[0].self_attn.q_proj
     assert isinstance(layer, Int4Linear) and layer.dense.dtype == int4_linear.COMPUTE_DTYPE
-    bf16 = LLM(None, dtype="bfloat16", compile=False, num_kv_blocks=64)
+    bf16 = LLM(None, dtype="bfloat16", quantization=None, compile=False, num_kv_blocks=64)
+    assert not has_int4_layers(bf16.engine.model)
     a = [o.outputs[0].token_ids for o in int4.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in bf16.generate(prompts, params, use_tqdm=False)]
     # The same Q4_1 weights, rounded to bf16 in two ways: the answers start alike.

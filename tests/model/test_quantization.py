@@ -88,4 +88,7 @@ def test_cli_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["kv_cache_dtype"] == "int8" and seen["quantization"] == "int8"
     seen.clear()
     cli.make_llm(parser.parse_args([]))
-    assert "kv_cache_dtype" not in seen and seen["quantization"] is None  # unset flags: EngineConfig's defaults
+    assert "kv_cache_dtype" not in seen and seen["quantization"] == "auto"  # unset flags: the defaults
+    seen.clear()
+    cli.make_llm(parser.parse_args(["--quantization", "none"]))
+    assert seen["quantization"] is None
