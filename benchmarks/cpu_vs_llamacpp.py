@@ -131,7 +131,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     ratios = {"one_stream": medians["engine_one_stream"] / llama_one}
     if "engine_throughput" in medians:
         ratios["throughput_over_llamacpp_one_stream"] = medians["engine_throughput"] / llama_one
-    result = {"engine_options": options, "engine_dtype": str(engine.llm.model.dtype), "threads": threads,
+    from paged_backend.model.int4_linear import has_int4_layers
+
+    result = {"engine_options": options, "engine_dtype": str(engine.llm.model.dtype),
+              "engine_int4_weights": has_int4_layers(engine.llm.model), "threads": threads,
               "tokens": args.tokens, "repeats": args.repeats, "llama_cpp_version": llama_cpp.__version__,
               "gguf": gguf_file_path().name, "load_1m_start": load_start, "load_1m_end": os.getloadavg()[0],
               "runs": runs, "medians": medians, "ratios": ratios}

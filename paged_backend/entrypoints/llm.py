@@ -61,6 +61,9 @@ class LLM:
         check_method(quantization)
         if quantization not in (None, AUTO) and tensor_parallel_size > 1:
             raise ValueError("quantization= with tensor_parallel_size > 1 is not supported")
+        if quantization == "int4" and config.enable_lora:
+            raise ValueError("quantization='int4' with enable_lora=True is not supported: LoRA adapters attach to "
+                             "nn.Linear layers, which int4 replaces")
         register()
         self.tp_group = None
         if tensor_parallel_size > 1:

@@ -27,6 +27,35 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+FP32_DECODE_SDPA = "sdpa_fp32_decode"
+
+
+def sdpa_fp32_decode(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, with one-query (decode) rows of a bf16/fp16 model computed in fp32
+    and rounded back: the rounding the engine's CPU attention applies to those rows (torch_attention.py)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] != 1 or query.dtype not in (torch.bfloat16, torch.float16):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    return out.to(query.dtype), weights
+
+
+def hf_greedy_fp32_decode_attention(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """hf_greedy with decode attention in fp32 (sdpa_fp32_decode): the reference for bf16/fp16 models."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(FP32_DECODE_SDPA, sdpa_fp32_decode)
+    AttentionMaskInterface.register(FP32_DECODE_SDPA, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(FP32_DECODE_SDPA)
+    try:
+        return hf_greedy(model, prompt, max_new_tokens)
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def run_to_completion(engine: Engine) -> dict[str, RequestOutput]:
     finals: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_backend.kernels import AttentionMetadata, paged_attention, write_kv_cache
+import torch.nn.functional as F
+from paged_backend.kernels import AttentionMetadata, paged_attention, torch_attention, write_kv_cache
 
 
 def dense_reference(q, k, v, scale, window=None, softcap=None):
@@ -70,3 +71,20 @@ def test_write_skips_negative_slots():
     cache_k, cache_v = torch.zeros(1, 8, 2), torch.zeros(1, 8, 2)
     write_kv_cache(torch.ones(3, 1, 2), torch.ones(3, 1, 2), cache_k, cache_v, torch.tensor([2, -1, 5]))
     assert cache_k[0, :, 0].tolist() == [0, 0, 1, 0, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_decode_rows_attend_in_fp32(dtype: torch.dtype) -> None:
+    """One query row of a bf16/fp16 model is attended in fp32 and rounded back (faster on CPU than the
+    low-precision kernel path); several rows keep the model's dtype."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=g).to(dtype) for shape in ((4, 1, 16), (2, 40, 16), (2, 40, 16)))
+    out = torch_attention.attend_one(q, k, v, 0.25, None, None)
+    expected = F.scaled_dot_product_attention(q.float()[None], k.float()[None], v.float()[None], scale=0.25,
+                                              enable_gqa=True)[0].to(dtype)
+    assert out.dtype == dtype and torch.equal(out, expected)
+    rows = torch.randn(4, 3, 16, generator=g).to(dtype)
+    several = torch_attention.attend_one(rows, k, v, 0.25, None, None)
+    mask = torch_attention.causal_mask(3, 40, None, q.device)
+    assert torch.equal(several, F.scaled_dot_product_attention(rows[None], k[None], v[None], attn_mask=mask, scale=0.25,
+                                                               enable_gqa=True)[0])

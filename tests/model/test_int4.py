@@ -123,6 +123,13 @@ def test_a_given_model_is_not_quantized_by_default() -> None:
     assert not has_int4_layers(model)
 
 
+def test_int4_with_lora_is_refused_before_loading() -> None:
+    model = build("llama")
+    with pytest.raises(ValueError, match="int4.*enable_lora"):
+        LLM(model, quantization="int4", enable_lora=True)
+    assert not has_int4_layers(model)
+
+
 def test_int4_is_refused_off_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     model = build("llama")
     meta = torch.nn.Parameter(torch.empty(1, device="meta"))

@@ -58,7 +58,8 @@ def test_adopted_model_is_converted_only_when_asked(monkeypatch: pytest.MonkeyPa
 def test_default_model_in_bf16_passes_the_self_check() -> None:
     from paged_backend import LLM, SamplingParams
 
-    llm = LLM(None, dtype="bfloat16", num_kv_blocks=64)  # the self-check runs at start-up (on by default)
+    # The self-check runs at start-up (on by default); quantization=None keeps bf16 weights (not auto's int4).
+    llm = LLM(None, dtype="bfloat16", quantization=None, num_kv_blocks=64)
     assert llm.model.dtype == torch.bfloat16
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
