@@ -8,7 +8,7 @@ saves memory, not time, and compiling follows the engine's own `compile` setting
 int4 (CPU only) is `Int4Linear` (int4_linear.py): 4-bit codes with a scale and offset per group of
 32 inputs, multiplied by torch's CPU int4 kernel in small steps, which decodes several times faster
 than bf16 weights on an AVX-512 CPU. The decoder's projections become int4; the output projection
-(LM head, often tied to the embedding) keeps the model's dtype. A llama GGUF file's own Q4_1 tensors
+(LM head, often tied to the embedding, which keeps its weight) becomes int8 per row (int8_linear.py). A llama GGUF file's own Q4_1 tensors
 (the default model's) are taken as they are (gguf_int4.py); other weights are rounded per group.
 """
 
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from paged_backend.model.int4_linear import Int4Linear, can_quantize, has_int4_layers
+from paged_backend.model.int8_linear import Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ def quantize_weights(model: torch.nn.Module, method: str, gguf: Path | None = No
 
 
 def quantize_int4(model: torch.nn.Module, gguf: Path | None = None) -> None:
-    """Every decoder linear layer the int4 kernel can take becomes an `Int4Linear`; the LM head stays."""
+    """Every decoder linear layer the int4 kernel can take becomes an `Int4Linear`, the LM head an
+    `Int8Linear` (4 bits lose too much at the output; int8 still reads half the bytes of bf16)."""
     device = next(model.parameters()).device
     if device.type != "cpu":
         raise ValueError(f"quantization='int4' runs on CPU (torch's CPU int4 kernel); this model is on {device}: "
@@ -85,12 +87,19 @@ def quantize_int4(model: torch.nn.Module, gguf: Path | None = None) -> None:
                if type(module) is torch.nn.Linear and module is not head and can_quantize(module)}
     from_file = read_gguf_layers(gguf, model) if gguf is not None else {}
     for name, linear in targets.items():
-        parent, _, attribute = name.rpartition(".")
-        layer = from_file.get(name) or Int4Linear.from_float(linear)
-        setattr(model.get_submodule(parent), attribute, layer)
+        replace_module(model, name, from_file.get(name) or Int4Linear.from_float(linear))
+    head_name = next((name for name, module in model.named_modules() if module is head), None)
+    if type(head) is torch.nn.Linear and head_name is not None:
+        # The embedding keeps its own weight where the head was tied to it.
+        replace_module(model, head_name, Int8Linear.from_float(head))
     kept = sum(type(m) is torch.nn.Linear for m in model.modules())
-    logger.info("quantization int4: %d linear layers (%d from the GGUF file's Q4_1 tensors), %d kept as they were",
-                len(targets), len(from_file.keys() & targets.keys()), kept)
+    logger.info("quantization int4: %d linear layers (%d from the GGUF file's Q4_1 tensors), the LM head int8, "
+                "%d kept as they were", len(targets), len(from_file.keys() & targets.keys()), kept)
+
+
+def replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent), attribute, module)
 
 
 def read_gguf_layers(gguf: Path, model: torch.nn.Module) -> dict[str, Int4Linear]:

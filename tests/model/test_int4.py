@@ -12,8 +12,9 @@ from helpers.engine import hf_greedy, mixed_prompts, one_thread  # noqa: F401
 from helpers.models import build
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.model import int4_linear
+from paged_backend.model import int4_linear, int8_linear
 from paged_backend.model.int4_linear import DENSE_ROWS, GROUP_SIZE, Int4Linear, has_int4_layers
+from paged_backend.model.int8_linear import Int8Linear
 from paged_backend.model.quantization import quantize_weights, resolve_method
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -58,13 +59,33 @@ def test_codes_come_back_exactly_where_bf16_holds_them() -> None:
     assert torch.allclose(small, dense, atol=1e-2 * dense.abs().max().item())
 
 
+@pytest.mark.parametrize("rows", [1, int8_linear.DENSE_ROWS, int8_linear.DENSE_ROWS + 1, 40])
+def test_int8_head_paths_multiply_by_the_dequantized_weight(rows: int) -> None:
+    linear = random_linear(out_features=80, in_features=48)
+    head = Int8Linear.from_float(linear)
+    weight = linear.weight.detach()
+    assert (head.weight_float() - weight).abs().max() <= weight.abs().amax() / 127  # half a step + bf16 scale
+    x = torch.randn(rows, 48)
+    expected = F.linear(x.bfloat16().double(), head.weight_float().double(), linear.bias.double())
+    assert torch.allclose(head(x).double(), expected, rtol=0, atol=1e-2 * expected.abs().max().item())
+
+
+def test_tied_embedding_keeps_its_weight_when_the_head_becomes_int8() -> None:
+    model = build("llama")
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as the default model's are
+    before = model.model.embed_tokens.weight.detach().clone()
+    quantize_weights(model, "int4")
+    assert isinstance(model.lm_head, Int8Linear)
+    assert torch.equal(model.model.embed_tokens.weight, before)
+
+
 def test_shapes_the_kernel_cannot_take_are_refused_or_left_alone() -> None:
     with pytest.raises(ValueError, match="out_features % 16"):
         Int4Linear(torch.zeros(8, 32, dtype=torch.long), torch.ones(8, 1), torch.zeros(8, 1))
     model = build("llama")
     quantize_weights(model, "int4")
     assert isinstance(model.model.layers[0].mlp.up_proj, Int4Linear)
-    assert type(model.lm_head) is torch.nn.Linear  # the output projection keeps the model's dtype
+    assert isinstance(model.lm_head, Int8Linear)  # the output projection: int8 per row
     with pytest.raises(ValueError, match="already quantized"):
         quantize_weights(model, "int4")
 
