@@ -117,7 +117,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     prompt = load_mt_bench_prompts(1)[0]
     load_start = os.getloadavg()[0]
     options = parse_engine_options(args.engine)
-    engine, llama = EngineRunner(options), LlamaCpp(gguf_file_path(), threads)
+    start = time.perf_counter()
+    engine = EngineRunner(options)
+    engine_load_s = time.perf_counter() - start
+    llama = LlamaCpp(gguf_file_path(), threads)
     engine.one_stream(prompt, 8)  # warm both up (first-call allocations, a compiled engine's graphs)
     llama.one_stream(prompt, 8)
     runs: dict[str, list[float]] = {"engine_one_stream": [], "llamacpp_one_stream": [], "engine_throughput": []}
@@ -134,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     from paged_backend.model.int4_linear import has_int4_layers
 
     result = {"engine_options": options, "engine_dtype": str(engine.llm.model.dtype),
-              "engine_int4_weights": has_int4_layers(engine.llm.model), "threads": threads,
+              "engine_int4_weights": has_int4_layers(engine.llm.model), "engine_load_s": engine_load_s,
+              "engine_compile_s": engine.llm.engine.compile_s, "threads": threads,
               "tokens": args.tokens, "repeats": args.repeats, "llama_cpp_version": llama_cpp.__version__,
               "gguf": gguf_file_path().name, "load_1m_start": load_start, "load_1m_end": os.getloadavg()[0],
               "runs": runs, "medians": medians, "ratios": ratios}
@@ -144,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         print(f"{name:<22} {value:7.1f} tok/s   runs {[round(v, 1) for v in runs[name]]}")
     for name, value in ratios.items():
         print(f"ratio {name:<36} {value:5.2f}x")
+    print(f"engine start-up {engine_load_s:.1f} s (compile and warm-up {engine.llm.engine.compile_s or 0:.1f} s)")
     print(f"threads {threads}; load average {load_start:.1f} -> {result['load_1m_end']:.1f}; wrote {args.json}")
     return result
 

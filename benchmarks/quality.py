@@ -38,7 +38,7 @@ from common import RESULTS_DIR, load_mt_bench_prompts  # noqa: E402
 # name -> LLM keywords; every variant runs eagerly unless its name says compiled.
 VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
-    "bf16": {"dtype": "bfloat16"},
+    "bf16": {"dtype": "bfloat16", "quantization": None},  # not "auto", which makes the default model int4
     "int8": {"dtype": "float32", "quantization": "int8", "compile": False},
     "int8_compiled": {"dtype": "float32", "quantization": "int8", "compile": True},
     # The default model's own Q4_1 weights (int4_linear.py), with bf16 activations.
