@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, load_mt_bench_prompts  # noqa: E402
+from common import RESULTS_DIR, load_mt_bench_prompts
 
 INSTALL_HINT = ("llama-cpp-python is not installed; it is the `compare` extra, built from source (several minutes):\n"
                 "    CMAKE_BUILD_PARALLEL_LEVEL=2 pip install 'paged-backend[compare]'")

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, load_mt_bench_prompts  # noqa: E402
+from common import RESULTS_DIR, load_mt_bench_prompts
 
 # name -> LLM keywords; every variant runs eagerly unless its name says compiled.
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -16,11 +16,17 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# Set at import, before any test starts a process: Ray replicas, tensor-parallel workers and command-line
+# runs inherit it, so they pick the dtype the test process picks (fp32_default_on_cpu below).
+os.environ["PAGED_BACKEND_CPU_BF16"] = "0"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def fp32_default_on_cpu():
     """The suite's equality tests are written for fp32 weights, so `dtype=None`/"auto" means fp32 on CPU
-    in every test, on every machine: a CPU with native bf16 (where the engine would pick bf16) runs the
-    same tests as one without. test_precision.py tests the choice itself by patching it back."""
+    in every test and every process it starts, on every machine: a CPU with native bf16 (where the engine
+    would pick bf16) runs the same tests as one without. test_precision.py tests the choice itself by
+    patching it back."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("paged_backend.model.precision.cpu_has_native_bf16", lambda: False)
         yield

@@ -24,7 +24,12 @@ from paged_backend.model.attention import ATTENTION_NAME, register
 from paged_backend.model.default_model import gguf_file_path
 from paged_backend.model.lora import LoRARequest, LoRASpec
 from paged_backend.model.model_loader import load_model
-from paged_backend.model.quantization import AUTO, check_method, quantize_weights, resolve_method
+from paged_backend.model.quantization import (
+    AUTO,
+    check_method,
+    quantize_weights,
+    resolve_method,
+)
 from paged_backend.parallel.launch import TensorParallelGroup
 from paged_backend.parallel.step_protocol import broadcast_step, serve_steps
 from paged_backend.sampling.sampling_params import SamplingParams

@@ -9,17 +9,25 @@ than in fp32 (README, "Precision").
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 CPUINFO = Path("/proc/cpuinfo")
+# "1" or "0": take that as the answer instead of reading the CPU flags (a VM that hides them, or a process
+# tree that must pick the same dtype on every machine, as the test suite's Ray and tensor-parallel workers).
+NATIVE_BF16_ENV = "PAGED_BACKEND_CPU_BF16"
 
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """Whether the CPU flags name a bf16 instruction set (Linux's /proc/cpuinfo; False where it is absent)."""
+    """Whether the CPU computes bf16 natively: `PAGED_BACKEND_CPU_BF16` when it is "0" or "1", else whether the
+    CPU flags name a bf16 instruction set (Linux's /proc/cpuinfo; False where it is absent)."""
+    override = os.environ.get(NATIVE_BF16_ENV)
+    if override in ("0", "1"):
+        return override == "1"
     try:
         text = CPUINFO.read_text()
     except OSError:

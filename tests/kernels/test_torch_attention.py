@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from paged_backend.kernels import AttentionMetadata, paged_attention, torch_attention, write_kv_cache
+from paged_backend.kernels import (
+    AttentionMetadata,
+    paged_attention,
+    torch_attention,
+    write_kv_cache,
+)
 
 
 def dense_reference(q, k, v, scale, window=None, softcap=None):

@@ -13,7 +13,12 @@ from helpers.models import build
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.model import int4_linear, int8_linear
-from paged_backend.model.int4_linear import DENSE_ROWS, GROUP_SIZE, Int4Linear, has_int4_layers
+from paged_backend.model.int4_linear import (
+    DENSE_ROWS,
+    GROUP_SIZE,
+    Int4Linear,
+    has_int4_layers,
+)
 from paged_backend.model.int8_linear import Int8Linear
 from paged_backend.model.quantization import quantize_weights, resolve_method
 

@@ -23,6 +23,7 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path: Path, monkeypatch: pyt
                                                 native: bool) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(FLAGS.format(extra=extra))
+    monkeypatch.delenv(precision.NATIVE_BF16_ENV, raising=False)  # conftest sets it for the whole suite
     monkeypatch.setattr(precision, "CPUINFO", cpuinfo)
     ORIGINAL_CHECK.cache_clear()
     try:
@@ -30,6 +31,20 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path: Path, monkeypatch: pyt
         monkeypatch.setattr(precision, "CPUINFO", tmp_path / "missing")
         ORIGINAL_CHECK.cache_clear()
         assert ORIGINAL_CHECK() is False  # no /proc/cpuinfo (not Linux): fp32, the safe choice
+    finally:
+        ORIGINAL_CHECK.cache_clear()
+
+
+@pytest.mark.parametrize("value, native", [("1", True), ("0", False)])
+def test_the_environment_overrides_the_cpu_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str,
+                                                 native: bool) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(FLAGS.format(extra="" if native else "avx512_bf16"))  # the flags say the opposite
+    monkeypatch.setattr(precision, "CPUINFO", cpuinfo)
+    monkeypatch.setenv(precision.NATIVE_BF16_ENV, value)
+    ORIGINAL_CHECK.cache_clear()
+    try:
+        assert ORIGINAL_CHECK() is native
     finally:
         ORIGINAL_CHECK.cache_clear()
 
