@@ -33,9 +33,9 @@ def test_opcheck_both_ops():
     key, value = torch.randn(tokens, 2, 8), torch.randn(tokens, 2, 8)
     query = torch.randn(tokens, 4, 8)
     with custom_ops.step_context(metadata, kv):
-        torch.library.opcheck(custom_ops.write_kv_cache, (key, value, 1))
-        torch.library.opcheck(custom_ops.paged_attention, (query, key, value, 1, 0.35))
-        torch.library.opcheck(custom_ops.paged_attention, (query, key, value, 1, 0.35),
+        torch.library.opcheck(custom_ops.write_kv_cache_op, (key, value, 1))
+        torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, 1, 0.35))
+        torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, 1, 0.35),
                               {"sliding_window": 2, "softcap": 5.0})
         # The write reached layer 1 of the step's cache, at the slot mapping.
         assert torch.equal(kv[1, 0, :, metadata.slot_mapping].transpose(0, 1), key)
@@ -45,3 +45,19 @@ def test_opcheck_both_ops():
 def test_ops_refuse_to_run_outside_a_step():
     with pytest.raises(RuntimeError, match="outside an engine step"):
         custom_ops.write_kv_cache(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), 0)
+
+
+def test_an_eager_forward_calls_the_implementations_without_the_dispatcher(monkeypatch):
+    from helpers.models import build
+
+    from paged_backend import LLM, SamplingParams
+
+    llm = LLM(build("llama"), compile=False, num_kv_blocks=16)
+
+    def dispatched(*args, **kwargs):
+        raise AssertionError("an eager step went through the registered op")
+
+    monkeypatch.setattr(custom_ops, "write_kv_cache_op", dispatched)
+    monkeypatch.setattr(custom_ops, "paged_attention_op", dispatched)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
