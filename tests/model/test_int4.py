@@ -204,3 +204,15 @@ def test_default_model_in_bf16_runs_int4_by_default_and_answers_like_its_bf16_se
     b = [o.outputs[0].token_ids for o in bf16.generate(prompts, params, use_tqdm=False)]
     # The same Q4_1 weights, rounded to bf16 in two ways: the answers start alike.
     assert all(x[:4] == y[:4] for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+def test_the_tensor_index_reads_what_gguf_reader_reads() -> None:
+    from gguf import GGUFReader
+
+    from paged_backend.model.default_model import gguf_file_path
+    from paged_backend.model.gguf_int4 import tensor_index
+
+    expected = {t.name: (tuple(int(x) for x in t.shape), int(t.tensor_type), int(t.data_offset))
+                for t in GGUFReader(str(gguf_file_path())).tensors}
+    assert {name: (shape, kind, offset) for name, shape, kind, offset in tensor_index(gguf_file_path())} == expected
