@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,9 +20,8 @@ from paged_backend.entrypoints.beam_search import (
 )
 from paged_backend.integrations.chat import render_chat
 from paged_backend.model.attention import ATTENTION_NAME, register
-from paged_backend.model.default_model import gguf_file_path
 from paged_backend.model.lora import LoRARequest, LoRASpec
-from paged_backend.model.model_loader import load_model
+from paged_backend.model.model_loader import gguf_file_of, is_default_model, load_model
 from paged_backend.model.quantization import (
     AUTO,
     check_method,
@@ -36,15 +34,6 @@ from paged_backend.sampling.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
 LOAD_KEYS = ("dtype", "device", "trust_remote_code")
-
-
-def gguf_source(model: Any) -> Path | None:
-    """The GGUF file `model` names (None: the default model's), whose quantized tensors int4 can take as they are."""
-    if model is None:
-        return gguf_file_path()
-    if isinstance(model, (str, os.PathLike)) and Path(model).suffix == ".gguf" and Path(model).is_file():
-        return Path(model)
-    return None
 
 
 class LLM:
@@ -79,10 +68,10 @@ class LLM:
         source = model
         model, tokenizer = load_model(model, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
         param = next(model.parameters())
-        method = resolve_method(quantization, source is None, param.device, param.dtype,
+        method = resolve_method(quantization, is_default_model(source), param.device, param.dtype,
                                 plain_engine=self.tp_group is None and not config.enable_lora)
         if method is not None:
-            quantize_weights(model, method, gguf_source(source) if method == "int4" else None)
+            quantize_weights(model, method, gguf_file_of(source) if method == "int4" else None)
         leader = self.tp_group is None or self.tp_group.rank == 0
         if not leader:  # under torchrun every rank gets the caller's arguments: the draft runs on rank 0 only
             config.speculative_config = None

@@ -10,20 +10,18 @@ bf16 activations): on an AVX-512 CPU (2 threads, the default model's 30 layers o
 4.0 ms at 1 row against 18.8 ms for bf16 and 36.5 ms for fp32 weights, 11.9 against 25.1 at 8 rows,
 and even at 32 rows. Past that the kernel falls behind a dense bf16 matmul (101 against 75 ms at 64
 rows, 654 against 296 at 512), so steps of more than `DENSE_ROWS` rows multiply by a dense bf16 copy
-of the same dequantized weights instead. Both paths compute with the int4 model's weights (the copy
-is dequantized from the codes, not kept from the original), so which path a step takes changes only
-rounding, as any change of matmul kernel does. The copy costs 2 bytes per weight: on CPU this format
-buys decode speed, not memory.
+of the same dequantized weights instead (quantized_linear.py). The copy costs 2 bytes per weight: on
+CPU this format buys decode speed, not memory.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from paged_backend.model.quantized_linear import COMPUTE_DTYPE, QuantizedLinear
 
 GROUP_SIZE = 32  # weights per (scale, offset) pair along the input dimension, as in GGUF's Q4_1
 DENSE_ROWS = 32  # steps of more rows multiply by the dense copy (measured crossover, module docstring)
-COMPUTE_DTYPE = torch.bfloat16  # the int4 kernel's fast path takes bf16 activations (fp32 was 25x slower)
 
 
 def can_quantize(linear: torch.nn.Linear) -> bool:
@@ -35,24 +33,24 @@ def has_int4_layers(model: torch.nn.Module) -> bool:
     return any(isinstance(module, Int4Linear) for module in model.modules())
 
 
-class Int4Linear(torch.nn.Module):
+class Int4Linear(QuantizedLinear):
     """A linear layer whose weight is 4-bit codes with a scale and offset per group of 32 inputs."""
+
+    dense_rows = DENSE_ROWS
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:
         """`codes [out, in]` in 0..15, `scales` and `offsets [out, in / 32]`: weight = codes * scales + offsets."""
-        super().__init__()
-        self.out_features, self.in_features = codes.shape
-        if self.out_features % 16 or self.in_features % GROUP_SIZE:
+        out_features, in_features = codes.shape
+        if out_features % 16 or in_features % GROUP_SIZE:
             raise ValueError(f"int4 weights need out_features % 16 == 0 and in_features % {GROUP_SIZE} == 0, "
-                             f"got {self.out_features} x {self.in_features}")
+                             f"got {out_features} x {in_features}")
         # The kernel dequantizes as (code - 8) * scale + zero, with scale and zero in the activations' dtype.
         scale = scales.float().to(COMPUTE_DTYPE)
         zero = (offsets.float() + 8 * scales.float()).to(COMPUTE_DTYPE)
+        super().__init__(dequantize(codes, scale, zero), bias)
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
         self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous())
-        self.register_buffer("dense", dequantize(codes, scale, zero).to(COMPUTE_DTYPE))
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
     def from_float(cls, linear: torch.nn.Linear) -> Int4Linear:
@@ -64,23 +62,11 @@ class Int4Linear(torch.nn.Module):
         codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).view_as(weight)
         return cls(codes, scales, low, linear.bias)
 
-    def weight_float(self) -> torch.Tensor:
-        """The weight this layer multiplies by, `[out, in]` in fp32."""
-        return self.dense.float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if rows.shape[0] > DENSE_ROWS:
-            out = F.linear(rows, self.dense)
-        else:
-            out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_and_zeros)
-        out = out.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+    def quantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_and_zeros)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}"
+        return f"{super().extra_repr()}, group_size={GROUP_SIZE}"
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels import AttentionMetadata
-from paged_backend.model import int4_linear
+from paged_backend.model import quantized_linear
 from paged_backend.model.adapters import install_adapters, uninstall_adapters
 from paged_backend.model.attention import ATTENTION_NAME, register
 from paged_backend.model.model_runner import ModelRunner, StepInputs
@@ -84,8 +84,8 @@ def check_paged_matches_dense(model: PreTrainedModel, shape: KVShape) -> None:
 
 
 def computing_dtype(model: PreTrainedModel, dtype: torch.dtype) -> torch.dtype:
-    """The precision the model's matmuls run in: int4 layers take bf16 activations whatever the model's dtype."""
-    return int4_linear.COMPUTE_DTYPE if int4_linear.has_int4_layers(model) else dtype
+    """The precision the model's matmuls run in: quantized layers take bf16 activations whatever the model's dtype."""
+    return quantized_linear.COMPUTE_DTYPE if quantized_linear.has_quantized_layers(model) else dtype
 
 
 def dense_logits(model: PreTrainedModel, seqs: list[torch.Tensor]) -> torch.Tensor:

@@ -33,7 +33,11 @@ from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.model.adapters import ADAPTERS
 from paged_backend.model.adapters.baichuan import is_baichuan, load_baichuan
 from paged_backend.model.attention import ATTENTION_NAME
-from paged_backend.model.default_model import DEFAULT_MODEL, default_model_path
+from paged_backend.model.default_model import (
+    DEFAULT_MODEL,
+    default_model_path,
+    gguf_file_path,
+)
 from paged_backend.model.precision import preferred_dtype
 
 # Each of these has a decoder-only *ForCausalLM whose attention module calls
@@ -208,9 +212,25 @@ ACCEPTED_MODELS = ("None (the default model), a hub id, a local folder with a co
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
+def is_default_model(model: object) -> bool:
+    """Whether a model argument names the bundled default model (None or DEFAULT_MODEL)."""
+    return model is None or (isinstance(model, str) and model == DEFAULT_MODEL)
+
+
+def gguf_file_of(model: object) -> Path | None:
+    """The GGUF file a model argument loads from (the default model's bundled one included), or None."""
+    if is_default_model(model):
+        return gguf_file_path()
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model).expanduser()
+        if path.suffix == ".gguf" and path.is_file():
+            return path
+    return None
+
+
 def _resolve_source(model: str | os.PathLike | None) -> tuple[str | Path, str | None]:
     """Return (hub id or folder, GGUF file name or None) for a model argument."""
-    if model is None or model == DEFAULT_MODEL:
+    if is_default_model(model):
         return default_model_path(), None
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model={type(model).__module__}.{type(model).__name__}: expected {ACCEPTED_MODELS}")

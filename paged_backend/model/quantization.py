@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from paged_backend.model.int4_linear import Int4Linear, can_quantize, has_int4_layers
+from paged_backend.model.int4_linear import Int4Linear, can_quantize
 from paged_backend.model.int8_linear import Int8Linear
+from paged_backend.model.quantized_linear import has_quantized_layers
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def is_quantized(model: torch.nn.Module) -> bool:
     """Whether the model's weights were already quantized (by a transformers quantizer, torchao or int4 here)."""
     if getattr(model, "hf_quantizer", None) is not None or getattr(model.config, "quantization_config", None):
         return True
-    if has_int4_layers(model):
+    if has_quantized_layers(model):
         return True
     return any(type(p).__module__.startswith("torchao") for p in model.parameters())
 

@@ -216,3 +216,15 @@ def test_the_tensor_index_reads_what_gguf_reader_reads() -> None:
     expected = {t.name: (tuple(int(x) for x in t.shape), int(t.tensor_type), int(t.data_offset))
                 for t in GGUFReader(str(gguf_file_path())).tensors}
     assert {name: (shape, kind, offset) for name, shape, kind, offset in tensor_index(gguf_file_path())} == expected
+
+
+@pytest.mark.slow
+def test_the_gguf_a_model_argument_loads_from(tmp_path) -> None:
+    from paged_backend.model.default_model import DEFAULT_MODEL, gguf_file_path
+    from paged_backend.model.model_loader import gguf_file_of, is_default_model
+
+    assert is_default_model(None) and is_default_model(DEFAULT_MODEL) and not is_default_model("gpt2")
+    assert gguf_file_of(None) == gguf_file_of(DEFAULT_MODEL) == gguf_file_path()
+    file = tmp_path / "m.gguf"
+    file.write_bytes(b"GGUF")
+    assert gguf_file_of(str(file)) == file and gguf_file_of(tmp_path) is None and gguf_file_of(build("llama")) is None
