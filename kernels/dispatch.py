@@ -124,3 +124,31 @@ def paged_attention(
         query, key_cache, value_cache, metadata, scale, sliding_window, softcap, new_key, new_value, alibi_slopes,
         key_scales, value_scales,
     )
+
+
+def write_and_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    layer_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What a layer does in a step, as one call: write its new `key/value [T, KVH, D]` into its paged cache
+    `layer_cache [2 (K, V), KVH, num_slots, D]` (an int8 one with `layer_scales [2, KVH, num_slots]`) at
+    `metadata.slot_mapping`, as write_kv_cache() does, then attend `query [T, H, D]` over each sequence's
+    context, those keys included, as paged_attention() does; returns `[T, H, D]`."""
+    if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
+        attention, cache_write = triton_modules()
+        key_scales, value_scales = (None, None) if layer_scales is None else (layer_scales[0], layer_scales[1])
+        cache_write.write_kv_cache(key, value, layer_cache[0], layer_cache[1], metadata.slot_mapping, key_scales,
+                                   value_scales)
+        return attention.paged_attention(query, layer_cache[0], layer_cache[1], metadata, scale, sliding_window,
+                                         softcap, alibi_slopes=alibi_slopes, key_scales=key_scales,
+                                         value_scales=value_scales)
+    return torch_attention.write_and_attend(query, key, value, layer_cache, metadata, scale, sliding_window,
+                                            softcap, alibi_slopes, layer_scales)

@@ -7,6 +7,8 @@ The gather indices depend only on the step, so they are built once per step and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -28,11 +30,62 @@ def write_kv_cache(
     [KVH, num_slots]`. Returns the K/V as the cache now holds them, in the input dtype (the inputs
     themselves when the cache has their dtype), so attention reading them directly sees what a
     later step will read from the cache."""
+    return write_rows(key, value, key_cache, value_cache, slot_mapping, writable_rows(slot_mapping),
+                      key_scales, value_scales)
+
+
+def writable_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """The rows of a step with a slot to write (bool `[T]`), or None when every row has one."""
     keep = slot_mapping >= 0
-    rows = None if bool(keep.all()) else keep
+    return None if bool(keep.all()) else keep
+
+
+def write_rows(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               slot_mapping: torch.Tensor, rows: torch.Tensor | None, key_scales: torch.Tensor | None,
+               value_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """write_kv_cache() of `rows` (None: all) of the step, found by writable_rows()."""
     stored_key = write_one(key, key_cache, key_scales, slot_mapping, rows)
     stored_value = write_one(value, value_cache, value_scales, slot_mapping, rows)
     return stored_key, stored_value
+
+
+def write_and_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    layer_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """write_kv_cache() of this step's `key/value [T, KVH, D]` into one layer's cache `[2 (K, V), KVH,
+    num_slots, D]` (an int8 one with its `layer_scales [2, KVH, num_slots]`), then paged_attention() of
+    `query [T, H, D]` over the context they joined. Which rows have a slot is found once per step, not per
+    layer, and a sequence's K and V are gathered together (one gather and one cast, not two of each)."""
+    rows = metadata.derived.get("torch_writable_rows", MISSING)
+    if rows is MISSING:
+        rows = metadata.derived["torch_writable_rows"] = writable_rows(metadata.slot_mapping)
+    key_scales, value_scales = (None, None) if layer_scales is None else (layer_scales[0], layer_scales[1])
+    stored = write_rows(key, value, layer_cache[0], layer_cache[1], metadata.slot_mapping, rows, key_scales,
+                        value_scales)
+
+    # K and V as one `[2 * KVH, slots, D]` tensor: one 3-D gather is as fast as either of two (a 4-D one
+    # takes torch's slower general path), and one cast follows it.
+    heads, dim = layer_cache.shape[1], layer_cache.shape[-1]
+    joint = layer_cache.view(2 * heads, -1, dim)
+    joint_scales = None if layer_scales is None else layer_scales.view(2 * heads, -1)
+
+    def read(slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        context = read_context(joint, joint_scales, slots, dtype)
+        return context[:heads], context[heads:]
+
+    return attend_sequences(query, read, metadata, scale, sliding_window, softcap, stored, alibi_slopes)
+
+
+MISSING = object()
 
 
 def write_one(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor,
@@ -51,7 +104,8 @@ def write_one(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None,
 
 def read_context(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
                  dtype: torch.dtype) -> torch.Tensor:
-    """The K or V `[KVH, L, D]` at `slots`, in the query's `dtype` (dequantized from an int8 cache)."""
+    """The K or V `[KVH, L, D]` at `slots` (or both, from a layer's cache viewed as `[2 * KVH, slots, D]`),
+    in `dtype` (dequantized from an int8 cache)."""
     values = cache.index_select(1, slots)
     if scales is not None:
         return dequantize_int8(values, scales.index_select(1, slots), dtype)
@@ -195,20 +249,48 @@ def paged_attention(
     skips the gather. `alibi_slopes` `[H]` (optional) adds `slope * (key position - query position)`
     to each head's logits. `key_scales/value_scales [KVH, num_slots]` are given with an int8 cache.
     """
-    out = torch.empty_like(query)
-    starts = metadata.query_start_loc_host
-    gathers = None
+    def read(slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return (read_context(key_cache, key_scales, slots, dtype),
+                read_context(value_cache, value_scales, slots, dtype))
+
+    stored = None if new_key is None else (new_key, new_value)
+    return attend_sequences(query, read, metadata, scale, sliding_window, softcap, stored, alibi_slopes)
+
+
+ContextReader = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+
+
+def attend_sequences(
+    query: torch.Tensor,
+    read: ContextReader,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    stored: tuple[torch.Tensor, torch.Tensor] | None,
+    alibi_slopes: torch.Tensor | None,
+) -> torch.Tensor:
+    """paged_attention() with the context read by `read(slots, dtype) -> (K, V) [KVH, L, D]`, and this step's
+    K/V as stored (`stored`, optional) for sequences with no earlier context."""
     # Masks depend on the step's shapes (and the ALiBi slopes, the same in every layer of the models that
     # use them), not on the layer, so one set serves the whole forward.
     masks = metadata.derived.setdefault("torch_masks", {})
-    for i, seq_len in enumerate(metadata.seq_lens_host):
-        s, e = starts[i], starts[i + 1]
+    # Decode rows attend in fp32 (UPCAST_DECODE_DTYPES), so their context is read straight into fp32.
+    upcast = query.dtype in UPCAST_DECODE_DTYPES and query.device.type == "cpu"
+
+    def attend_sequence(i: int) -> torch.Tensor:
+        s, e = metadata.query_start_loc_host[i], metadata.query_start_loc_host[i + 1]
         q = query[s:e].transpose(0, 1)
-        if new_key is not None and e - s == seq_len:
-            k, v = new_key[s:e].transpose(0, 1), new_value[s:e].transpose(0, 1)
+        if stored is not None and e - s == metadata.seq_lens_host[i]:
+            k, v = stored[0][s:e].transpose(0, 1), stored[1][s:e].transpose(0, 1)
         else:
-            gathers = gathers or gather_indices(metadata)
-            k = read_context(key_cache, key_scales, gathers[i], query.dtype)
-            v = read_context(value_cache, value_scales, gathers[i], query.dtype)
-        out[s:e] = attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes, masks).transpose(0, 1)
+            k, v = read(gather_indices(metadata)[i], torch.float32 if upcast and e - s == 1 else query.dtype)
+        return attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes, masks).transpose(0, 1)
+
+    if metadata.num_seqs == 1:  # one stream: its rows are the output, with no copy into a packed buffer
+        return attend_sequence(0).contiguous()
+    out = torch.empty_like(query)
+    starts = metadata.query_start_loc_host
+    for i in range(metadata.num_seqs):
+        out[starts[i]:starts[i + 1]] = attend_sequence(i)
     return out

@@ -1,16 +1,17 @@
-"""The paged cache write and paged attention as registered torch custom ops.
+"""A layer's paged cache write and attention, as one registered torch custom op.
 
-`torch.compile` sees each op as one opaque node with a fake (shape-only) implementation, so the
+`torch.compile` sees the op as one opaque node with a fake (shape-only) implementation, so the
 graph around it is compiled while the attention keeps its per-step Python work (the CPU backend
-loops over sequences using host lists) and its Triton launches. The ops take tensors and per-layer
+loops over sequences using host lists) and its Triton launches. The op takes tensors and per-layer
 constants only. Everything that changes per step (the `AttentionMetadata`, with its host lists) and
-the paged cache itself reach them through `step_context()`, never through their arguments: a
-compiled graph has nothing step-specific to guard on, so one graph serves every step, and the
-cache is never a graph input that the compiler would functionalize (it copied the whole cache per
-layer when it was one).
+the paged cache itself reach it through `step_context()`, never through its arguments: a compiled
+graph has nothing step-specific to guard on, so one graph serves every step, and the cache is never
+a graph input that the compiler would functionalize (it copied the whole cache per layer when it was
+one).
 
-The write returns the K/V it wrote and attention takes them: that data dependency is what orders
-each layer's write before its attention inside a compiled graph.
+The write and the attention are one op, not two, because the attention must see the keys the write
+stored: one op orders them without a data dependency between ops, and costs one dispatch per layer
+instead of two (PagedCache.update hands the new K/V to the attention function unwritten).
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.kernels import AttentionMetadata
-from paged_backend.kernels import paged_attention as dispatch_attention
-from paged_backend.kernels import write_kv_cache as dispatch_write
+from paged_backend.kernels import AttentionMetadata, write_and_attend
 
 
 @dataclass(slots=True)
@@ -61,35 +60,17 @@ def current_step() -> StepContext:
     return _current
 
 
-def write_kv_cache_impl(key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write this step's `key/value [T, KVH, D]` into layer `layer` of the step's paged cache at the
-    step's slot mapping; return them as the cache holds them (rounded, with a lower-precision cache),
-    as new tensors: an op's outputs may not alias its inputs."""
-    step = current_step()
-    stored = dispatch_write(key, value, step.kv[layer, 0], step.kv[layer, 1], step.metadata.slot_mapping,
-                            *step.scales(layer))
-    return tuple(s.clone() if s is given else s for s, given in zip(stored, (key, value)))
-
-
-write_kv_cache_op = torch.library.custom_op("paged_backend::write_kv_cache", write_kv_cache_impl, mutates_args=())
-
-
-@write_kv_cache_op.register_fake
-def _(key, value, layer):
-    return torch.empty_like(key), torch.empty_like(value)
-
-
 def paged_attention_impl(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: int,
                          scale: float, sliding_window: int | None = None, softcap: float | None = None,
                          alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of packed `query [T, H, D]` over each sequence's context in layer `layer` of the step's
-    paged cache, where `new_key/new_value [T, KVH, D]` (what `write_kv_cache` returned) already are;
+    """Write this step's `new_key/new_value [T, KVH, D]` into layer `layer` of the step's paged cache at
+    the step's slot mapping, then attend packed `query [T, H, D]` over each sequence's context there;
     returns `[T, H, D]`."""
     step = current_step()
     # A contiguous query gives a contiguous output on every backend, as the fake promises.
-    key_scales, value_scales = step.scales(layer)
-    return dispatch_attention(query.contiguous(), step.kv[layer, 0], step.kv[layer, 1], step.metadata, scale,
-                              sliding_window, softcap, new_key, new_value, alibi_slopes, key_scales, value_scales)
+    return write_and_attend(query.contiguous(), new_key, new_value, step.kv[layer], step.metadata, scale,
+                            sliding_window, softcap, alibi_slopes,
+                            None if step.kv_scales is None else step.kv_scales[layer])
 
 
 paged_attention_op = torch.library.custom_op("paged_backend::paged_attention", paged_attention_impl, mutates_args=())
@@ -101,13 +82,8 @@ def _(query, new_key, new_value, layer, scale, sliding_window=None, softcap=None
 
 
 # What the model's layers call: the registered op inside a graph being compiled (opaque there), and its
-# implementation directly in an eager forward, which skips the dispatcher's 13-15 us per call (twice per
+# implementation directly in an eager forward, which skips the dispatcher's 13-15 us per call (once per
 # layer per step; measured on CPU with SmolLM2 shapes).
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    op = write_kv_cache_op if torch.compiler.is_compiling() else write_kv_cache_impl
-    return op(key, value, layer)
-
-
 def paged_attention(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: int,
                     scale: float, sliding_window: int | None = None, softcap: float | None = None,
                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:

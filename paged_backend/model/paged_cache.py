@@ -1,10 +1,12 @@
 """PagedCache: the paged K/V tensors, as a `transformers.Cache` the model writes into.
 
 An unmodified HF attention module calls `cache.update(key, value, layer_idx)` and then the
-registered attention function. `update` writes the step's new K/V into their slots through
-`slot_mapping` and hands the same tensors back; the attention function reads the context through
-the block tables. Both are custom ops (custom_ops.py) that read the step's metadata and this cache
-from `custom_ops.step_context`, which the model runner opens around each forward.
+registered attention function. `update` hands the step's new K/V back as they are; the attention
+function writes them into their slots through `slot_mapping` and reads each sequence's context
+through the block tables, in one custom op (custom_ops.py) that reads the step's metadata and this
+cache from `custom_ops.step_context`, which the model runner opens around each forward. (A layer whose
+attention never reaches that function would leave its K/V unwritten: the start-up probe refuses
+such a model, check_every_layer_driven.)
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from transformers.cache_utils import Cache
 
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels.kv_quant import SCALE_DTYPE
-from paged_backend.model import custom_ops
 
 
 @dataclass(slots=True)
@@ -74,11 +75,9 @@ class PagedCache(PackedStepCache):
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write the new K/V `[1, KVH, T, D]` into their slots; return them (as the write op hands them
-        back, which orders the write before attention) for the attention function."""
-        key, value = custom_ops.write_kv_cache(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1),
-                                               layer_idx)
-        return key.transpose(0, 1)[None], value.transpose(0, 1)[None]
+        """Hand the new K/V `[1, KVH, T, D]` back unwritten: the attention function that receives them
+        writes them into their slots and attends, in one op (custom_ops.py)."""
+        return key_states, value_states
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.num_blocks * self.block_size

@@ -1,11 +1,12 @@
-"""The cache write and paged attention custom ops: torch's op checks (schema, fake implementation,
-autograd registration, dispatch under compile) and the step context they read."""
+"""The paged attention custom op (a layer's cache write and attention in one): torch's op checks
+(schema, fake implementation, autograd registration, dispatch under compile) and the step context it
+reads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from paged_backend.kernels import AttentionMetadata
+from paged_backend.kernels import AttentionMetadata, paged_attention, write_kv_cache
 
 from paged_backend.model import custom_ops
 
@@ -25,26 +26,32 @@ def step_metadata(seq_lens: list[int], new_tokens: list[int], block_size: int = 
         seq_lens_host=list(seq_lens), max_query_len=max(new_tokens), max_seq_len=max(seq_lens))
 
 
-def test_opcheck_both_ops():
+def test_opcheck_and_the_op_writes_then_attends():
     torch.manual_seed(0)
     kv = torch.randn(2, 2, 2, 16 * 4, 8)  # 2 layers, 2 KV heads, 16 blocks of 4, head_dim 8
     metadata = step_metadata([5, 3], [2, 3])
     tokens = 5
     key, value = torch.randn(tokens, 2, 8), torch.randn(tokens, 2, 8)
     query = torch.randn(tokens, 4, 8)
+    # The oracle: the kernels' separate write, then attention over what it wrote.
+    expected_kv = kv.clone()
+    write_kv_cache(key, value, expected_kv[1, 0], expected_kv[1, 1], metadata.slot_mapping)
+    expected = paged_attention(query, expected_kv[1, 0], expected_kv[1, 1], metadata, 0.35)
     with custom_ops.step_context(metadata, kv):
-        torch.library.opcheck(custom_ops.write_kv_cache_op, (key, value, 1))
+        out = custom_ops.paged_attention(query, key, value, 1, 0.35)
         torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, 1, 0.35))
         torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, 1, 0.35),
                               {"sliding_window": 2, "softcap": 5.0})
-        # The write reached layer 1 of the step's cache, at the slot mapping.
-        assert torch.equal(kv[1, 0, :, metadata.slot_mapping].transpose(0, 1), key)
-        assert torch.equal(kv[1, 1, :, metadata.slot_mapping].transpose(0, 1), value)
+    torch.testing.assert_close(out, expected)
+    # The write reached layer 1 of the step's cache, at the slot mapping, and nothing else.
+    assert torch.equal(kv[1, 0, :, metadata.slot_mapping].transpose(0, 1), key)
+    assert torch.equal(kv[1, 1, :, metadata.slot_mapping].transpose(0, 1), value)
+    assert torch.equal(kv, expected_kv)
 
 
-def test_ops_refuse_to_run_outside_a_step():
+def test_the_op_refuses_to_run_outside_a_step():
     with pytest.raises(RuntimeError, match="outside an engine step"):
-        custom_ops.write_kv_cache(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), 0)
+        custom_ops.paged_attention(torch.zeros(1, 2, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), 0, 1.0)
 
 
 def test_an_eager_forward_calls_the_implementations_without_the_dispatcher(monkeypatch):
@@ -57,7 +64,6 @@ def test_an_eager_forward_calls_the_implementations_without_the_dispatcher(monke
     def dispatched(*args, **kwargs):
         raise AssertionError("an eager step went through the registered op")
 
-    monkeypatch.setattr(custom_ops, "write_kv_cache_op", dispatched)
     monkeypatch.setattr(custom_ops, "paged_attention_op", dispatched)
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
