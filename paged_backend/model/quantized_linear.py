@@ -40,9 +40,14 @@ class QuantizedLinear(torch.nn.Module):
         return self.dense.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        # Called about 200 times per step of the default model: the dtype checks skip two no-op `.to`
+        # dispatches, which with the rest of this method's Python cost as much as a small layer's kernel.
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != COMPUTE_DTYPE:
+            rows = rows.to(COMPUTE_DTYPE)
         out = F.linear(rows, self.dense) if self.uses_dense(rows) else self.quantized_matmul(rows)
-        out = out.to(x.dtype)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
