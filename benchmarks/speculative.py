@@ -14,6 +14,7 @@ Outputs must be identical; the acceptance rate and mean accepted length are prin
 runs (interleaved step by step), each a set of overrides of `--spec`.
 
     python benchmarks/speculative.py [--single 16] [--repeats 3] [--threads 2] [--variants JSON]
+                                     [--precision fp32|default]
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ INSTRUCTIONS = {
 def grounded_prompts() -> list[str]:
     rows = [json.loads(line) for line in PASSAGES.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [f"{INSTRUCTIONS[r['task']]}\n\n{r['passage']}" for r in rows]
+
+
+def precision_name(model) -> str:
+    from paged_backend.model.int4_linear import has_int4_layers
+
+    return "int4 weights, bf16 activations" if has_int4_layers(model) else str(model.dtype).removeprefix("torch.")
 
 
 def chat_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
@@ -135,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help='JSON object {label: overrides of --spec}: speculating engines compared with plain in the same '
                         'runs, interleaved step by step (default: {"spec": {}})')
     p.add_argument("--skip-mt-bench", action="store_true")
+    p.add_argument("--precision", choices=("fp32", "default"), default="fp32",
+                   help="the model's precision: fp32, or the engine's default on this CPU (int4 where bf16 is native)")
     p.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/speculative.json)")
     args = p.parse_args(argv)
 
@@ -143,7 +152,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from paged_backend import LLM, Engine, EngineConfig
 
     torch.set_num_threads(args.threads)
-    llm = LLM(None, num_threads=args.threads, dtype=torch.float32)  # the precision the figures name
+    # fp32, or what the engine picks by default on this CPU (int4 where it computes bf16 natively).
+    precision = {"dtype": torch.float32} if args.precision == "fp32" else {}
+    llm = LLM(None, num_threads=args.threads, **precision)
     tokenizer = llm.tokenizer
     spec = json.loads(args.spec)
     variants = json.loads(args.variants) if args.variants else {"spec": {}}
@@ -156,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return engines
 
     grounded = chat_ids(tokenizer, grounded_prompts())
-    report: dict = {"model": "SmolLM2-135M-Instruct (fp32)", "max_tokens": args.max_tokens, "speculative_config": spec,
+    report: dict = {"model": f"SmolLM2-135M-Instruct ({precision_name(llm.model)})", "max_tokens": args.max_tokens,
+                    "speculative_config": spec,
                     "variants": variants, "threads": args.threads, "repeats": args.repeats}
     engines = engines_for()
     if args.single:
