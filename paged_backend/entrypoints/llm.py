@@ -65,20 +65,33 @@ class LLM:
             load_kwargs["tp_plan"] = "auto"
             if config.num_threads is None and not torch.cuda.is_available():
                 config.num_threads = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
-        source = model
-        model, tokenizer = load_model(model, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
+        try:
+            self.engine = self.build_engine(model, tokenizer, config, quantization, load_kwargs)
+        except BaseException:
+            # A spawned group left behind would hold this process's place in torch.distributed: the next
+            # LLM here would take it for torchrun's, and every later engine for a tensor-parallel one.
+            if self.tp_group is not None and not self.tp_group.launched_by_torchrun:
+                self.tp_group.abandon()
+            raise
+        if not self.is_leader:
+            self.serve_as_worker()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp_group is None or self.tp_group.rank == 0
+
+    def build_engine(self, source: Any, tokenizer: Any, config: EngineConfig, quantization: str | None,
+                     load_kwargs: dict[str, Any]) -> Engine:
+        model, tokenizer = load_model(source, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
         param = next(model.parameters())
         method = resolve_method(quantization, is_default_model(source), param.device, param.dtype,
                                 plain_engine=self.tp_group is None and not config.enable_lora)
         if method is not None:
             quantize_weights(model, method, gguf_file_of(source) if method == "int4" else None)
-        leader = self.tp_group is None or self.tp_group.rank == 0
-        if not leader:  # under torchrun every rank gets the caller's arguments: the draft runs on rank 0 only
+        if not self.is_leader:  # under torchrun every rank gets the caller's arguments: the draft runs on rank 0 only
             config.speculative_config = None
-        self.engine = Engine(model, tokenizer, config, publish_step=None if self.tp_group is None or not leader
-                             else broadcast_step)
-        if not leader:
-            self.serve_as_worker()
+        publish = broadcast_step if self.tp_group is not None and self.is_leader else None
+        return Engine(model, tokenizer, config, publish_step=publish)
 
     def serve_as_worker(self) -> None:
         """A rank other than 0 runs rank 0's steps until it closes; under torchrun the script ends there."""

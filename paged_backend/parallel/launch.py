@@ -89,6 +89,23 @@ class TensorParallelGroup:
             restore_env(self.saved_env)
 
 
+    def abandon(self) -> None:
+        """Rank 0, when building its engine failed after the group formed: the workers cannot be told
+        to stop (they may be building theirs, or have failed too), so spawned ones are terminated; the
+        group is left so this process can form another, and the environment is restored."""
+        if self.closed:
+            return
+        self.closed = True
+        for worker in self.workers:
+            if worker.is_alive():
+                worker.terminate()
+            worker.join(timeout=30)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.saved_env is not None:
+            restore_env(self.saved_env)
+
+
 def leave_together(timeout_s: float = 30.0) -> None:
     """Meet the other ranks before tearing the group down: a gloo rank that destroys its group while a
     peer still flushes the last broadcast can abort at exit. Bounded, so a dead peer cannot hang us."""

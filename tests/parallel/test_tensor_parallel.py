@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from helpers.engine import greedy, mixed_prompts
 from helpers.models import build
 
@@ -64,6 +67,23 @@ def test_draft_model_on_rank_zero_matches_one_process(tiny_path, single_tokens):
     finally:
         llm.close()
     assert all(not w.is_alive() for w in llm.tp_group.workers)
+
+
+def test_a_start_that_fails_after_the_group_formed_leaves_no_group_behind(tiny_path, single_tokens, tmp_path):
+    """Rank 0 fails building its engine (its draft model is missing; the workers, which get no draft,
+    have built theirs and wait for steps): the workers are stopped and the group left, so the next LLM
+    in this process is an ordinary one-process engine, not a rank of the dead group."""
+    before = set(multiprocessing.active_children())
+    spec = {"method": "draft_model", "model": str(tmp_path / "missing"), "num_speculative_tokens": 2}
+    with pytest.raises(Exception, match="missing"):
+        LLM(str(tiny_path), tensor_parallel_size=2, speculative_config=spec, **ENGINE)
+    assert not dist.is_initialized()
+    assert set(multiprocessing.active_children()) <= before
+    assert "WORLD_SIZE" not in os.environ
+    llm = LLM(str(tiny_path), **ENGINE)
+    assert llm.tp_group is None and llm.engine.cache.kv.shape[2] == 2
+    outputs = llm.generate(mixed_prompts(), greedy(12), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == single_tokens
 
 
 def test_torchrun_launch_matches_one_process(tiny_path, single_tokens, tmp_path):
