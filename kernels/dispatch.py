@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 
 from . import torch_attention
+from .kv_quant import split_scales
 from .metadata import AttentionMetadata
 
 # The Triton kernels' tiles hold a whole head (padded to a power of two) in registers; past 256
@@ -143,12 +144,9 @@ def write_and_attend(
     `metadata.slot_mapping`, as write_kv_cache() does, then attend `query [T, H, D]` over each sequence's
     context, those keys included, as paged_attention() does; returns `[T, H, D]`."""
     if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
-        attention, cache_write = triton_modules()
-        key_scales, value_scales = (None, None) if layer_scales is None else (layer_scales[0], layer_scales[1])
-        cache_write.write_kv_cache(key, value, layer_cache[0], layer_cache[1], metadata.slot_mapping, key_scales,
-                                   value_scales)
-        return attention.paged_attention(query, layer_cache[0], layer_cache[1], metadata, scale, sliding_window,
-                                         softcap, alibi_slopes=alibi_slopes, key_scales=key_scales,
-                                         value_scales=value_scales)
+        key_scales, value_scales = split_scales(layer_scales)
+        write_kv_cache(key, value, layer_cache[0], layer_cache[1], metadata.slot_mapping, key_scales, value_scales)
+        return paged_attention(query, layer_cache[0], layer_cache[1], metadata, scale, sliding_window, softcap,
+                               alibi_slopes=alibi_slopes, key_scales=key_scales, value_scales=value_scales)
     return torch_attention.write_and_attend(query, key, value, layer_cache, metadata, scale, sliding_window,
                                             softcap, alibi_slopes, layer_scales)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .kv_quant import dequantize_int8, quantize_int8
+from .kv_quant import dequantize_int8, quantize_int8, split_scales
 from .metadata import AttentionMetadata
 
 
@@ -65,12 +65,10 @@ def write_and_attend(
     num_slots, D]` (an int8 one with its `layer_scales [2, KVH, num_slots]`), then paged_attention() of
     `query [T, H, D]` over the context they joined. Which rows have a slot is found once per step, not per
     layer, and a sequence's K and V are gathered together (one gather and one cast, not two of each)."""
-    rows = metadata.derived.get("torch_writable_rows", MISSING)
-    if rows is MISSING:
-        rows = metadata.derived["torch_writable_rows"] = writable_rows(metadata.slot_mapping)
-    key_scales, value_scales = (None, None) if layer_scales is None else (layer_scales[0], layer_scales[1])
-    stored = write_rows(key, value, layer_cache[0], layer_cache[1], metadata.slot_mapping, rows, key_scales,
-                        value_scales)
+    if "torch_writable_rows" not in metadata.derived:
+        metadata.derived["torch_writable_rows"] = writable_rows(metadata.slot_mapping)
+    stored = write_rows(key, value, layer_cache[0], layer_cache[1], metadata.slot_mapping,
+                        metadata.derived["torch_writable_rows"], *split_scales(layer_scales))
 
     # K and V as one `[2 * KVH, slots, D]` tensor: one 3-D gather is as fast as either of two (a 4-D one
     # takes torch's slower general path), and one cast follows it.
@@ -84,8 +82,6 @@ def write_and_attend(
 
     return attend_sequences(query, read, metadata, scale, sliding_window, softcap, stored, alibi_slopes)
 
-
-MISSING = object()
 
 
 def write_one(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor,

@@ -31,12 +31,6 @@ class StepContext:
     kv: torch.Tensor  # the paged cache [layers, 2, KVH, slots, D]
     kv_scales: torch.Tensor | None = None  # an int8 cache's scales [layers, 2, KVH, slots]
 
-    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(key scales, value scales) `[KVH, slots]` of `layer`, or (None, None) for a float cache."""
-        if self.kv_scales is None:
-            return None, None
-        return self.kv_scales[layer, 0], self.kv_scales[layer, 1]
-
 
 _current: StepContext | None = None  # set by step_context() around one step's forward
 

@@ -71,9 +71,6 @@ class PagedCache(PackedStepCache):
         self.kv_scales = None if dtype != torch.int8 else torch.empty(
             shape.num_layers, 2, shape.num_kv_heads, num_blocks * block_size, dtype=SCALE_DTYPE, device=device)
 
-    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Hand the new K/V `[1, KVH, T, D]` back unwritten: the attention function that receives them
         writes them into their slots and attends, in one op (custom_ops.py)."""
