@@ -14,7 +14,7 @@ engine_lora / peft_sequential (target >= 3), with the machine's load, and how ma
 engine answered exactly as the PEFT batch did (left padding may flip a near-tie, so this is a report,
 not an assertion: tests/model/test_lora.py checks equality on unpadded references).
 
-    python benchmarks/lora.py [--max-tokens 64] [--repeats 2] [--threads 2]
+    python benchmarks/lora.py [--max-tokens 64] [--repeats 2] [--threads 2] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -33,15 +33,17 @@ from common import load_mt_bench_prompts, machine_info, median, uptime, write_re
 NUM_REQUESTS = 32
 NUM_ADAPTERS = 4
 RANK = 8
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapters(model_path: Path):
-    """The default model wrapped by PEFT with NUM_ADAPTERS LoRA adapters whose B matrices are random."""
+def make_adapters(model_path: Path, dtype: torch.dtype = torch.float32):
+    """The default model in `dtype` wrapped by PEFT with NUM_ADAPTERS LoRA adapters whose B matrices are
+    random (PEFT keeps the adapters' own weights in fp32 under a bf16 base, its default)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
     config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS)
     peft = get_peft_model(base, config, adapter_name="adapter0")
     for i in range(1, NUM_ADAPTERS):
@@ -92,18 +94,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="rounds; each runs the three systems in turn")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="both systems' precision (bfloat16 is what LLM picks on a CPU with native bf16)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
 
     from paged_backend import LLM
     from paged_backend.model.default_model import default_model_path
 
     torch.set_num_threads(args.threads)
     print(f"load before: {uptime()}")
-    # fp32 for both, as the PEFT model is loaded (LLM would pick bf16 on a CPU with native bf16).
+    # The same precision for both systems.
     llm = LLM(None, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, num_threads=args.threads,
-              dtype=torch.float32)
-    peft = make_adapters(default_model_path())
+              dtype=dtype)
+    peft = make_adapters(default_model_path(), dtype)
     names = [f"adapter{i}" for i in range(NUM_ADAPTERS)]
     for name in names:
         llm.add_lora(name, peft, adapter_name=name)
@@ -141,7 +146,7 @@ def main() -> None:
     print(f"requests identical to the PEFT batch: {same}/{NUM_REQUESTS}")
     print(f"load after: {uptime()}")
     report = {"workload": {"requests": NUM_REQUESTS, "adapters": NUM_ADAPTERS, "rank": RANK, "targets": TARGETS,
-                           "max_tokens": args.max_tokens, "threads": args.threads},
+                           "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype},
               "seconds": seconds, "output_tokens_per_s": tok_s, "ratios": ratios,
               "identical_to_peft": same, "machine": machine_info()}
     print(f"results: {write_results(report, 'lora', args.json)}")

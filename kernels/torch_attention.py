@@ -3,12 +3,16 @@
 Per-sequence gather + `scaled_dot_product_attention` was measured 2x to 30x faster on CPU than
 padding the batch or masking a block-diagonal packed batch, so each sequence is attended alone.
 The gather indices depend only on the step, so they are built once per step and reused by every layer.
+A sequence whose blocks are consecutive in the pool (a lone stream's usually are) is read as a view of
+the cache instead: one decode row's read and attention over 300 keys measured 140 -> 115 us in bf16 (the
+cast to fp32 remains) and 100-140 -> 45-60 us in fp32 (2 threads, AVX-512).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -76,7 +80,7 @@ def write_and_attend(
     joint = layer_cache.view(2 * heads, -1, dim)
     joint_scales = None if layer_scales is None else layer_scales.view(2 * heads, -1)
 
-    def read(slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(slots: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         context = read_context(joint, joint_scales, slots, dtype)
         return context[:heads], context[heads:]
 
@@ -98,26 +102,37 @@ def write_one(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None,
     return x if cache.dtype == x.dtype else converted.to(x.dtype)
 
 
-def read_context(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
+def read_context(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor | slice,
                  dtype: torch.dtype) -> torch.Tensor:
     """The K or V `[KVH, L, D]` at `slots` (or both, from a layer's cache viewed as `[2 * KVH, slots, D]`),
-    in `dtype` (dequantized from an int8 cache)."""
-    values = cache.index_select(1, slots)
+    in `dtype` (dequantized from an int8 cache). A slice of slots is a view of the cache, copied only by a
+    cast."""
+    values = cache[:, slots] if isinstance(slots, slice) else cache.index_select(1, slots)
     if scales is not None:
-        return dequantize_int8(values, scales.index_select(1, slots), dtype)
+        selected = scales[:, slots] if isinstance(slots, slice) else scales.index_select(1, slots)
+        return dequantize_int8(values, selected, dtype)
     return values if values.dtype == dtype else values.to(dtype)
 
 
-def gather_indices(metadata: AttentionMetadata) -> list[torch.Tensor]:
-    """The cache slots of positions `0..seq_len-1` of every sequence, memoised for the step."""
+def context_slots(metadata: AttentionMetadata) -> list[torch.Tensor | slice]:
+    """The cache slots of positions `0..seq_len-1` of every sequence, memoised for the step: a slice where
+    the sequence's blocks are consecutive in the pool (as a lone stream's usually are, the pool handing out
+    blocks in order), so its context is read as a view of the cache with no gather; else an index tensor."""
     cached = metadata.derived.get("torch_gather")
     if cached is None:
         bs = metadata.block_size
-        offsets = torch.arange(bs, device=metadata.block_tables.device, dtype=torch.int64)
+        tables = metadata.block_tables
+        host = (tables if tables.device.type == "cpu" else tables.cpu()).numpy()
+        offsets = np.arange(bs, dtype=np.int64)
         cached = []
         for i, seq_len in enumerate(metadata.seq_lens_host):
-            blocks = metadata.block_tables[i, : -(-seq_len // bs)].to(torch.int64)
-            cached.append((blocks[:, None] * bs + offsets).flatten()[:seq_len])
+            blocks = host[i, : -(-seq_len // bs)].astype(np.int64)
+            start = int(blocks[0]) * bs
+            if (np.diff(blocks) == 1).all():
+                cached.append(slice(start, start + seq_len))
+            else:
+                slots = (blocks[:, None] * bs + offsets).ravel()[:seq_len]
+                cached.append(torch.from_numpy(slots).to(tables.device))
         metadata.derived["torch_gather"] = cached
     return cached
 
@@ -245,7 +260,7 @@ def paged_attention(
     skips the gather. `alibi_slopes` `[H]` (optional) adds `slope * (key position - query position)`
     to each head's logits. `key_scales/value_scales [KVH, num_slots]` are given with an int8 cache.
     """
-    def read(slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(slots: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return (read_context(key_cache, key_scales, slots, dtype),
                 read_context(value_cache, value_scales, slots, dtype))
 
@@ -253,7 +268,7 @@ def paged_attention(
     return attend_sequences(query, read, metadata, scale, sliding_window, softcap, stored, alibi_slopes)
 
 
-ContextReader = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+ContextReader = Callable[[torch.Tensor | slice, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 
 
 def attend_sequences(
@@ -280,7 +295,7 @@ def attend_sequences(
         if stored is not None and e - s == metadata.seq_lens_host[i]:
             k, v = stored[0][s:e].transpose(0, 1), stored[1][s:e].transpose(0, 1)
         else:
-            k, v = read(gather_indices(metadata)[i], torch.float32 if upcast and e - s == 1 else query.dtype)
+            k, v = read(context_slots(metadata)[i], torch.float32 if upcast and e - s == 1 else query.dtype)
         return attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes, masks).transpose(0, 1)
 
     if metadata.num_seqs == 1:  # one stream: its rows are the output, with no copy into a packed buffer

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,14 +35,16 @@ def dense_reference(q, k, v, scale, window=None, softcap=None):
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 20.0), (4, 30.0)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_mixed_batch_matches_dense(window, softcap, heads, kv_heads):
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_mixed_batch_matches_dense(window, softcap, heads, kv_heads, consecutive):
     torch.manual_seed(0)
     block_size, num_blocks, dim = 4, 32, 16
     # (context already cached, new tokens): decode, chunked prefill after context, fresh prefill
     shapes = [(9, 1), (6, 5), (0, 7), (13, 1)]
     key_cache = torch.randn(kv_heads, num_blocks * block_size, dim)  # garbage everywhere not written
     value_cache = torch.randn_like(key_cache)
-    free = torch.randperm(num_blocks).tolist()  # shuffled, non-contiguous blocks
+    # Shuffled, non-contiguous blocks (contexts gathered), or each sequence's blocks in order (read as views).
+    free = list(range(num_blocks))[::-1] if consecutive else torch.randperm(num_blocks).tolist()
     full_k, full_v, tables, slots, queries = [], [], [], [], []
     for ctx, new in shapes:
         length = ctx + new
@@ -67,6 +71,9 @@ def test_mixed_batch_matches_dense(window, softcap, heads, kv_heads):
                                  max(n for _, n in shapes), max(lens))
     out = paged_attention(torch.cat(queries), key_cache, value_cache, metadata, 0.25, window, softcap,
                           new_key=new_k, new_value=new_v)
+    read_as_views = [isinstance(s, slice) for s in torch_attention.context_slots(metadata)]
+    assert read_as_views == [all(b == a + 1 for a, b in itertools.pairwise(t)) for t in tables]
+    assert all(read_as_views) == consecutive
     for i, (q, k, v) in enumerate(zip(queries, full_k, full_v)):
         ref = dense_reference(q, k, v, 0.25, window, softcap)
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], ref, atol=1e-5, rtol=1e-5)
