@@ -75,6 +75,22 @@ def test_int8_head_paths_multiply_by_the_dequantized_weight(rows: int) -> None:
     assert torch.allclose(head(x).double(), expected, rtol=0, atol=1e-2 * expected.abs().max().item())
 
 
+def test_a_compiled_int8_head_picks_its_kernel_at_run_time() -> None:
+    """Compiled, the head calls one op that takes the int8 kernel for a few rows and the copy past them,
+    in one graph: the same numbers as eager on both sides of the crossover, and no recompile."""
+    torch._dynamo.reset()
+    head = Int8Linear.from_float(random_linear(out_features=80, in_features=48))
+    for rows in (1, int8_linear.DENSE_ROWS + 1):
+        x = torch.randn(rows, 48).bfloat16()
+        torch.library.opcheck(int8_linear.int8_matmul_op, (x, head.codes, head.scales, head.dense))
+    compiled = torch.compile(head, dynamic=True)
+    compiled(torch.randn(1, 48)), compiled(torch.randn(2, 48))  # one row is a shape class of its own
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in (1, 3, int8_linear.DENSE_ROWS, int8_linear.DENSE_ROWS + 1, 40):
+            x = torch.randn(rows, 48)
+            assert torch.equal(compiled(x), head(x))
+
+
 def test_tied_embedding_keeps_its_weight_when_the_head_becomes_int8() -> None:
     model = build("llama")
     model.lm_head.weight = model.model.embed_tokens.weight  # tied, as the default model's are
