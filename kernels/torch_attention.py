@@ -107,18 +107,22 @@ def read_context(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.
     """The K or V `[KVH, L, D]` at `slots` (or both, from a layer's cache viewed as `[2 * KVH, slots, D]`),
     in `dtype` (dequantized from an int8 cache). A slice of slots is a view of the cache, copied only by a
     cast."""
-    values = cache[:, slots] if isinstance(slots, slice) else cache.index_select(1, slots)
+    values = select_slots(cache, slots)
     if scales is not None:
-        selected = scales[:, slots] if isinstance(slots, slice) else scales.index_select(1, slots)
-        return dequantize_int8(values, selected, dtype)
+        return dequantize_int8(values, select_slots(scales, slots), dtype)
     return values if values.dtype == dtype else values.to(dtype)
+
+
+def select_slots(tensor: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
+    """`tensor [heads, num_slots, ...]` at `slots` along dim 1: a view for a slice, a gather otherwise."""
+    return tensor[:, slots] if isinstance(slots, slice) else tensor.index_select(1, slots)
 
 
 def context_slots(metadata: AttentionMetadata) -> list[torch.Tensor | slice]:
     """The cache slots of positions `0..seq_len-1` of every sequence, memoised for the step: a slice where
     the sequence's blocks are consecutive in the pool (as a lone stream's usually are, the pool handing out
     blocks in order), so its context is read as a view of the cache with no gather; else an index tensor."""
-    cached = metadata.derived.get("torch_gather")
+    cached = metadata.derived.get("torch_context_slots")
     if cached is None:
         bs = metadata.block_size
         tables = metadata.block_tables
@@ -133,7 +137,7 @@ def context_slots(metadata: AttentionMetadata) -> list[torch.Tensor | slice]:
             else:
                 slots = (blocks[:, None] * bs + offsets).ravel()[:seq_len]
                 cached.append(torch.from_numpy(slots).to(tables.device))
-        metadata.derived["torch_gather"] = cached
+        metadata.derived["torch_context_slots"] = cached
     return cached
 
 

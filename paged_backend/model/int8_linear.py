@@ -45,13 +45,13 @@ class Int8Linear(QuantizedLinear):
         return cls(codes, scales, linear.bias)
 
     def uses_dense(self, rows: torch.Tensor) -> bool:
-        # A compiled forward leaves the choice to the op, at run time (module docstring).
-        return not torch.compiler.is_compiling() and super().uses_dense(rows)
+        return False  # int8_matmul() makes the choice, at run time in a compiled graph (module docstring)
 
     def quantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return int8_matmul_op(rows, self.codes, self.scales, self.dense)
-        return torch._weight_int8pack_mm(rows, self.codes, self.scales)
+        # The registered op inside a graph being compiled; its implementation directly in an eager forward,
+        # which skips the dispatcher (as custom_ops.paged_attention does).
+        matmul = int8_matmul_op if torch.compiler.is_compiling() else int8_matmul
+        return matmul(rows, self.codes, self.scales, self.dense)
 
 
 def int8_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
