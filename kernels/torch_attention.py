@@ -345,7 +345,7 @@ def attend_sequences(
     starts = metadata.query_start_loc_host
     rest = range(metadata.num_seqs)
     if softcap is None and alibi_slopes is None and query.device.type == "cpu":
-        # Decode rows attend in fp32 by matmul in every dtype, a few rows only in fp32 (few_rows()).
+        # Decode rows attend in fp32 in every dtype (UPCAST_DECODE_DTYPES), a few rows only in fp32 models.
         most_rows = FEW_ROWS[1] if query.dtype == torch.float32 else 1
         plan = plan_buckets(metadata, kv_heads, query.shape[1] // kv_heads, sliding_window, most_rows)
         for bucket in plan.buckets:
