@@ -6,9 +6,9 @@ part of that. In a bucket, sequences of similar context lengths attend together:
 contexts (each padded to the bucket's longest, the padding masked), one cast to fp32 and two batched
 matmuls. A sequence with fewer query rows than the bucket's most repeats its last row; the repeats are
 dropped. In one process alternating both ways on the throughput workload (32 MT-bench requests, the
-default model, 2 threads of an AVX-512 CPU), buckets gave 1.23-1.32x the engine's tokens/s in fp32 (the
-same tokens) and 1.21-1.46x with int4 weights in bf16; 16 streams verifying n-gram proposals in fp32
-went from 70-80 to 94-100 tokens/s.
+default model, 2 threads of an AVX-512 CPU, prefix cache warm), buckets gave 1.23-1.32x the engine's
+tokens/s in fp32 (the same tokens) and 1.21-1.75x with int4 weights in bf16; 16 streams verifying
+n-gram proposals in fp32 went from 80 to 94-100 tokens/s.
 
 Which sequences go into buckets: those attended in fp32 by a matmul anyway. That is one decode row
 (bf16/fp16 decode rows are upcast, see torch_attention.UPCAST_DECODE_DTYPES), or up to 16 fp32 rows
