@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -41,3 +42,12 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+def host_block_tables(metadata: AttentionMetadata) -> np.ndarray:
+    """`metadata.block_tables` as a host numpy array, copied from the device at most once per step."""
+    host = metadata.derived.get("host_block_tables")
+    if host is None:
+        tables = metadata.block_tables
+        host = metadata.derived["host_block_tables"] = (tables if tables.device.type == "cpu" else tables.cpu()).numpy()
+    return host

@@ -12,15 +12,13 @@ cast to fp32 remains) and 100-140 -> 45-60 us in fp32 (2 threads, AVX-512).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .kv_quant import dequantize_int8, quantize_int8, split_scales
-from .metadata import AttentionMetadata
-from .torch_buckets import attend_bucket, plan_buckets
+from .metadata import AttentionMetadata, host_block_tables
+from .torch_buckets import ContextReader, attend_bucket, plan_buckets
 
 
 def write_kv_cache(
@@ -120,27 +118,24 @@ def select_slots(tensor: torch.Tensor, slots: torch.Tensor | slice) -> torch.Ten
     return tensor[:, slots] if isinstance(slots, slice) else tensor.index_select(1, slots)
 
 
-def context_slots(metadata: AttentionMetadata) -> list[torch.Tensor | slice]:
-    """The cache slots of positions `0..seq_len-1` of every sequence, memoised for the step: a slice where
-    the sequence's blocks are consecutive in the pool (as a lone stream's usually are, the pool handing out
-    blocks in order), so its context is read as a view of the cache with no gather; else an index tensor."""
-    cached = metadata.derived.get("torch_context_slots")
-    if cached is None:
-        bs = metadata.block_size
-        tables = metadata.block_tables
-        host = (tables if tables.device.type == "cpu" else tables.cpu()).numpy()
-        offsets = np.arange(bs, dtype=np.int64)
-        cached = []
-        for i, seq_len in enumerate(metadata.seq_lens_host):
-            blocks = host[i, : -(-seq_len // bs)].astype(np.int64)
-            start = int(blocks[0]) * bs
-            if (np.diff(blocks) == 1).all():
-                cached.append(slice(start, start + seq_len))
-            else:
-                slots = (blocks[:, None] * bs + offsets).ravel()[:seq_len]
-                cached.append(torch.from_numpy(slots).to(tables.device))
-        metadata.derived["torch_context_slots"] = cached
-    return cached
+def sequence_slots(metadata: AttentionMetadata, i: int) -> torch.Tensor | slice:
+    """The cache slots of positions `0..seq_len-1` of sequence `i`, memoised for the step (only sequences read
+    one by one need them): a slice where its blocks are consecutive in the pool (as a lone stream's usually
+    are, the pool handing out blocks in order), so its context is read as a view of the cache with no gather;
+    else an index tensor."""
+    cached = metadata.derived.setdefault("torch_sequence_slots", {})
+    slots = cached.get(i)
+    if slots is None:
+        bs, seq_len = metadata.block_size, metadata.seq_lens_host[i]
+        blocks = host_block_tables(metadata)[i, : -(-seq_len // bs)].astype(np.int64)
+        start = int(blocks[0]) * bs
+        if (np.diff(blocks) == 1).all():
+            slots = slice(start, start + seq_len)
+        else:
+            index = (blocks[:, None] * bs + np.arange(bs, dtype=np.int64)).ravel()[:seq_len]
+            slots = torch.from_numpy(index).to(metadata.block_tables.device)
+        cached[i] = slots
+    return slots
 
 
 def causal_mask(
@@ -306,8 +301,6 @@ def paged_attention(
                             alibi_slopes)
 
 
-ContextReader = Callable[[torch.Tensor | slice, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
-
 
 def attend_sequences(
     query: torch.Tensor,
@@ -336,7 +329,7 @@ def attend_sequences(
         if stored is not None and e - s == metadata.seq_lens_host[i]:
             k, v = stored[0][s:e].transpose(0, 1), stored[1][s:e].transpose(0, 1)
         else:
-            k, v = read(context_slots(metadata)[i], torch.float32 if upcast and e - s == 1 else query.dtype)
+            k, v = read(sequence_slots(metadata, i), torch.float32 if upcast and e - s == 1 else query.dtype)
         return attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes, masks).transpose(0, 1)
 
     if metadata.num_seqs == 1:  # one stream: its rows are the output, with no copy into a packed buffer

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, host_block_tables
 
 MIN_BUCKET = 4  # fewer sequences than this attend one by one
 MAX_PADDING = 0.15  # a bucket takes no sequence that would make padding more than this share of its keys
 MAX_BUCKET_KEYS = 16384  # bounds one bucket's gathered context (16k keys x 2 x KV heads x head dim in fp32)
 
-ContextReader = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+# Reads the K and V `[KVH, L, D]` at a sequence's slots (an index tensor, or a slice: a view of the cache).
+ContextReader = Callable[[torch.Tensor | slice, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -70,11 +71,7 @@ def build_plan(metadata: AttentionMetadata, kv_heads: int, group: int, sliding_w
     eligible = [i for i, seq_len in enumerate(lens) if starts[i + 1] - starts[i] <= min(most_rows, seq_len - 1)]
     eligible.sort(key=lens.__getitem__)
     runs = [run for run in split_by_length(eligible, lens) if len(run) >= MIN_BUCKET]
-    buckets = []
-    if runs:
-        host = metadata.block_tables
-        tables = (host if host.device.type == "cpu" else host.cpu()).numpy()
-        buckets = [make_bucket(run, metadata, tables, kv_heads, group, sliding_window) for run in runs]
+    buckets = [make_bucket(run, metadata, kv_heads, group, sliding_window) for run in runs]
     bucketed = {i for bucket in buckets for i in bucket.seqs}
     return BucketPlan(buckets, [i for i in range(len(lens)) if i not in bucketed])
 
@@ -97,14 +94,14 @@ def split_by_length(seqs: list[int], lens: list[int]) -> list[list[int]]:
     return runs
 
 
-def make_bucket(seqs: list[int], metadata: AttentionMetadata, tables: np.ndarray, kv_heads: int, group: int,
+def make_bucket(seqs: list[int], metadata: AttentionMetadata, kv_heads: int, group: int,
                 sliding_window: int | None) -> Bucket:
     starts = np.array([metadata.query_start_loc_host[i] for i in seqs])
     counts = np.array([metadata.query_start_loc_host[i + 1] for i in seqs]) - starts
     lens = np.array([metadata.seq_lens_host[i] for i in seqs])
     n, length, bs = int(counts.max()), int(lens.max()), metadata.block_size
     positions = np.arange(length)
-    slots = tables[seqs][:, positions // bs].astype(np.int64) * bs + positions % bs
+    slots = host_block_tables(metadata)[seqs][:, positions // bs].astype(np.int64) * bs + positions % bs
     # Padding reads the sequence's own first slot: written, so finite (the cache's unwritten slots may hold
     # NaN, and NaN times a softmax weight of 0 is still NaN).
     slots = np.where(positions < lens[:, None], slots, slots[:, :1])

@@ -71,7 +71,7 @@ def test_mixed_batch_matches_dense(window, softcap, heads, kv_heads, consecutive
                                  max(n for _, n in shapes), max(lens))
     out = paged_attention(torch.cat(queries), key_cache, value_cache, metadata, 0.25, window, softcap,
                           new_key=new_k, new_value=new_v)
-    read_as_views = [isinstance(s, slice) for s in torch_attention.context_slots(metadata)]
+    read_as_views = [isinstance(torch_attention.sequence_slots(metadata, i), slice) for i in range(len(shapes))]
     assert read_as_views == [all(b == a + 1 for a, b in itertools.pairwise(t)) for t in tables]
     assert all(read_as_views) == consecutive
     for i, (q, k, v) in enumerate(zip(queries, full_k, full_v)):
