@@ -474,7 +474,10 @@ class PagedGenerator:
     def fits(self, model: PreTrainedModel, config: EngineConfig | None) -> bool:
         param = next(model.parameters())
         same_config = config is None or config == self.engine.config
-        return self.engine.model is model and same_config and (param.device, param.dtype) == self.placement
+        # A compiled forward does not see modules changed since it was compiled (an adapter loaded into the
+        # model between calls): such a model gets a new engine.
+        return (self.engine.model is model and same_config and (param.device, param.dtype) == self.placement
+                and self.engine.runner.model_unchanged())
 
     def run(self, jobs: Iterable[GenerateJob], max_rows: int = DEFAULT_MAX_ROWS) -> Iterator[Any]:
         """Run every job, pulling jobs lazily (up to `max_rows` rows in the engine at once); yield each

@@ -46,12 +46,13 @@ class ModelRunner:
                  publish: Callable[[StepInputs], None] | None = None, lora_slots: lora.LoRASlots | None = None) -> None:
         self.model = model
         self.lora_slots = lora_slots
-        self.forward_model = model  # what runs the step: the model, or its compiled form (compile())
+        self.forward_model: Callable = model  # what runs the step: the model, or its compiled forward (compile())
         self.cache = cache
         self.device = cache.kv.device
         self.publish = publish  # tensor parallelism: hands each step's inputs to the other ranks
         self.padding: DecodePadding | None = None  # pads decode-only steps, when the engine asks
         self.graphs: DecodeGraphs | None = None  # replays padded decode steps on CUDA, once captured
+        self.compiled_structure: tuple | None = None  # the model's structure its forward was compiled for
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepInputs]:
         """Run one forward; return the kept logits and the step's inputs: the first rows are those of
@@ -72,7 +73,7 @@ class ModelRunner:
             logits = self.graphs.replay(inputs) if self.graphs is not None and inputs.real_rows is not None else None
             if logits is None:
                 # Eager only: the compiled forward has its own matmul choices.
-                tokens = inputs.input_ids.shape[-1] if self.forward_model is self.model else 0
+                tokens = inputs.input_ids.shape[-1] if not self.compiled else 0
                 with small_step_linear(tokens, self.device):
                     logits = self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices)
         return logits if inputs.real_rows is None else logits[: inputs.real_rows]
@@ -90,9 +91,18 @@ class ModelRunner:
         )
         return out.logits[0]
 
+    @property
+    def compiled(self) -> bool:
+        return self.forward_model is not self.model
+
+    def model_unchanged(self) -> bool:
+        """Whether the compiled forward still fits the model (compilation.structure_of); always, when eager."""
+        return not self.compiled or compilation.structure_of(self.model) == self.compiled_structure
+
     def compile(self) -> float:
         """Compile the model forward and warm it up on every shape class; return the seconds taken."""
         self.forward_model = compilation.compile_model(self.model)
+        self.compiled_structure = compilation.structure_of(self.model)
         return compilation.warm_up(self.run_model, self.cache.kv, self.cache.block_size, self.cache.kv_scales,
                                    compilation.warm_up_shapes(self.model))
 

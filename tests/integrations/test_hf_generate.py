@@ -326,6 +326,16 @@ def test_engine_is_reused_and_rebuilt_only_when_needed(llama):
     assert tg.engine_for(model, EngineConfig(num_kv_blocks=16)) is not first
 
 
+def test_a_compiled_engine_is_rebuilt_when_the_model_changes(monkeypatch):
+    """A compiled forward does not see modules changed after it was compiled (an adapter loaded between
+    generate calls), so a model its engine's forward no longer fits gets a new engine."""
+    model = build("llama")
+    config = EngineConfig(num_kv_blocks=8)
+    engine = tg.engine_for(model, config)
+    monkeypatch.setattr(engine.runner, "model_unchanged", lambda: False)
+    assert tg.engine_for(model, config) is not engine
+
+
 # ---------------------------------------------------------------- refusals and errors
 
 

@@ -15,7 +15,7 @@ from helpers.engine import (
     mixed_prompts,
     run_to_completion,
 )
-from helpers.models import build
+from helpers.models import CONFIGS, build, build_from_config
 from torch._dynamo.utils import counters
 
 from paged_backend import Engine, EngineConfig
@@ -98,3 +98,39 @@ def test_a_path_that_cannot_compile_runs_eagerly_and_says_so(monkeypatch, caplog
     assert not engine.compiled
     assert engine.runner.forward_model is engine.model
     assert [r.message for r in caplog.records].count("compile: tensor parallelism runs eagerly") == 1
+
+
+def test_models_of_one_class_compile_apart():
+    """The compiled forward drops torch's guards on the model's modules, so two llamas of the same shapes
+    whose activation differs must not share graphs: each gives its own HF tokens."""
+    def gelu():
+        config = CONFIGS["llama"]()
+        config.hidden_act = "gelu"
+        return config
+
+    for model in (build("llama", seed=2), build_from_config(gelu, seed=2)):
+        _, _, prompts, refs = hf_case("llama", model, MAX_NEW)
+        engine = Engine(model, None, EngineConfig(num_kv_blocks=40, block_size=4, compile=True))
+        ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
+        finals = run_to_completion(engine)
+        assert [finals[i].outputs[0].token_ids for i in ids] == refs
+
+
+def test_a_changed_model_compiles_anew():
+    """A module changed after compiling (here a hook added) makes the compiled forward stale: the runner
+    says so, and the next engine over the model compiles a forward that runs the change."""
+    model = build("llama", seed=3)
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=40, block_size=4, compile=True))
+    assert engine.runner.model_unchanged()
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * 3)
+    try:
+        assert not engine.runner.model_unchanged()
+        _, _, prompts, refs = hf_case("llama", model, MAX_NEW)
+        again = Engine(model, None, EngineConfig(num_kv_blocks=40, block_size=4, compile=True))
+        assert again.runner.forward_model.func is not engine.runner.forward_model.func
+        ids = [again.add_request(p, greedy(MAX_NEW)) for p in prompts]
+        finals = run_to_completion(again)
+        assert [finals[i].outputs[0].token_ids for i in ids] == refs
+    finally:
+        handle.remove()
+    assert engine.runner.model_unchanged()
