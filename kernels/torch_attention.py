@@ -229,8 +229,14 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 FEW_ROWS = (2, 16)
 
 
+def most_matmul_rows(dtype: torch.dtype) -> int:
+    """The most query rows of a sequence that attend in fp32 by matmul on CPU: a few in an fp32 model, one
+    (a decode row, upcast: UPCAST_DECODE_DTYPES) in the others."""
+    return FEW_ROWS[1] if dtype == torch.float32 else 1
+
+
 def few_rows(q: torch.Tensor, n: int) -> bool:
-    return FEW_ROWS[0] <= n <= FEW_ROWS[1] and q.dtype == torch.float32 and q.device.type == "cpu"
+    return FEW_ROWS[0] <= n <= most_matmul_rows(q.dtype) and q.device.type == "cpu"
 
 
 def few_rows_bias(allowed: torch.Tensor, group: int) -> torch.Tensor:
@@ -338,9 +344,8 @@ def attend_sequences(
     starts = metadata.query_start_loc_host
     rest = range(metadata.num_seqs)
     if softcap is None and alibi_slopes is None and query.device.type == "cpu":
-        # Decode rows attend in fp32 in every dtype (UPCAST_DECODE_DTYPES), a few rows only in fp32 models.
-        most_rows = FEW_ROWS[1] if query.dtype == torch.float32 else 1
-        plan = plan_buckets(metadata, kv_heads, query.shape[1] // kv_heads, sliding_window, most_rows)
+        plan = plan_buckets(metadata, kv_heads, query.shape[1] // kv_heads, sliding_window,
+                            most_matmul_rows(query.dtype))
         for bucket in plan.buckets:
             out.index_copy_(0, bucket.out_rows, attend_bucket(query, read, bucket, scale).to(query.dtype))
         rest = plan.rest

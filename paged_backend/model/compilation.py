@@ -14,7 +14,7 @@ decode step on CPU. The engine owns its model and changes no module once the for
 module guards are dropped (`guard_filter_fn`), which left 0.3 ms; the guards on the step's inputs (and so
 the `T = 1` / `T > 1` choice between graphs) and on globals stay. Without module guards nothing would tell
 two models of one class apart, so each model gets a forward of its own (a code object of its own, which is
-where torch keeps compiled graphs), memoised on the model for as long as its structure (`structure_of`)
+where torch keeps compiled graphs), memoised per model for as long as its structure (`structure_of`)
 stays as it was compiled.
 
 A path the engine cannot compile (tensor parallelism, whose collectives run inside the forward)
