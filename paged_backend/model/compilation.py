@@ -116,7 +116,11 @@ def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor 
     every later owner writes before reading."""
     device, num_blocks = kv.device, kv.shape[3] // block_size
     start = time.perf_counter()
-    with torch.inference_mode(), fx_config.patch(backed_size_oblivious=True):
+    # Module float attributes (norm epsilons, attention scales) would be symbolic: torch traced each graph,
+    # failed to turn them into tensors, and traced it again with them as constants, 17 of 66 s of the
+    # default model's start-up. Constants from the start trace each graph once.
+    with (torch.inference_mode(), fx_config.patch(backed_size_oblivious=True),
+          torch._dynamo.config.patch(specialize_float=True)):
         for tokens, rows in shapes:
             ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
             positions = torch.arange(tokens, device=device)[None]
