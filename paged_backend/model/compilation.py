@@ -84,15 +84,15 @@ _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _numbers = itertools.count()
 
 
-def compile_model(model: torch.nn.Module) -> Callable:
-    """`model`'s compiled forward (called with the forward's keywords), compiled on first use and shared by
-    every engine over the model while its structure is unchanged."""
+def compile_model(model: torch.nn.Module) -> tuple[Callable, tuple]:
+    """`model`'s compiled forward (called with the forward's keywords) and the structure it was compiled
+    for; compiled on first use and shared by every engine over the model while its structure is unchanged."""
     structure = structure_of(model)
     known = _compiled.get(model)
     if known is None or known[0] != structure:
         known = _compiled[model] = (structure, torch.compile(own_forward(), dynamic=True,
                                                              options={"guard_filter_fn": drop_module_guards}))
-    return partial(known[1], model)
+    return partial(known[1], model), structure
 
 
 def own_forward() -> Callable:

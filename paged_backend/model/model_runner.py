@@ -101,8 +101,7 @@ class ModelRunner:
 
     def compile(self) -> float:
         """Compile the model forward and warm it up on every shape class; return the seconds taken."""
-        self.forward_model = compilation.compile_model(self.model)
-        self.compiled_structure = compilation.structure_of(self.model)
+        self.forward_model, self.compiled_structure = compilation.compile_model(self.model)
         return compilation.warm_up(self.run_model, self.cache.kv, self.cache.block_size, self.cache.kv_scales,
                                    compilation.warm_up_shapes(self.model))
 
