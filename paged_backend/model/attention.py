@@ -1,7 +1,8 @@
 """The attention function registered with transformers' AttentionInterface under the name "paged_backend".
 
 An unmodified HF model calls it with `query [1, H, T, D]`, `key/value [1, KVH, T, D]` and every extra
-keyword given to `model.forward`; the engine passes its step as `paged_cache=`. Called without one
+keyword given to `model.forward`; the engine passes its step as `paged_cache=`, and a compiled
+one-token step also as `paged_single_row=`, whose attention is then traced into the graph. Called without one
 (the user runs the model directly), it behaves as transformers' SDPA with its own masks, or as its
 eager attention when the model soft-caps logits (SDPA cannot), so a model switched to it still works
 outside the engine. Called with the engine's start-up probe, it notes that the step reached this
@@ -16,6 +17,10 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import sdpa_mask
 
 from paged_backend.kernels.torch_attention import attend_one
+from paged_backend.kernels.torch_single_row import (
+    SingleRowStep,
+    write_and_attend_single_row,
+)
 from paged_backend.model import custom_ops
 from paged_backend.model.paged_cache import PagedCache, ShapeProbe
 
@@ -33,6 +38,7 @@ def paged_attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     paged_cache: PagedCache | ShapeProbe | None = None,
+    paged_single_row: SingleRowStep | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -45,6 +51,10 @@ def paged_attention_forward(
             return eager_softcapped(module, query, key, value, attention_mask, scale, softcap, dropout), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
+    if paged_single_row is not None:  # a compiled one-token step (torch_single_row.py)
+        out = write_and_attend_single_row(query[0, :, 0], key[0, :, 0], value[0, :, 0], module.layer_idx,
+                                          paged_single_row, scale, sliding_window, softcap)
+        return out[None, None], None
     out = custom_ops.paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                                      module.layer_idx, scale, sliding_window, softcap)
     return out.unsqueeze(0), None

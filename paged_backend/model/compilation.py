@@ -8,6 +8,10 @@ rows, and start-up runs a dummy step of each of the two graphs that remain (`T =
 add a third past their dense-copy threshold):
 afterwards steady state never recompiles. Inductor's on-disk cache (torch's default) makes a second process's compile faster.
 
+On CPU the one-token graph is the exception: there the step's write and attention are plain tensor ops
+inside the graph (kernels/torch_single_row.py, reading the cache and the block table as graph inputs),
+which inductor fuses into one kernel per layer instead of calling the opaque op.
+
 Before each call torch checks the graph's guards: about 7,700 of them on the default model, nearly all on
 the model's modules (their hooks, attributes and parameters), which took 1.8-2.1 ms of a 19 ms one-stream
 decode step on CPU. The engine owns its model and changes no module once the forward is compiled, so the
@@ -134,5 +138,5 @@ def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor 
                 max_query_len=tokens, max_seq_len=tokens,
             )
             with custom_ops.step_context(metadata, kv, kv_scales):
-                forward(ids, positions, torch.arange(tokens - rows, tokens, device=device))
+                forward(ids, positions, torch.arange(tokens - rows, tokens, device=device), metadata)
     return time.perf_counter() - start

@@ -82,7 +82,7 @@ class DecodeGraphs:
 
     def run_step(self, inputs: StepInputs) -> torch.Tensor:
         with custom_ops.step_context(inputs.metadata, self.kv, self.kv_scales):
-            return self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices)
+            return self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata)
 
     def replay(self, inputs: StepInputs) -> torch.Tensor | None:
         """The logits of padded step `inputs` (already in the buffers) from its size's graph, or None

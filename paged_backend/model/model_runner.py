@@ -17,6 +17,7 @@ import torch
 from paged_backend.core.request import Request
 from paged_backend.core.scheduler import ScheduledBatch
 from paged_backend.kernels import AttentionMetadata
+from paged_backend.kernels.torch_single_row import single_row_step
 from paged_backend.model import compilation, custom_ops, lora
 from paged_backend.model.paged_cache import PagedCache
 from paged_backend.model.small_step_linear import small_step_linear
@@ -53,6 +54,9 @@ class ModelRunner:
         self.padding: DecodePadding | None = None  # pads decode-only steps, when the engine asks
         self.graphs: DecodeGraphs | None = None  # replays padded decode steps on CUDA, once captured
         self.compiled_structure: tuple | None = None  # the model's structure its forward was compiled for
+        # Whether one-token steps attend inside the compiled graph (torch_single_row.py): compiled on CPU over
+        # a float cache. CUDA keeps its Triton kernel and an int8 cache the opaque op.
+        self.single_row = False
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepInputs]:
         """Run one forward; return the kept logits and the step's inputs: the first rows are those of
@@ -75,12 +79,16 @@ class ModelRunner:
                 # Eager only: the compiled forward has its own matmul choices.
                 tokens = inputs.input_ids.shape[-1] if not self.compiled else 0
                 with small_step_linear(tokens, self.device):
-                    logits = self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices)
+                    logits = self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices,
+                                            inputs.metadata)
         return logits if inputs.real_rows is None else logits[: inputs.real_rows]
 
-    def run_model(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                  logits_indices: torch.Tensor) -> torch.Tensor:
-        """The packed forward `[1, T]` -> the logits rows `logits_indices`, inside a step context."""
+    def run_model(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
+                  metadata: AttentionMetadata) -> torch.Tensor:
+        """The packed forward `[1, T]` -> the logits rows `logits_indices`, inside a step context for `metadata`."""
+        extra = {}
+        if self.single_row and input_ids.shape[-1] == 1:
+            extra["paged_single_row"] = single_row_step(metadata, self.cache.kv)
         out = self.forward_model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -88,6 +96,7 @@ class ModelRunner:
             use_cache=True,
             paged_cache=self.cache,
             logits_to_keep=logits_indices,
+            **extra,
         )
         return out.logits[0]
 
@@ -102,6 +111,10 @@ class ModelRunner:
     def compile(self) -> float:
         """Compile the model forward and warm it up on every shape class; return the seconds taken."""
         self.forward_model, self.compiled_structure = compilation.compile_model(self.model)
+        self.single_row = self.device.type == "cpu" and self.cache.kv_scales is None
+        # The cache's sizes never change: as constants they cannot be duck-sized with the block count (torch
+        # gives equal sizes one symbol, which tied the warm-up's two blocks to a two-layer model's layers).
+        torch._dynamo.mark_static(self.cache.kv)
         return compilation.warm_up(self.run_model, self.cache.kv, self.cache.block_size, self.cache.kv_scales,
                                    compilation.warm_up_shapes(self.model))
 

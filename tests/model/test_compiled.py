@@ -145,3 +145,25 @@ def test_start_up_traces_each_graph_once():
     assert Engine(build("llama", seed=4), None, EngineConfig(num_kv_blocks=8, compile=True)).compiled
     ours = [m for m in dynamo_utils.get_compilation_metrics() if (m.co_name or "").startswith("paged_forward")]
     assert len(ours) >= 2 and all(not m.restart_reasons for m in ours), [m.restart_reasons for m in ours]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: a sliding window and soft-capped logits
+def test_one_token_steps_attend_inside_the_graph(arch, monkeypatch):
+    """A lone stream's steps of one token write and attend in the compiled graph (torch_single_row.py),
+    never through the opaque op, and give HF's tokens. Freed blocks rejoin the pool tail first, so from the
+    second request on a stream's blocks are not in order."""
+    from paged_backend.model import custom_ops
+
+    model = build(arch, seed=5)
+    _, _, prompts, refs = hf_case(arch, model, MAX_NEW)
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=40, block_size=4, compile=True))
+    assert engine.runner.single_row
+    rows = []
+    opaque = custom_ops.write_and_attend
+    monkeypatch.setattr(custom_ops, "write_and_attend",
+                        lambda query, *args: rows.append(query.shape[0]) or opaque(query, *args))
+    for prompt, ref in zip(prompts, refs):  # one at a time: every decode step is a step of one token
+        rid = engine.add_request(prompt, greedy(MAX_NEW))
+        assert run_to_completion(engine)[rid].outputs[0].token_ids == ref
+    assert rows and 1 not in rows, rows  # prompts went through the op, no one-token step did
+    assert_all_blocks_free(engine)
