@@ -70,7 +70,7 @@ def write_and_attend_single_row(
     allowed = positions < step.seq_len
     if sliding_window is not None:
         allowed &= positions > step.seq_len - 1 - sliding_window
-    q = query.view(kv_heads, -1, dim).float()
+    q = query.reshape(kv_heads, -1, dim).float()
     scores = (q[:, :, None, :] * context[0].float()[:, None]).sum(-1) * scale  # [KVH, group, N]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap

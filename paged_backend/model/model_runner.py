@@ -112,9 +112,10 @@ class ModelRunner:
         """Compile the model forward and warm it up on every shape class; return the seconds taken."""
         self.forward_model, self.compiled_structure = compilation.compile_model(self.model)
         self.single_row = self.device.type == "cpu" and self.cache.kv_scales is None
-        # The cache's sizes never change: as constants they cannot be duck-sized with the block count (torch
-        # gives equal sizes one symbol, which tied the warm-up's two blocks to a two-layer model's layers).
-        torch._dynamo.mark_static(self.cache.kv)
+        # The cache's shape but its slot count is the model's: as constants those sizes cannot be duck-sized with
+        # the block count (torch gives equal sizes one symbol, which tied the warm-up's two blocks to a two-layer
+        # model's layers). The slot count stays symbolic, so engines with caches of other sizes share the graph.
+        torch._dynamo.mark_static(self.cache.kv, [0, 1, 2, 4])
         return compilation.warm_up(self.run_model, self.cache.kv, self.cache.block_size, self.cache.kv_scales,
                                    compilation.warm_up_shapes(self.model))
 

@@ -1,16 +1,17 @@
-"""A one-token step's write and attention in plain ops (torch_single_row.py) against dense attention."""
+"""A one-token step's write and attention in plain ops (torch_single_row.py) against the PyTorch backend's
+attention of one sequence (attend_one, itself checked against dense attention)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from paged_backend.kernels import AttentionMetadata
+from paged_backend.kernels.torch_attention import attend_one
 from paged_backend.kernels.torch_single_row import (
     MIN_BLOCKS,
     single_row_step,
     write_and_attend_single_row,
 )
-from test_torch_attention import dense_reference
 
 LAYERS, KV_HEADS, HEADS, DIM, BLOCK, BLOCKS = 2, 2, 6, 16, 4, 32
 
@@ -41,7 +42,7 @@ def test_one_row_matches_dense(length, window, softcap, cache_dtype):
     step = single_row_step(one_token_step(length, blocks), kv)
     assert step.blocks.shape[0] >= MIN_BLOCKS
     out = write_and_attend_single_row(query, k[-1], v[-1], layer, step, 0.25, window, softcap)
-    expected = dense_reference(query[None], k, v, 0.25, window, softcap)[0]
+    expected = attend_one(query[:, None], k.transpose(0, 1), v.transpose(0, 1), 0.25, window, softcap)[:, 0]
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # The new token landed in its slot, in that layer only.
     assert torch.equal(kv[layer, :, :, slots[-1]].float(), torch.stack([k[-1], v[-1]]))
