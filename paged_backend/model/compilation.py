@@ -119,6 +119,11 @@ def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor 
     The dummy K/V land in the first blocks, which hold nothing yet (no request has run) and which
     every later owner writes before reading."""
     device, num_blocks = kv.device, kv.shape[3] // block_size
+    # The one-token graph takes the cache as an input (kernels/torch_single_row.py). Its sizes other than the
+    # slot count are the model's: as constants they cannot be duck-sized with the step's block count (torch
+    # gives equal sizes one symbol, which tied the warm-up's two blocks to a two-layer model's layers). The
+    # slot count stays symbolic, so engines with caches of other sizes share the graph.
+    torch._dynamo.mark_static(kv, [0, 1, 2, 4])
     start = time.perf_counter()
     # Module float attributes (norm epsilons, attention scales) would be symbolic: torch traced each graph,
     # failed to turn them into tensors, and traced it again with them as constants, 17 of 66 s of the

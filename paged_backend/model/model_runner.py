@@ -54,9 +54,6 @@ class ModelRunner:
         self.padding: DecodePadding | None = None  # pads decode-only steps, when the engine asks
         self.graphs: DecodeGraphs | None = None  # replays padded decode steps on CUDA, once captured
         self.compiled_structure: tuple | None = None  # the model's structure its forward was compiled for
-        # Whether one-token steps attend inside the compiled graph (torch_single_row.py): compiled on CPU over
-        # a float cache. CUDA keeps its Triton kernel and an int8 cache the opaque op.
-        self.single_row = False
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepInputs]:
         """Run one forward; return the kept logits and the step's inputs: the first rows are those of
@@ -104,6 +101,12 @@ class ModelRunner:
     def compiled(self) -> bool:
         return self.forward_model is not self.model
 
+    @property
+    def single_row(self) -> bool:
+        """Whether one-token steps attend inside the compiled graph (torch_single_row.py): compiled on CPU over
+        a float cache. CUDA keeps its Triton kernel and an int8 cache the opaque op."""
+        return self.compiled and self.device.type == "cpu" and self.cache.kv_scales is None
+
     def model_unchanged(self) -> bool:
         """Whether the compiled forward still fits the model (compilation.structure_of); always, when eager."""
         return not self.compiled or compilation.structure_of(self.model) == self.compiled_structure
@@ -111,11 +114,6 @@ class ModelRunner:
     def compile(self) -> float:
         """Compile the model forward and warm it up on every shape class; return the seconds taken."""
         self.forward_model, self.compiled_structure = compilation.compile_model(self.model)
-        self.single_row = self.device.type == "cpu" and self.cache.kv_scales is None
-        # The cache's shape but its slot count is the model's: as constants those sizes cannot be duck-sized with
-        # the block count (torch gives equal sizes one symbol, which tied the warm-up's two blocks to a two-layer
-        # model's layers). The slot count stays symbolic, so engines with caches of other sizes share the graph.
-        torch._dynamo.mark_static(self.cache.kv, [0, 1, 2, 4])
         return compilation.warm_up(self.run_model, self.cache.kv, self.cache.block_size, self.cache.kv_scales,
                                    compilation.warm_up_shapes(self.model))
 
