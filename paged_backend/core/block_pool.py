@@ -13,8 +13,9 @@ from collections import OrderedDict
 from typing import NewType
 
 BlockHash = NewType("BlockHash", int)
-# (parent block's hash, this block's tokens, and for a first block the request's cache salt and LoRA adapter id)
-BlockKey = tuple[BlockHash | None, tuple[int, ...], str | None, int | None]
+# (parent block's hash, this block's tokens, and for a first block the request's cache salt, LoRA adapter id
+# and PEFT adapter setting)
+BlockKey = tuple[BlockHash | None, tuple[int, ...], str | None, int | None, int | None]
 
 
 class BlockPool:

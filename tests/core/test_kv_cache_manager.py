@@ -71,8 +71,9 @@ def test_a_block_is_shared_only_after_the_same_chain_of_parents():
     computed(kv, make_request([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     request = make_request([0, 2, 3, 4, 5, 6, 7, 8, 9])
     assert kv.acquire_cached_prefix(request) == 0
-    key = (None, (5, 6, 7, 8), None, None)
-    assert hash_block(key) != hash_block((hash_block((None, (1, 2, 3, 4), None, None)), (5, 6, 7, 8), None, None))
+    key = (None, (5, 6, 7, 8), None, None, None)
+    parent = hash_block((None, (1, 2, 3, 4), None, None, None))
+    assert hash_block(key) != hash_block((parent, (5, 6, 7, 8), None, None, None))
 
 
 def test_prefix_lookup_takes_the_longest_cached_run_and_leaves_the_last_token_to_compute():

@@ -104,10 +104,10 @@ def test_each_tenant_hits_its_own_cached_prefix(model):
 
 def test_salts_hash_differently_and_only_the_first_block_carries_one():
     tokens = (1, 2, 3, 4)
-    hashes = {kv_cache_manager.hash_block((None, tokens, salt, None)) for salt in (None, "a", "b", "")}
+    hashes = {kv_cache_manager.hash_block((None, tokens, salt, None, None)) for salt in (None, "a", "b", "")}
     assert len(hashes) == 4
-    parent = kv_cache_manager.hash_block((None, tokens, None, None))
-    assert kv_cache_manager.hash_block((parent, tokens, None, None)) != parent  # the parent is part of the hash
+    parent = kv_cache_manager.hash_block((None, tokens, None, None, None))
+    assert kv_cache_manager.hash_block((parent, tokens, None, None, None)) != parent  # the parent is part of the hash
 
 
 def test_forced_hash_collision_never_serves_other_kv(model, shared_prompts, monkeypatch):

@@ -4,6 +4,8 @@ LoRA applied: `LLM`, `Engine`, LangChain's `ChatPaged(model=...)` and `generate(
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers.engine import greedy, hf_greedy, mixed_prompts
@@ -50,6 +52,31 @@ def test_generate_on_a_peft_model(peft_case):
         out = model.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
                              do_sample=False, cache_implementation="paged")
     assert out[0, len(prompts[0]):].tolist() == refs[0]
+
+
+def test_switching_peft_adapters_between_calls_never_reuses_the_other_setting_kv():
+    """The prefix cache keys a PEFT model's blocks by its adapter setting: the same prompt after
+    `set_adapter` or under `disable_adapter()` computes its own K/V (it used to get the previous call's)."""
+    model = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                           adapter_name="a")
+    model.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj"]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.eval()
+    prompt = mixed_prompts(3)[2]  # long enough for full blocks in the prefix cache
+    answers = []
+    for adapter in ["a", "b", None, "a"]:
+        model.set_adapter(adapter or "a")
+        with torch.no_grad(), (model.disable_adapter() if adapter is None else contextlib.nullcontext()):
+            ref = hf_greedy(model, prompt, MAX_NEW)
+            out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                                 do_sample=False, cache_implementation="paged")
+        assert out[0, len(prompt):].tolist() == ref, adapter
+        answers.append(ref)
+    assert len({tuple(a) for a in answers}) == 3, "each setting should answer differently, or this could not fail"
 
 
 def test_chat_paged_takes_a_peft_model(peft_case):
