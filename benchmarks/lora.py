@@ -14,7 +14,7 @@ engine_lora / peft_sequential (target >= 3), with the machine's load, and how ma
 engine answered exactly as the PEFT batch did (left padding may flip a near-tie, so this is a report,
 not an assertion: tests/model/test_lora.py checks equality on unpadded references).
 
-    python benchmarks/lora.py [--max-tokens 64] [--repeats 2] [--threads 2] [--dtype float32|bfloat16]
+    python benchmarks/lora.py [--max-tokens 64] [--repeats 2] [--threads 2] [--dtype float32|bfloat16] [--compile]
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="both systems' precision (bfloat16 is what LLM picks on a CPU with native bf16)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the engine's forward (EngineConfig(compile=True); start-up not timed)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
@@ -107,7 +109,9 @@ def main() -> None:
     print(f"load before: {uptime()}")
     # The same precision for both systems.
     llm = LLM(None, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, num_threads=args.threads,
-              dtype=dtype)
+              dtype=dtype, compile=args.compile)
+    if args.compile:
+        print(f"engine compiled and warmed up in {llm.engine.compile_s:.1f} s")
     peft = make_adapters(default_model_path(), dtype)
     names = [f"adapter{i}" for i in range(NUM_ADAPTERS)]
     for name in names:
@@ -146,7 +150,8 @@ def main() -> None:
     print(f"requests identical to the PEFT batch: {same}/{NUM_REQUESTS}")
     print(f"load after: {uptime()}")
     report = {"workload": {"requests": NUM_REQUESTS, "adapters": NUM_ADAPTERS, "rank": RANK, "targets": TARGETS,
-                           "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype},
+                           "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype,
+                           "compile": args.compile, "compile_s": llm.engine.compile_s},
               "seconds": seconds, "output_tokens_per_s": tok_s, "ratios": ratios,
               "identical_to_peft": same, "machine": machine_info()}
     print(f"results: {write_results(report, 'lora', args.json)}")

@@ -122,12 +122,13 @@ class Engine:
         """Compile the runner's forward when the config asks (or, by default, on CUDA); say how long it took."""
         if not compilation.wants_compile(self.config.compile, device):
             return False
-        reason = compilation.eager_reason()
-        if self.config.enable_lora:  # the per-step adapter segments are data-dependent Python in the hooks
-            reason = "LoRA steps run eagerly"
+        reason = compilation.eager_reason() or compilation.model_eager_reason(self.model)
         if reason is not None:
             logger.info("compile: %s", reason)
             return False
+        if self.runner.lora_slots is not None:  # the graph holds every hook an adapter may need (lora.py)
+            hooked = self.runner.lora_slots.hook_adaptable_linears()
+            logger.info("compile: LoRA hooks on all %d adaptable linears", hooked)
         self.compile_s = self.runner.compile()
         logger.info("compiled the model forward and warmed it up in %.1f s", self.compile_s)
         return True

@@ -21,8 +21,9 @@ two models of one class apart, so each model gets a forward of its own (a code o
 where torch keeps compiled graphs), memoised per model for as long as its structure (`structure_of`)
 stays as it was compiled.
 
-A path the engine cannot compile (tensor parallelism, whose collectives run inside the forward)
-runs eagerly, and says so once at start-up.
+A path the engine cannot compile (tensor parallelism, whose collectives run inside the forward; a model with
+PEFT's tuner layers, whose adapter switches the dropped guards would not see) runs eagerly, and says so once
+at start-up.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch.fx.experimental._config as fx_config
 
 from paged_backend.kernels import AttentionMetadata
 from paged_backend.model import custom_ops, int4_linear
+from paged_backend.model.peft_state import tuner_layers
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,15 @@ def eager_reason() -> str | None:
     """Why this process cannot run a compiled forward, or None when it can."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "tensor parallelism runs eagerly (its collectives are inside the forward)"
+    return None
+
+
+def model_eager_reason(model: torch.nn.Module) -> str | None:
+    """Why `model` must run eagerly, or None. PEFT's tuner layers switch adapters by attributes (the active
+    adapter, disabled or not) that a compiled forward, having dropped the module guards, would not see
+    change: the graph would keep the adapters as they were when it was traced."""
+    if tuner_layers(model):
+        return "a model with PEFT tuner layers runs eagerly (a compiled graph would not see its adapters switch)"
     return None
 
 

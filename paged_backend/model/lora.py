@@ -14,6 +14,12 @@ token's rank columns (`LoRAStep`), opened as a context around the forward the wa
 get their metadata. A forward hook on every targeted linear adds the whole batch's delta with two
 matmuls (see `LoRALinearHook`): no loop over tokens or adapters. Outside a step the hooks add
 nothing, so the model object stays the base model.
+
+Eagerly, a linear is hooked when the first adapter targeting it loads. A compiled forward traces the hooks
+into its graph and is not told of later ones (it drops the guards on the model's modules), so a compiled
+engine hooks every linear an adapter may target before it compiles (`hook_adaptable_linears`; adapters
+targeting anything else are refused when read) and gives every step a mask, zeros where no token runs an
+adapter, so one graph serves steps with and without adapters.
 """
 
 from __future__ import annotations
@@ -90,8 +96,9 @@ def read_adapter(name: str, source: Any, model: nn.Module, max_rank: int,
         config, state = weights.config, weights.state
     check_config(name, config)
     weights = {}
+    linears = adaptable_linears(model)
     for module_name, (a, b) in _pair_weights(name, state).items():
-        linear = _target_linear(name, model, module_name)
+        linear = _target_linear(name, model, module_name, linears)
         r = a.shape[0]
         if a.shape != (r, linear.in_features) or b.shape != (linear.out_features, r):
             raise ValueError(f"LoRA adapter {name!r} does not match the base model: {module_name} is "
@@ -137,6 +144,9 @@ def read_lora_layers(name: str, model: nn.Module, adapter_name: str, max_rank: i
         if type(linear) is not nn.Linear:
             raise ValueError(f"LoRA adapter {adapter_name!r} targets {module_name}, a {type(linear).__name__}: "
                              "only nn.Linear layers are supported")
+        if linear is output_embedding(model):
+            raise ValueError(f"LoRA adapter {adapter_name!r} targets the output embedding ({module_name}): "
+                             "not supported")
         a, b = module.lora_A[adapter_name].weight.detach(), module.lora_B[adapter_name].weight.detach()
         if a.shape[0] > max_rank:
             raise ValueError(f"LoRA adapter {adapter_name!r} has rank {a.shape[0]} at {module_name}, above "
@@ -207,23 +217,54 @@ def _pair_weights(name: str, state: dict[str, torch.Tensor]) -> dict[str, tuple[
     return pairs
 
 
-def _target_linear(name: str, model: nn.Module, module_name: str) -> nn.Linear:
+def _target_linear(name: str, model: nn.Module, module_name: str, linears: dict[str, nn.Linear]) -> nn.Linear:
+    """The linear `module_name` of `model` when an adapter may target it (`linears`, adaptable_linears), else
+    ValueError saying why not."""
+    if module_name in linears:
+        return linears[module_name]
     try:
-        module = model.get_submodule(module_name)
+        module = base_linear(model.get_submodule(module_name))
     except AttributeError:
         raise ValueError(f"LoRA adapter {name!r} does not match the base model ({type(model).__name__}): it targets "
                          f"{module_name}, which this model does not have") from None
-    module = base_linear(module)
-    if type(module) is not nn.Linear:
-        raise ValueError(f"LoRA adapter {name!r} targets {module_name}, a {type(module).__name__}: "
-                         "only nn.Linear layers are supported")
-    return module
+    if module is output_embedding(model):
+        raise ValueError(f"LoRA adapter {name!r} targets the output embedding ({module_name}): not supported")
+    if type(module) is nn.Linear:
+        raise ValueError(f"LoRA adapter {name!r} targets {module_name}, a part of a PEFT tuner layer: target the "
+                         "tuner layer itself")
+    raise ValueError(f"LoRA adapter {name!r} targets {module_name}, a {type(module).__name__}: "
+                     "only nn.Linear layers are supported")
 
 
 def base_linear(module: nn.Module) -> nn.Module:
     """The layer itself, or the base layer a PEFT tuner layer wraps (a base model that is itself a PeftModel)."""
     get_base_layer = getattr(module, "get_base_layer", None)
     return get_base_layer() if callable(get_base_layer) else module
+
+
+# PEFT's own modules inside a tuner layer: never an adapter's target (the tuner layer is, by its base layer).
+_PEFT_PARTS = {"base_layer", "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_dropout",
+               "lora_magnitude_vector"}
+
+
+def adaptable_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The linears an adapter may target, by module name as adapters name them: every `nn.Linear` of
+    `model` (a PEFT tuner layer by its base layer) but the output embedding, which sees only the step's
+    kept rows, not every token the mask covers."""
+    head = output_embedding(model)
+    linears = {}
+    for name, module in model.named_modules():
+        if _PEFT_PARTS.intersection(name.split(".")):
+            continue
+        linear = base_linear(module)
+        if type(linear) is nn.Linear and linear is not head:
+            linears[name] = linear
+    return linears
+
+
+def output_embedding(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    return base_linear(get()) if callable(get) and get() is not None else None
 
 
 def _scaling(config: dict, module_name: str, r: int) -> float:
@@ -361,6 +402,7 @@ class LoRASlots:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.hooks: dict[str, LoRALinearHook] = {}
+        self.hooks_fixed = False  # every adaptable linear hooked up front, for a compiled forward
         self.loaded: list[LoRAAdapter | None] = [None] * (max_loras + 1)  # index 0: the base, never loaded
         self.users = [0] * (max_loras + 1)
         self.last_used = [0] * (max_loras + 1)
@@ -400,6 +442,15 @@ class LoRASlots:
         if slot:
             self.users[slot] -= 1
 
+    def hook_adaptable_linears(self) -> int:
+        """Hook every linear an adapter may target (adaptable_linears: read_adapter refuses any other), before
+        the forward is compiled, so that loading an adapter never adds a hook; return how many are hooked."""
+        for name, linear in adaptable_linears(self.model).items():
+            if name not in self.hooks:
+                self.hooks[name] = LoRALinearHook(linear, self, self.max_loras + 1, self.max_rank)
+        self.hooks_fixed = True
+        return len(self.hooks)
+
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         for module_name in adapter.weights:
             if module_name not in self.hooks:
@@ -412,9 +463,10 @@ class LoRASlots:
 
     def prepare_step(self, request_slots: np.ndarray, counts: np.ndarray,
                      device: torch.device) -> LoRAStep | None:
-        """The step's token-to-adapter mask from each request's slot and token count; None when every
-        token runs the base (the hooks then add nothing)."""
-        if not request_slots.any():
+        """The step's token-to-adapter mask from each request's slot and token count. When every token runs
+        the base: None (the hooks then add nothing), or with hooks fixed for a compiled forward, a mask of
+        zeros, so that steps with and without adapters run one graph."""
+        if not request_slots.any() and not self.hooks_fixed:
             return None
         token_slots = np.repeat(request_slots, counts)
         columns = np.repeat(np.arange(self.max_loras + 1), self.max_rank)

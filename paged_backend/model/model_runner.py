@@ -114,8 +114,18 @@ class ModelRunner:
     def compile(self) -> float:
         """Compile the model forward and warm it up on every shape class; return the seconds taken."""
         self.forward_model, self.compiled_structure = compilation.compile_model(self.model)
-        return compilation.warm_up(self.run_model, self.cache.kv, self.cache.block_size, self.cache.kv_scales,
+        return compilation.warm_up(self.warm_up_step, self.cache.kv, self.cache.block_size, self.cache.kv_scales,
                                    compilation.warm_up_shapes(self.model))
+
+    def warm_up_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
+                     metadata: AttentionMetadata) -> torch.Tensor:
+        """run_model for a warm-up step, with the LoRA mask every compiled step has (no token on an adapter)."""
+        step = None
+        if self.lora_slots is not None:
+            tokens = input_ids.shape[-1]
+            step = self.lora_slots.prepare_step(np.zeros(1, dtype=np.int64), np.array([tokens]), self.device)
+        with lora.step_context(step):
+            return self.run_model(input_ids, position_ids, logits_indices, metadata)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         requests, counts = batch.requests, np.asarray(batch.num_new_tokens, dtype=np.int64)

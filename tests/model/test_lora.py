@@ -5,7 +5,6 @@ run; more distinct adapters than slots wait; bad adapters are refused with a cle
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
@@ -20,6 +19,7 @@ from helpers.engine import (
 from helpers.lora import peft_with_adapters
 from helpers.models import build
 from peft import IA3Config, LoraConfig, get_peft_model
+from torch._dynamo.utils import counters
 
 from paged_backend import (
     LLM,
@@ -30,7 +30,7 @@ from paged_backend import (
     SamplingParams,
 )
 from paged_backend.entrypoints.beam_search import beam_search
-from paged_backend.model.lora import LoRAWeights, portable_source
+from paged_backend.model.lora import LoRAWeights, portable_source, read_lora_layers
 
 MAX_NEW = 8
 NAMES = [None, "alpha", "beta", "gamma"]
@@ -271,11 +271,39 @@ def test_engine_config_checks_lora_fields():
         EngineConfig(enable_lora=True, max_loras=0)
 
 
-def test_compile_with_lora_runs_eagerly(caplog):
-    with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
-        engine = Engine(build("llama"), None, EngineConfig(enable_lora=True, compile=True, num_kv_blocks=16))
-    assert not engine.compiled
-    assert "LoRA steps run eagerly" in caplog.text
+def test_compiled_steps_add_each_request_adapter_in_the_graph(case):
+    """A compiled engine hooks every adaptable linear before compiling and gives each step a mask: steps with
+    and without adapters, adapters loaded after start-up, chunked prefill and preemption all run the graphs
+    warmed up at start-up, with the PEFT model's tokens per request."""
+    _, _, prompts, names, refs = case
+    engine = lora_engine(case, compile=True, max_loras=3, max_num_batched_tokens=24, num_kv_blocks=14, block_size=4)
+    assert engine.compiled and engine.runner.lora_slots.hooks_fixed
+    graphs = counters["stats"]["unique_graphs"]
+    base_only = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts[:2]]
+    finals = run_to_completion(engine)
+    assert [finals[rid].outputs[0].token_ids for rid in base_only] == [peft_greedy(case[0], p, None)
+                                                                      for p in prompts[:2]]
+    assert run(engine, prompts, names) == refs
+    assert engine.stats()["num_preemptions"] > 0, "the small cache should have forced preemptions"
+    assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled after start-up"
+    assert engine.runner.compiled
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("as_folder", [True, False])
+def test_an_adapter_on_the_output_embedding_is_refused(as_folder, tmp_path):
+    """The output embedding sees only the step's kept rows, not every token the LoRA mask covers (a step
+    used to fail on it); it is also the one linear a compiled engine leaves unhooked (adaptable_linears)."""
+    model = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head", "q_proj"]),
+                           adapter_name="head")
+    engine = Engine(build("llama"), None, EngineConfig(enable_lora=True, num_kv_blocks=16))
+    with pytest.raises(ValueError, match="targets the output embedding"):
+        if as_folder:
+            model.save_pretrained(tmp_path, save_embedding_layers=False)  # the adapter only, not the tied weights
+            engine.add_lora("head", str(tmp_path / "head"))
+        else:  # PEFT's own layers, as generate(adapter_names=...) reads them
+            read_lora_layers("head", model, "head", 8)
+    assert engine.list_loras() == []
 
 
 def test_samples_and_speculation_keep_their_adapter(case):

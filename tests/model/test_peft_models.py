@@ -5,6 +5,7 @@ LoRA applied: `LLM`, `Engine`, LangChain's `ChatPaged(model=...)` and `generate(
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -44,6 +45,19 @@ def test_llm_and_engine_take_a_peft_model(peft_case):
     assert [o.outputs[0].token_ids for o in outs] == refs
     engine = Engine(model, None, EngineConfig(num_kv_blocks=32))
     assert engine.model is model.get_base_model()
+
+
+def test_a_peft_model_runs_eagerly_even_when_compile_is_asked(peft_case, caplog):
+    """A compiled graph would keep PEFT's adapters as traced: switching them off afterwards must still count."""
+    model, prompts, refs = peft_case
+    with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
+        llm = LLM(model, num_kv_blocks=32, compile=True)
+    assert not llm.engine.compiled
+    assert "PEFT tuner layers runs eagerly" in caplog.text
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)] == refs
+    with model.disable_adapter():
+        base = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)] == base
 
 
 def test_generate_on_a_peft_model(peft_case):
