@@ -38,7 +38,7 @@ from paged_backend.model.model_check import prepare_model, usable_context
 from paged_backend.model.model_loader import check_architecture, model_object
 from paged_backend.model.model_runner import ModelRunner, StepInputs
 from paged_backend.model.paged_cache import KVShape, PagedCache
-from paged_backend.model.peft_state import AdapterStates, tuner_layers
+from paged_backend.model.model_state import ModelStates
 from paged_backend.parallel.step_protocol import agree_on_blocks
 from paged_backend.sampling import prompt_logprobs
 from paged_backend.sampling.detokenizer import IncrementalDetokenizer
@@ -67,7 +67,7 @@ class Engine:
         shape = prepare_model(model, text_config.num_hidden_layers, self.config.self_check)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.adapter_states = AdapterStates(tuner_layers(model))  # a PEFT model's, switched between calls
+        self.model_states = ModelStates(model)  # the user may change the model between calls
         param = next(model.parameters())
         kv_dtype = self.config.resolve_kv_cache_dtype(param.dtype)
         spec = self.config.speculative_config
@@ -238,7 +238,7 @@ class Engine:
         self.validate(token_ids, params)
         token_ids = params.kept_prompt(token_ids, self.max_model_len)  # the one place prompts are truncated
         adapter = self.resolve_lora(lora)
-        adapter_state = self.adapter_states.current()
+        model_state = self.model_states.current()
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         samples = params.num_samples
         group = RequestGroup(request_id, keep_best=params.n if samples > params.n else None)
@@ -247,7 +247,7 @@ class Engine:
             internal_id = request_id if samples == 1 else f"{request_id}#{index}"
             self.make_request(group, internal_id, text, token_ids, sample_params, metrics, stream and not group.ranked,
                               cache_salt, logits_processor, adapter)
-            group.samples[-1].adapter_state = adapter_state
+            group.samples[-1].model_state = model_state
         for request in group.samples:
             self.enqueue(request)
         self.requests[request_id] = group

@@ -14,7 +14,7 @@ from typing import NewType
 
 BlockHash = NewType("BlockHash", int)
 # (parent block's hash, this block's tokens, and for a first block the request's cache salt, LoRA adapter id
-# and PEFT adapter setting)
+# and model state)
 BlockKey = tuple[BlockHash | None, tuple[int, ...], str | None, int | None, int | None]
 
 

@@ -1,7 +1,7 @@
 """KVCacheManager: gives each request the blocks its tokens need, shares cached prefixes, frees.
 
 Automatic prefix caching: every full block is hashed in a chain (its parent's hash, its tokens,
-and for the first block the request's cache salt, LoRA adapter and a PEFT model's adapter setting) and registered in the pool once computed. A new
+and for the first block the request's cache salt, LoRA adapter and the model's state: its weights and PEFT adapters) and registered in the pool once computed. A new
 request first takes the longest run of cached blocks matching its tokens and starts computing
 after them; its last token is always computed, so there are logits to sample from.
 """
@@ -17,14 +17,14 @@ from paged_backend.core.request import Request
 
 def hash_block(key: BlockKey) -> BlockHash:
     """A 128-bit hash of a block's key: collisions are astronomically rare, and hits compare keys anyway."""
-    parent, tokens, salt, lora, adapter_state = key
+    parent, tokens, salt, lora, model_state = key
     h = hashlib.blake2b(digest_size=16)
     h.update(b"root" if parent is None else parent.to_bytes(16, "little"))
     h.update(b"-" if salt is None else b"+" + salt.encode())  # the marker keeps salt "" apart from no salt
     if lora is not None:  # the same tokens under another adapter have other K/V
         h.update(b"@" + lora.to_bytes(8, "little"))
-    if adapter_state is not None:  # likewise under another setting of a PEFT model's own adapters
-        h.update(b"#" + adapter_state.to_bytes(8, "little"))
+    if model_state is not None:  # likewise after the model's weights or PEFT adapters changed
+        h.update(b"#" + model_state.to_bytes(8, "little"))
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
     return BlockHash(int.from_bytes(h.digest(), "little"))
 
@@ -86,13 +86,13 @@ class KVCacheManager:
     def block_key(self, request: Request, index: int, parent: BlockHash | None) -> BlockKey:
         """Block `index` of the request: its parent's hash, its tokens, and (first block only) the salt, the
         adapter's registration id (unique, so a re-registered name never reuses its predecessor's K/V) and
-        the PEFT model's adapter setting."""
+        the model's state (model_state.py)."""
         bs = self.block_size
         tokens = tuple(request.token_slice(index * bs, (index + 1) * bs))
         if index:
             return parent, tokens, None, None, None
         lora = request.lora.id if request.lora is not None else None
-        return parent, tokens, request.cache_salt, lora, request.adapter_state
+        return parent, tokens, request.cache_salt, lora, request.model_state
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the request's block table to hold `num_new_tokens` more computed tokens; False if full."""

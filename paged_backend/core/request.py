@@ -60,7 +60,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, once computed
     cache_salt: str | None = None  # isolates this request's prefix-cache entries from other tenants'
     lora: LoRAAdapter | None = None  # the adapter it runs with (None: the base model)
-    adapter_state: int | None = None  # a PEFT model's adapter setting it was made under (peft_state.py)
+    model_state: int | None = None  # the state of the model's weights and adapters it was made under (model_state.py)
     lora_slot: int = 0  # while running: the device slot of its adapter (0: the base)
     # The user's request this is a sample of (n, best_of); None: a group of its own, made at construction.
     group: RequestGroup = None  # type: ignore[assignment]

@@ -42,7 +42,7 @@ import torch.fx.experimental._config as fx_config
 
 from paged_backend.kernels import AttentionMetadata
 from paged_backend.model import custom_ops, int4_linear
-from paged_backend.model.peft_state import tuner_layers
+from paged_backend.model.model_state import tuner_layers
 
 logger = logging.getLogger(__name__)
 

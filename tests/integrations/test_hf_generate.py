@@ -336,6 +336,23 @@ def test_a_compiled_engine_is_rebuilt_when_the_model_changes(monkeypatch):
     assert tg.engine_for(model, config) is not engine
 
 
+def test_weights_changed_in_place_between_calls_are_seen(llama):
+    """A training step between two evaluations changes the weights in place: the reused engine's prefix cache
+    must not answer the same prompt with K/V of the old weights (it used to)."""
+    model = build("llama")
+    prompt = torch.arange(3, 23)[None]  # 20 tokens: full blocks in the prefix cache
+    answers = []
+    for step in range(3):
+        with torch.no_grad():
+            ref = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            out = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, **PAGED)
+            assert out.tolist() == ref.tolist(), step
+            answers.append(tuple(ref[0].tolist()))
+            for param in model.parameters():  # what an optimizer step does
+                param.add_(torch.randn_like(param), alpha=0.05)
+    assert len(set(answers)) == 3, "the steps should change the answer, or this test could not fail"
+
+
 # ---------------------------------------------------------------- refusals and errors
 
 
