@@ -37,8 +37,8 @@ from paged_backend.model.lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRAS
 from paged_backend.model.model_check import prepare_model, usable_context
 from paged_backend.model.model_loader import check_architecture, model_object
 from paged_backend.model.model_runner import ModelRunner, StepInputs
-from paged_backend.model.paged_cache import KVShape, PagedCache
 from paged_backend.model.model_state import ModelStates
+from paged_backend.model.paged_cache import KVShape, PagedCache
 from paged_backend.parallel.step_protocol import agree_on_blocks
 from paged_backend.sampling import prompt_logprobs
 from paged_backend.sampling.detokenizer import IncrementalDetokenizer
