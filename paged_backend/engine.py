@@ -246,8 +246,7 @@ class Engine:
             sample_params = params if samples == 1 else params.for_sample(index)
             internal_id = request_id if samples == 1 else f"{request_id}#{index}"
             self.make_request(group, internal_id, text, token_ids, sample_params, metrics, stream and not group.ranked,
-                              cache_salt, logits_processor, adapter)
-            group.samples[-1].model_state = model_state
+                              cache_salt, logits_processor, adapter, model_state)
         for request in group.samples:
             self.enqueue(request)
         self.requests[request_id] = group
@@ -311,7 +310,8 @@ class Engine:
 
     def make_request(self, group: RequestGroup, request_id: str, text: str | None, token_ids: list[int],
                      params: SamplingParams, metrics: RequestMetrics, stream: bool, cache_salt: str | None,
-                     logits_processor: LogitsProcessor | None, adapter: LoRAAdapter | None) -> Request:
+                     logits_processor: LogitsProcessor | None, adapter: LoRAAdapter | None,
+                     model_state: int) -> Request:
         """A new sample of `group`; it joins the group as its next sample."""
         # The samples share one prompt: the leader scores it, the others may take it from the cache.
         scores_prompt = params.prompt_logprobs is not None and not group.samples
@@ -330,6 +330,7 @@ class Engine:
             prompt_logprobs=[None] if scores_prompt else None,
             cache_salt=cache_salt,
             lora=adapter,
+            model_state=model_state,
             logits_processor=logits_processor,
             group=group,
         )

@@ -264,7 +264,8 @@ def adaptable_linears(model: nn.Module) -> dict[str, nn.Linear]:
 
 def output_embedding(model: nn.Module) -> nn.Module | None:
     get = getattr(model, "get_output_embeddings", None)
-    return base_linear(get()) if callable(get) and get() is not None else None
+    head = get() if callable(get) else None
+    return None if head is None else base_linear(head)
 
 
 def _scaling(config: dict, module_name: str, r: int) -> float:

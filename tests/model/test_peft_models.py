@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 from helpers.engine import greedy, hf_greedy, mixed_prompts
+from helpers.lora import randomise_lora_b
 from helpers.models import build
 from peft import LoraConfig, PrefixTuningConfig, get_peft_model
 
@@ -21,11 +22,7 @@ MAX_NEW = 8
 def lora_model(seed: int = 0):
     """A tiny Llama with LoRA on q/v whose B matrices are non-zero, so the adapter changes the output."""
     model = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
+    randomise_lora_b(model, seed)
     return model.eval()
 
 
@@ -74,11 +71,7 @@ def test_switching_peft_adapters_between_calls_never_reuses_the_other_setting_kv
     model = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
                            adapter_name="a")
     model.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj"]))
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
+    randomise_lora_b(model, seed=1)
     model.eval()
     prompt = mixed_prompts(3)[2]  # long enough for full blocks in the prefix cache
     answers = []
