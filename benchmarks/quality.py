@@ -44,10 +44,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # The default model's own Q4_1 weights (int4_linear.py), with bf16 activations.
     "int4": {"dtype": "bfloat16", "quantization": "int4", "compile": False},
     "int4_compiled": {"dtype": "bfloat16", "quantization": "int4", "compile": True},
+    # The same codes with fp32 activations and fp32 dense copies: the default where bf16 is not native.
+    "int4_fp32": {"dtype": "float32", "quantization": "int4", "compile": False},
     "kv_bf16": {"dtype": "float32", "kv_cache_dtype": "bf16"},
     "kv_int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
 }
-DEFAULT_VARIANTS = ("fp32", "bf16", "int8", "int4", "kv_bf16", "kv_int8")
+DEFAULT_VARIANTS = ("fp32", "bf16", "int8", "int4", "int4_fp32", "kv_bf16", "kv_int8")
 
 
 def make_llm(model: str | None, variant: str, num_kv_blocks: int):

@@ -34,6 +34,10 @@ def fp32_default_on_cpu():
 
 @pytest.fixture(scope="session")
 def default_llm():
+    """The default model with its exact fp32 weights: a dtype named, so `quantization="auto"` keeps them (left
+    to the engine on a CPU without native bf16, they would run as int4 codes; test_int4.py covers that)."""
+    import torch
+
     from paged_backend import LLM
 
-    return LLM(None, num_kv_blocks=512)
+    return LLM(None, dtype=torch.float32, num_kv_blocks=512)

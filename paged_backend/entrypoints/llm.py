@@ -85,7 +85,8 @@ class LLM:
         model, tokenizer = load_model(source, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
         param = next(model.parameters())
         method = resolve_method(quantization, is_default_model(source), param.device, param.dtype,
-                                plain_engine=self.tp_group is None and not config.enable_lora)
+                                plain_engine=self.tp_group is None and not config.enable_lora,
+                                dtype_named=load_kwargs.get("dtype") not in (None, "auto"))
         if method is not None:
             quantize_weights(model, method, gguf_file_of(source) if method == "int4" else None)
         if not self.is_leader:  # under torchrun every rank gets the caller's arguments: the draft runs on rank 0 only

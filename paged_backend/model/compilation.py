@@ -49,14 +49,14 @@ logger = logging.getLogger(__name__)
 # (packed tokens, kept logits rows) of the warm-up steps: one per graph. transformers' mask code
 # branches on `T == 1`, so a one-token step is its own graph; any other size is size-oblivious.
 WARM_UP_SHAPES = ((1, 1), (3, 2))
-# Int4 layers branch on the step's rows (int4_linear.DENSE_ROWS): steps past it are a graph of their own.
-INT4_LARGE_STEP = (int4_linear.DENSE_ROWS + 8, 2)
 
 
 def warm_up_shapes(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
-    """The (tokens, kept rows) of one dummy step per graph `model`'s compiled forward has."""
-    if int4_linear.has_int4_layers(model):
-        return (*WARM_UP_SHAPES, INT4_LARGE_STEP)
+    """The (tokens, kept rows) of one dummy step per graph `model`'s compiled forward has. Int4 layers
+    branch on the step's rows (int4_linear.DENSE_ROWS): steps past their threshold are a graph of their own."""
+    int4_rows = int4_linear.most_int4_rows(model)
+    if int4_rows is not None:
+        return (*WARM_UP_SHAPES, (int4_rows + 8, 2))
     return WARM_UP_SHAPES
 
 

@@ -81,7 +81,7 @@ def read_q4_1_linears(gguf: Path, model: torch.nn.Module) -> dict[str, Int4Linea
         if codes.shape != (linear.out_features, linear.in_features) or codes.shape[1] % GROUP_SIZE:
             raise ValueError(f"{gguf.name}: tensor {name} has shape {tuple(codes.shape)}, but the model's "
                              f"{module_name} is {linear.out_features} x {linear.in_features}")
-        layers[module_name] = Int4Linear(codes, d, m, linear.bias)
+        layers[module_name] = Int4Linear(codes, d, m, linear.bias, linear.weight.dtype)
     return layers
 
 

@@ -9,19 +9,24 @@ Small steps multiply by the codes through torch's CPU int4 kernel (`_weight_int4
 bf16 activations): on an AVX-512 CPU (2 threads, the default model's 30 layers of linears) it measured
 4.0 ms at 1 row against 18.8 ms for bf16 and 36.5 ms for fp32 weights, 11.9 against 25.1 at 8 rows,
 and even at 32 rows. Past that the kernel falls behind a dense bf16 matmul (101 against 75 ms at 64
-rows, 654 against 296 at 512), so steps of more than `DENSE_ROWS` rows multiply by a dense bf16 copy
-of the same dequantized weights instead (quantized_linear.py). The copy costs 2 bytes per weight: on
-CPU this format buys decode speed, not memory.
+rows, 654 against 296 at 512), so steps of more than `DENSE_ROWS[torch.bfloat16]` rows multiply by a
+dense bf16 copy of the same dequantized weights instead (quantized_linear.py). On an AVX2 CPU without
+native bf16 the copy is fp32, and the kernel (rows rounded to bf16 for it and back) against fp32 weights,
+each of the 210 layers its own weight so that they stream from memory as in a step, measured 15.7 against
+58.4 ms at 1 row, 41 against 91 at 8, 82 against 109 at 16, about even at 24-28 and 153 against 124 at
+32 (2 threads, best of two runs of a throwaway script): hence `DENSE_ROWS[torch.float32]`. The copy costs
+as much as the weights it replaces: on CPU this format buys decode speed, not memory.
 """
 
 from __future__ import annotations
 
 import torch
 
-from paged_backend.model.quantized_linear import COMPUTE_DTYPE, QuantizedLinear
+from paged_backend.model.quantized_linear import COMPUTE_DTYPE, QuantizedLinear, cast_to
 
 GROUP_SIZE = 32  # weights per (scale, offset) pair along the input dimension, as in GGUF's Q4_1
-DENSE_ROWS = 32  # steps of more rows multiply by the dense copy (measured crossover, module docstring)
+# Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers, module docstring).
+DENSE_ROWS = {torch.bfloat16: 32, torch.float32: 24}
 
 
 def can_quantize(linear: torch.nn.Linear) -> bool:
@@ -30,17 +35,24 @@ def can_quantize(linear: torch.nn.Linear) -> bool:
 
 
 def has_int4_layers(model: torch.nn.Module) -> bool:
-    return any(isinstance(module, Int4Linear) for module in model.modules())
+    return most_int4_rows(model) is not None
+
+
+def most_int4_rows(model: torch.nn.Module) -> int | None:
+    """The most rows a step of `model` multiplies by int4 codes (past them, by the dense copies); None
+    without int4 layers."""
+    return max((module.dense_rows for module in model.modules() if isinstance(module, Int4Linear)), default=None)
 
 
 class Int4Linear(QuantizedLinear):
     """A linear layer whose weight is 4-bit codes with a scale and offset per group of 32 inputs."""
 
-    dense_rows = DENSE_ROWS
+    dense_rows_by_dtype = DENSE_ROWS
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
-        """`codes [out, in]` in 0..15, `scales` and `offsets [out, in / 32]`: weight = codes * scales + offsets."""
+                 bias: torch.Tensor | None = None, dense_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        """`codes [out, in]` in 0..15, `scales` and `offsets [out, in / 32]`: weight = codes * scales + offsets.
+        `dense_dtype`: the model's dtype, that of the dense copy large steps multiply by."""
         out_features, in_features = codes.shape
         if out_features % 16 or in_features % GROUP_SIZE:
             raise ValueError(f"int4 weights need out_features % 16 == 0 and in_features % {GROUP_SIZE} == 0, "
@@ -48,22 +60,25 @@ class Int4Linear(QuantizedLinear):
         # The kernel dequantizes as (code - 8) * scale + zero, with scale and zero in the activations' dtype.
         scale = scales.float().to(COMPUTE_DTYPE)
         zero = (offsets.float() + 8 * scales.float()).to(COMPUTE_DTYPE)
-        super().__init__(dequantize(codes, scale, zero), bias)
+        super().__init__(dequantize(codes, scale, zero), bias, dense_dtype)
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
         self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous())
 
     @classmethod
     def from_float(cls, linear: torch.nn.Linear) -> Int4Linear:
-        """Round `linear`'s weight to int4 per group of 32: offset the group's minimum, scale its range / 15."""
+        """Round `linear`'s weight to int4 per group of 32: offset the group's minimum, scale its range / 15;
+        the dense copy in the weight's dtype."""
         weight = linear.weight.detach().float()
         groups = weight.view(weight.shape[0], -1, GROUP_SIZE)
         low, high = groups.amin(-1), groups.amax(-1)
         scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).view_as(weight)
-        return cls(codes, scales, low, linear.bias)
+        return cls(codes, scales, low, linear.bias, linear.weight.dtype)
 
     def quantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        out = torch._weight_int4pack_mm_for_cpu(cast_to(rows, COMPUTE_DTYPE), self.packed, GROUP_SIZE,
+                                                self.scales_and_zeros)
+        return cast_to(out, rows.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={GROUP_SIZE}"

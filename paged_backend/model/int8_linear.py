@@ -4,7 +4,10 @@ Each output row is rounded to int8 with its own scale (`max |w| / 127`). Small s
 codes through torch's CPU int8 kernel (`_weight_int8pack_mm`, bf16 activations): for the default
 model's 49,152 x 576 head on an AVX-512 CPU (2 threads) it measured 2.3 ms at 1 row against 3.9 ms for
 the bf16 weight and 3.1 against 4.8 at 4 rows, but 15.3 against 6.7 at 16 rows. So steps of more
-than `DENSE_ROWS` rows multiply by a dense bf16 copy of the same dequantized weight (quantized_linear.py).
+than `DENSE_ROWS[torch.bfloat16]` rows multiply by a dense bf16 copy of the same dequantized weight
+(quantized_linear.py). On an AVX2 CPU without native bf16 the copy is fp32, and the kernel (rows rounded to
+bf16 for it; given fp32 rows it measured 5x slower) beat it up to about 32 rows: 4.7 against 15.8 ms at 1
+row, 12 against 34 at 8, 24 against 36 at 16, 44 against 47 at 32 and 67 against 58 at 48 (2 threads).
 A step keeps logits for its sampling rows
 only, so the head sees one row per decoding sequence: one stream runs on the codes, a batch on the copy.
 A compiled forward calls the choice as one registered custom op (`paged_backend::int8_matmul`), which
@@ -17,20 +20,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged_backend.model.quantized_linear import COMPUTE_DTYPE, QuantizedLinear
+from paged_backend.model.quantized_linear import COMPUTE_DTYPE, QuantizedLinear, cast_to
 
-DENSE_ROWS = 4  # steps of more rows multiply by the dense copy (measured crossover, module docstring)
+# Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers, module docstring).
+DENSE_ROWS = {torch.bfloat16: 4, torch.float32: 32}
 
 
 class Int8Linear(QuantizedLinear):
     """A linear layer whose weight is int8 with one scale per output row."""
 
-    dense_rows = DENSE_ROWS
+    dense_rows_by_dtype = DENSE_ROWS
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """`codes [out, in]` int8, `scales [out]`: weight = codes * scales[:, None]."""
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 dense_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        """`codes [out, in]` int8, `scales [out]`: weight = codes * scales[:, None]. `dense_dtype`: the model's
+        dtype, that of the dense copy large steps multiply by."""
         scales = scales.float().to(COMPUTE_DTYPE)
-        super().__init__(codes.float() * scales.float()[:, None], bias)
+        super().__init__(codes.float() * scales.float()[:, None], bias, dense_dtype)
         self.register_buffer("codes", codes.to(torch.int8).contiguous())
         self.register_buffer("scales", scales)
 
@@ -42,7 +48,7 @@ class Int8Linear(QuantizedLinear):
         # The kernel multiplies by the bf16 scale, so the codes are rounded against that scale.
         scales = scales.to(COMPUTE_DTYPE).float()
         codes = (weight / scales[:, None]).round().clamp(-127, 127)
-        return cls(codes, scales, linear.bias)
+        return cls(codes, scales, linear.bias, linear.weight.dtype)
 
     def uses_dense(self, rows: torch.Tensor) -> bool:
         return False  # int8_matmul() makes the choice, at run time in a compiled graph (module docstring)
@@ -55,11 +61,11 @@ class Int8Linear(QuantizedLinear):
 
 
 def int8_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """`rows [n, in]` (COMPUTE_DTYPE) times the weight `codes * scales[:, None]`: through the int8 kernel for
-    up to DENSE_ROWS rows, else through its dense copy `dense [out, in]`."""
-    if rows.shape[0] > DENSE_ROWS:
-        return F.linear(rows, dense)
-    return torch._weight_int8pack_mm(rows, codes, scales)
+    """`rows [n, in]` times the weight `codes * scales[:, None]`, in the dtype of `rows`: through the int8
+    kernel (bf16) for up to DENSE_ROWS rows of the dense copy's dtype, else through the copy `dense [out, in]`."""
+    if rows.shape[0] > DENSE_ROWS[dense.dtype]:
+        return cast_to(F.linear(cast_to(rows, dense.dtype), dense), rows.dtype)
+    return cast_to(torch._weight_int8pack_mm(cast_to(rows, COMPUTE_DTYPE), codes, scales), rows.dtype)
 
 
 int8_matmul_op = torch.library.custom_op("paged_backend::int8_matmul", int8_matmul, mutates_args=())

@@ -1,11 +1,14 @@
 """What the CPU int4 and int8 linear layers share: a quantized kernel for small steps, a dense copy of
 the same dequantized weights for large ones, and a linear layer's shapes and bias.
 
-Both quantized kernels (torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`) beat a dense
-bf16 matmul only for a few rows (int4_linear.py and int8_linear.py have the measured crossovers), so
-past a subclass's `dense_rows` a step multiplies by the copy. The copy is dequantized from the codes,
-not kept from the original weights, so every path computes the same model and which one a step takes
-changes only rounding, as any change of matmul kernel does.
+Both quantized kernels (torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`) take bf16
+activations and beat a dense matmul only for a few rows (int4_linear.py and int8_linear.py have the
+measured crossovers), so past a layer's `dense_rows` a step multiplies by the copy. The copy is in the
+model's dtype: bf16 where the CPU computes it natively, fp32 elsewhere (a bf16 matmul is emulated there,
+4x slower than fp32 at 32 rows on an AVX2 CPU), so a large step computes as the model's own weights
+would and only the kernel's rows are rounded to bf16. The copy is dequantized from the codes, not kept
+from the original weights, so every path computes the same model and which one a step takes changes only
+rounding, as any change of matmul kernel does.
 """
 
 from __future__ import annotations
@@ -14,22 +17,27 @@ import torch
 import torch.nn.functional as F
 
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' fast paths take bf16 activations (fp32 was 25x slower for int4)
+DENSE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class QuantizedLinear(torch.nn.Module):
-    """A linear layer `[..., in] -> [..., out]` over a quantized weight and its dense bf16 copy."""
+    """A linear layer `[..., in] -> [..., out]` over a quantized weight and its dense copy."""
 
-    dense_rows: int  # steps of more rows multiply by the dense copy
+    # Steps of more rows multiply by the dense copy, by the copy's dtype (crossovers measured per subclass).
+    dense_rows_by_dtype: dict[torch.dtype, int]
 
-    def __init__(self, dense: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """`dense [out, in]`: the dequantized weight, in fp32 or COMPUTE_DTYPE."""
+    def __init__(self, dense: torch.Tensor, bias: torch.Tensor | None, dense_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        """`dense [out, in]`: the dequantized weight, kept in `dense_dtype` (the model's: bf16 or fp32)."""
         super().__init__()
+        if dense_dtype not in DENSE_DTYPES:
+            raise ValueError(f"a quantized layer's dense copy is bf16 or fp32, not {dense_dtype}")
         self.out_features, self.in_features = dense.shape
-        self.register_buffer("dense", dense.to(COMPUTE_DTYPE))
+        self.register_buffer("dense", dense.to(dense_dtype))
+        self.dense_rows = self.dense_rows_by_dtype[dense_dtype]
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def quantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """`rows [n, in]` (COMPUTE_DTYPE) times the quantized weight, `[n, out]`."""
+        """`rows [n, in]` times the quantized weight, `[n, out]`, in the dtype of `rows`."""
         raise NotImplementedError
 
     def uses_dense(self, rows: torch.Tensor) -> bool:
@@ -40,14 +48,13 @@ class QuantizedLinear(torch.nn.Module):
         return self.dense.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Called about 200 times per step of the default model: the dtype checks skip two no-op `.to`
-        # dispatches, which with the rest of this method's Python cost as much as a small layer's kernel.
+        # Called about 200 times per step of the default model: cast_to skips no-op `.to` dispatches, which
+        # with the rest of this method's Python cost as much as a small layer's kernel.
         rows = x.reshape(-1, self.in_features)
-        if rows.dtype != COMPUTE_DTYPE:
-            rows = rows.to(COMPUTE_DTYPE)
-        out = F.linear(rows, self.dense) if self.uses_dense(rows) else self.quantized_matmul(rows)
-        if out.dtype != x.dtype:
-            out = out.to(x.dtype)
+        if self.uses_dense(rows):
+            out = cast_to(F.linear(cast_to(rows, self.dense.dtype), self.dense), x.dtype)
+        else:
+            out = self.quantized_matmul(rows)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -58,3 +65,7 @@ class QuantizedLinear(torch.nn.Module):
 
 def has_quantized_layers(model: torch.nn.Module) -> bool:
     return any(isinstance(module, QuantizedLinear) for module in model.modules())
+
+
+def cast_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)

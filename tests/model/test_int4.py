@@ -30,15 +30,31 @@ def random_linear(out_features: int = 48, in_features: int = 64, bias: bool = Tr
     return torch.nn.Linear(in_features, out_features, bias=bias)
 
 
-@pytest.mark.parametrize("rows", [1, 3, DENSE_ROWS, DENSE_ROWS + 1, 70])
-def test_both_paths_multiply_by_the_dequantized_weight(rows: int) -> None:
-    linear = random_linear()
+FP32_DENSE_ROWS = DENSE_ROWS[torch.float32]  # where an fp32 model's int4 layers switch to their dense copy
+
+
+def threshold_rows(most: int) -> list[int]:
+    return [1, 3, most, most + 1, 70]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("step", range(5))
+def test_both_paths_multiply_by_the_dequantized_weight(dtype: torch.dtype, step: int) -> None:
+    """The kernel takes rows rounded to bf16; the dense copy is in the model's dtype, so an fp32 model's
+    large steps multiply its rows as they are, in fp32."""
+    rows = threshold_rows(DENSE_ROWS[dtype])[step]
+    linear = random_linear().to(dtype)
     layer = Int4Linear.from_float(linear)
-    x = torch.randn(2, rows, 64)
-    expected = F.linear(x.bfloat16().double(), layer.weight_float().double(), linear.bias.double())
+    assert layer.dense.dtype == dtype and layer.dense_rows == DENSE_ROWS[dtype]
+    x = torch.randn(1, rows, 64, dtype=dtype)
+    kernel = rows <= DENSE_ROWS[dtype]
+    assert layer.uses_dense(x.view(-1, 64)) != kernel
+    exact_rows = x.bfloat16() if kernel or dtype == torch.bfloat16 else x
+    expected = F.linear(exact_rows.double(), layer.weight_float().double(), linear.bias.double())
     out = layer(x)
-    assert out.shape == (2, rows, 48) and out.dtype == x.dtype
-    assert torch.allclose(out.double(), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+    assert out.shape == (1, rows, 48) and out.dtype == x.dtype
+    tolerance = 1e-5 if dtype == torch.float32 and not kernel else 2e-2
+    assert torch.allclose(out.double(), expected, rtol=0, atol=tolerance * expected.abs().max().item())
 
 
 def test_rounding_keeps_each_group_within_half_a_step() -> None:
@@ -64,15 +80,23 @@ def test_codes_come_back_exactly_where_bf16_holds_them() -> None:
     assert torch.allclose(small, dense, atol=1e-2 * dense.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, int8_linear.DENSE_ROWS, int8_linear.DENSE_ROWS + 1, 40])
-def test_int8_head_paths_multiply_by_the_dequantized_weight(rows: int) -> None:
-    linear = random_linear(out_features=80, in_features=48)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("step", range(5))
+def test_int8_head_paths_multiply_by_the_dequantized_weight(dtype: torch.dtype, step: int) -> None:
+    rows = threshold_rows(int8_linear.DENSE_ROWS[dtype])[step]
+    linear = random_linear(out_features=80, in_features=48).to(dtype)
     head = Int8Linear.from_float(linear)
-    weight = linear.weight.detach()
+    assert head.dense.dtype == dtype
+    weight = linear.weight.detach().float()
     assert (head.weight_float() - weight).abs().max() <= weight.abs().amax() / 127  # half a step + bf16 scale
-    x = torch.randn(rows, 48)
-    expected = F.linear(x.bfloat16().double(), head.weight_float().double(), linear.bias.double())
-    assert torch.allclose(head(x).double(), expected, rtol=0, atol=1e-2 * expected.abs().max().item())
+    x = torch.randn(rows, 48, dtype=dtype)
+    kernel = rows <= int8_linear.DENSE_ROWS[dtype]
+    exact_rows = x.bfloat16() if kernel or dtype == torch.bfloat16 else x
+    expected = F.linear(exact_rows.double(), head.weight_float().double(), linear.bias.double())
+    out = head(x)
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 and not kernel else 1e-2
+    assert torch.allclose(out.double(), expected, rtol=0, atol=tolerance * expected.abs().max().item())
 
 
 def test_a_compiled_int8_head_picks_its_kernel_at_run_time() -> None:
@@ -80,13 +104,15 @@ def test_a_compiled_int8_head_picks_its_kernel_at_run_time() -> None:
     in one graph: the same numbers as eager on both sides of the crossover, and no recompile."""
     torch._dynamo.reset()
     head = Int8Linear.from_float(random_linear(out_features=80, in_features=48))
-    for rows in (1, int8_linear.DENSE_ROWS + 1):
-        x = torch.randn(rows, 48).bfloat16()
-        torch.library.opcheck(int8_linear.int8_matmul_op, (x, head.codes, head.scales, head.dense))
+    most = head.dense_rows
+    for rows in (1, most + 1):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(rows, 48, dtype=dtype)
+            torch.library.opcheck(int8_linear.int8_matmul_op, (x, head.codes, head.scales, head.dense))
     compiled = torch.compile(head, dynamic=True)
     compiled(torch.randn(1, 48)), compiled(torch.randn(2, 48))  # one row is a shape class of its own
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for rows in (1, 3, int8_linear.DENSE_ROWS, int8_linear.DENSE_ROWS + 1, 40):
+        for rows in (1, 3, most, most + 1, most + 8):
             x = torch.randn(rows, 48)
             assert torch.equal(compiled(x), head(x))
 
@@ -114,7 +140,7 @@ def test_shapes_the_kernel_cannot_take_are_refused_or_left_alone() -> None:
 def test_the_engine_runs_an_int4_model_as_generate_does() -> None:
     model = build("llama")
     quantize_weights(model, "int4")
-    prompts = mixed_prompts(6) + [list(range(3, 3 + DENSE_ROWS + 9))]  # one prompt past the dense threshold
+    prompts = mixed_prompts(6) + [list(range(3, 3 + FP32_DENSE_ROWS + 9))]  # one prompt past the dense threshold
     refs = [hf_greedy(model, p, 10) for p in prompts]
     llm = LLM(model, compile=False, num_kv_blocks=64, max_num_batched_tokens=24)  # chunked prefill
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -139,7 +165,7 @@ def test_int4_compiles_once_for_small_and_large_steps() -> None:
     torch._dynamo.reset()
     model = build("llama")
     quantize_weights(model, "int4")
-    prompts = mixed_prompts(4) + [list(range(5, 5 + DENSE_ROWS + 12))]
+    prompts = mixed_prompts(4) + [list(range(5, 5 + FP32_DENSE_ROWS + 12))]
     refs = [hf_greedy(model, p, 8) for p in prompts]
     llm = LLM(model, compile=True, num_kv_blocks=64)
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -148,11 +174,14 @@ def test_int4_compiles_once_for_small_and_large_steps() -> None:
     assert [o.outputs[0].token_ids for o in outs] == refs
 
 
-def test_auto_means_int4_for_the_default_model_in_bf16_on_cpu_only() -> None:
-    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+def test_auto_means_int4_for_the_default_model_on_cpu_unless_fp32_is_named() -> None:
+    cpu, bf16, fp32 = torch.device("cpu"), torch.bfloat16, torch.float32
     assert resolve_method("auto", True, cpu, bf16, plain_engine=True) == "int4"
+    assert resolve_method("auto", True, cpu, bf16, plain_engine=True, dtype_named=True) == "int4"
+    assert resolve_method("auto", True, cpu, fp32, plain_engine=True) == "int4"  # picked: no native bf16
+    assert resolve_method("auto", True, cpu, fp32, plain_engine=True, dtype_named=True) is None  # exact fp32 asked
+    assert resolve_method("auto", True, cpu, torch.float16, plain_engine=True) is None
     assert resolve_method("auto", False, cpu, bf16, plain_engine=True) is None  # a model the caller chose
-    assert resolve_method("auto", True, cpu, torch.float32, plain_engine=True) is None  # fp32 asked or picked
     assert resolve_method("auto", True, torch.device("cuda"), bf16, plain_engine=True) is None
     assert resolve_method("auto", True, cpu, bf16, plain_engine=False) is None  # LoRA or tensor parallelism
     assert resolve_method(None, True, cpu, bf16, plain_engine=True) is None
@@ -191,8 +220,8 @@ def test_default_model_q4_1_tensors_load_as_transformers_dequantizes_them() -> N
     captured = {}
     original = Int4Linear.__init__
 
-    def capture(self, codes, scales, offsets, bias=None):
-        original(self, codes, scales, offsets, bias)
+    def capture(self, codes, scales, offsets, bias=None, dense_dtype=torch.bfloat16):
+        original(self, codes, scales, offsets, bias, dense_dtype)
         captured[id(self)] = (codes, scales, offsets)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -205,6 +234,7 @@ def test_default_model_q4_1_tensors_load_as_transformers_dequantizes_them() -> N
         weight = (codes.float().view(rows, -1, GROUP_SIZE) * scales[..., None] + offsets[..., None]).view(rows, -1)
         assert torch.equal(weight, model.get_submodule(name).weight), name  # the file's own values, rows in HF order
         assert np.abs(layer.weight_float().numpy() - weight.numpy()).max() <= 1e-2 * weight.abs().max().item()
+        assert layer.dense.dtype == torch.float32  # the model's dtype
 
 
 @pytest.mark.slow
@@ -220,6 +250,30 @@ def test_default_model_in_bf16_runs_int4_by_default_and_answers_like_its_bf16_se
     b = [o.outputs[0].token_ids for o in bf16.generate(prompts, params, use_tqdm=False)]
     # The same Q4_1 weights, rounded to bf16 in two ways: the answers start alike.
     assert all(x[:4] == y[:4] for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+def test_default_model_on_a_cpu_without_native_bf16_runs_int4_over_fp32_by_default() -> None:
+    """Where the engine picks fp32 (the suite pins that choice, conftest.py), the default model still runs its
+    file's int4 codes for small steps, with fp32 activations and fp32 dense copies for large ones; a named
+    fp32 keeps the exact weights. One prompt through the engine equals the same model's own generate."""
+    prompt = "The capital of France is"
+    int4 = LLM(None, compile=False, num_kv_blocks=64)  # dtype and quantization "auto"
+    model = int4.engine.model
+    layer = model.model.layers[0].mlp.down_proj
+    assert model.dtype == torch.float32 and isinstance(layer, Int4Linear)
+    assert layer.dense.dtype == torch.float32 and layer.dense_rows == FP32_DENSE_ROWS
+    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.dense.dtype == torch.float32
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ids = int4.tokenizer(prompt).input_ids
+    answer = int4.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():
+        reference = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    assert answer == reference[0, len(ids):].tolist()
+    exact = LLM(None, dtype=torch.float32, compile=False, num_kv_blocks=64)
+    assert not has_int4_layers(exact.engine.model)
+    fp32_answer = exact.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert answer[:4] == fp32_answer[:4]  # the same Q4_1 weights, the kernel's rows rounded to bf16
 
 
 @pytest.mark.slow
