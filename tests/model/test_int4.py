@@ -99,6 +99,27 @@ def test_int8_head_paths_multiply_by_the_dequantized_weight(dtype: torch.dtype, 
     assert torch.allclose(out.double(), expected, rtol=0, atol=tolerance * expected.abs().max().item())
 
 
+def test_an_fp32_int8_head_picks_the_dense_paths_largest_logit_at_near_ties() -> None:
+    """The kernel rounds rows and logits to bf16 (steps of 0.125 near 25), which flips greedy choices between
+    logits closer than that; the outputs that may be a row's largest are recomputed in fp32, so the row's
+    argmax is the fp32 dense path's."""
+    torch.manual_seed(0)
+    linear = random_linear(out_features=64, in_features=64, bias=False)
+    with torch.no_grad():
+        linear.weight[1::2] = linear.weight[::2] + 1e-3 * torch.randn(32, 64)  # pairs of near-equal rows
+    head = Int8Linear.from_float(linear)
+    x = 8 * torch.randn(400, 64)  # logits of tens, where bf16 steps are 0.125-0.25
+    exact = F.linear(x, head.dense)
+    kernel = torch._weight_int8pack_mm(x.bfloat16(), head.codes, head.scales).float()
+    assert (kernel.argmax(-1) != exact.argmax(-1)).sum() > 10  # the coin tosses this guards against
+    assert (kernel - exact).abs().le(int8_linear.error_bound(x, kernel, head.row_norms) / 2).all()
+    for rows in torch.split(x, int8_linear.DENSE_ROWS[torch.float32]):  # steps the kernel takes
+        out = head(rows)
+        assert torch.equal(out.argmax(-1), F.linear(rows, head.dense).argmax(-1))
+        largest = out.argmax(-1, keepdim=True)
+        assert torch.allclose(out.gather(-1, largest), F.linear(rows, head.dense).gather(-1, largest), atol=1e-4)
+
+
 def test_a_compiled_int8_head_picks_its_kernel_at_run_time() -> None:
     """Compiled, the head calls one op that takes the int8 kernel for a few rows and the copy past them,
     in one graph: the same numbers as eager on both sides of the crossover, and no recompile."""
@@ -108,7 +129,7 @@ def test_a_compiled_int8_head_picks_its_kernel_at_run_time() -> None:
     for rows in (1, most + 1):
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(rows, 48, dtype=dtype)
-            torch.library.opcheck(int8_linear.int8_matmul_op, (x, head.codes, head.scales, head.dense))
+            torch.library.opcheck(int8_linear.int8_matmul_op, (x, head.codes, head.scales, head.dense, head.row_norms))
     compiled = torch.compile(head, dynamic=True)
     compiled(torch.randn(1, 48)), compiled(torch.randn(2, 48))  # one row is a shape class of its own
     with torch._dynamo.config.patch(error_on_recompile=True):
