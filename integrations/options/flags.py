@@ -50,9 +50,9 @@ def add_quantization_flag(parser: argparse.ArgumentParser | argparse._ArgumentGr
 
     parser.add_argument("--quantization", default=AUTO, type=lambda text: None if text == "none" else text,
                         choices=[AUTO, None, *METHODS], metavar="{auto,none,int8,int4}",
-                        help="weight-only quantization of the linear layers: auto (the default model as int4 where it "
-                             "runs in bf16 on CPU, else none), none, int8 (torchao) or int4 (CPU; a GGUF file's Q4_1 "
-                             "tensors as they are)")
+                        help="weight-only quantization of the linear layers: auto (the default model as int4 on CPU "
+                             "unless --dtype float32 is named, else none), none, int8 (torchao) or int4 (CPU; a GGUF "
+                             "file's Q4_1 tensors as they are)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

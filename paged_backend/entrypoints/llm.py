@@ -42,7 +42,8 @@ class LLM:
     `quantization="int8"` or `"int4"` quantizes the linear layers' weights after loading (a loaded model's in
     place; quantization.py; int4 takes a GGUF source's own Q4_1 tensors, the default model's included); it
     compiles where the engine's `compile` setting says, as without quantization. The default `"auto"` runs
-    the default model as int4 where it loads in bf16 on CPU, and quantizes nothing else; None never quantizes."""
+    the default model as int4 on CPU unless `dtype=torch.float32` is named, and quantizes nothing else; None
+    never quantizes."""
 
     def __init__(self, model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1,
                  quantization: str | None = AUTO, **engine_config: Any) -> None:
