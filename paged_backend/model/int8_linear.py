@@ -18,9 +18,13 @@ taking the copy cost a compiled one-stream step 3.5 ms in the head instead of 2.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from paged_backend.model.quantized_linear import COMPUTE_DTYPE, QuantizedLinear, cast_to
+from paged_backend.model.quantized_linear import (
+    COMPUTE_DTYPE,
+    QuantizedLinear,
+    cast_to,
+    dense_matmul,
+)
 
 # Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers, module docstring).
 DENSE_ROWS = {torch.bfloat16: 4, torch.float32: 32}
@@ -68,7 +72,7 @@ def int8_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, d
     fp32 rows through the kernel get the outputs that could be their row's largest recomputed in fp32
     (refine_near_max, with `row_norms [out]`, the copy's row norms)."""
     if rows.shape[0] > DENSE_ROWS[dense.dtype]:
-        return cast_to(F.linear(cast_to(rows, dense.dtype), dense), rows.dtype)
+        return dense_matmul(rows, dense)
     out = cast_to(torch._weight_int8pack_mm(cast_to(rows, COMPUTE_DTYPE), codes, scales), rows.dtype)
     if rows.dtype == torch.float32 and dense.dtype == torch.float32:
         out = refine_near_max(rows, out, dense, error_bound(rows, out, row_norms))

@@ -7,9 +7,10 @@ saves memory, not time, and compiling follows the engine's own `compile` setting
 
 int4 (CPU only) is `Int4Linear` (int4_linear.py): 4-bit codes with a scale and offset per group of
 32 inputs, multiplied by torch's CPU int4 kernel in small steps, which decodes several times faster
-than bf16 weights on an AVX-512 CPU and than fp32 weights on an AVX2 one. The decoder's projections become int4; the output projection
-(LM head, often tied to the embedding, which keeps its weight) becomes int8 per row (int8_linear.py). A llama GGUF file's own Q4_1 tensors
-(the default model's) are taken as they are (gguf_int4.py); other weights are rounded per group.
+than bf16 weights on an AVX-512 CPU and than fp32 weights on an AVX2 one. The decoder's projections
+become int4; the output projection (LM head, often tied to the embedding, which keeps its weight)
+becomes int8 per row (int8_linear.py). A llama GGUF file's own Q4_1 tensors (the default model's) are
+taken as they are (gguf_int4.py); other weights are rounded per group.
 """
 
 from __future__ import annotations

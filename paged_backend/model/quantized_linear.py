@@ -26,7 +26,8 @@ class QuantizedLinear(torch.nn.Module):
     # Steps of more rows multiply by the dense copy, by the copy's dtype (crossovers measured per subclass).
     dense_rows_by_dtype: dict[torch.dtype, int]
 
-    def __init__(self, dense: torch.Tensor, bias: torch.Tensor | None, dense_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+    def __init__(self, dense: torch.Tensor, bias: torch.Tensor | None,
+                 dense_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
         """`dense [out, in]`: the dequantized weight, kept in `dense_dtype` (the model's: bf16 or fp32)."""
         super().__init__()
         if dense_dtype not in DENSE_DTYPES:
@@ -51,10 +52,7 @@ class QuantizedLinear(torch.nn.Module):
         # Called about 200 times per step of the default model: cast_to skips no-op `.to` dispatches, which
         # with the rest of this method's Python cost as much as a small layer's kernel.
         rows = x.reshape(-1, self.in_features)
-        if self.uses_dense(rows):
-            out = cast_to(F.linear(cast_to(rows, self.dense.dtype), self.dense), x.dtype)
-        else:
-            out = self.quantized_matmul(rows)
+        out = dense_matmul(rows, self.dense) if self.uses_dense(rows) else self.quantized_matmul(rows)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -65,6 +63,11 @@ class QuantizedLinear(torch.nn.Module):
 
 def has_quantized_layers(model: torch.nn.Module) -> bool:
     return any(isinstance(module, QuantizedLinear) for module in model.modules())
+
+
+def dense_matmul(rows: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """`rows [n, in]` times the dense copy `dense [out, in]` in the copy's dtype, returned in the rows' dtype."""
+    return cast_to(F.linear(cast_to(rows, dense.dtype), dense), rows.dtype)
 
 
 def cast_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
