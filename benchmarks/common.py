@@ -33,6 +33,14 @@ MiB = 2**20
 # ------------------------------------------------------------------ prompts and workloads
 
 
+def precision_name(model) -> str:
+    """The engine's weights and activations, as the results name them."""
+    from paged_backend.model.int4_linear import has_int4_layers
+
+    dtype = str(model.dtype).removeprefix("torch.")
+    return f"int4 weights, {dtype} activations" if has_int4_layers(model) else dtype
+
+
 def mt_bench_path() -> Path:
     """Where the MT-bench questions are: `$PAGED_BACKEND_DATA` (the file or its folder), else `benchmarks/data`."""
     override = os.environ.get(DATA_ENV)

@@ -14,7 +14,12 @@ engine_lora / peft_sequential (target >= 3), with the machine's load, and how ma
 engine answered exactly as the PEFT batch did (left padding may flip a near-tie, so this is a report,
 not an assertion: tests/model/test_lora.py checks equality on unpadded references).
 
-    python benchmarks/lora.py [--max-tokens 64] [--repeats 2] [--threads 2] [--dtype float32|bfloat16] [--compile]
+`--dtype default` runs the engine as `LLM(None, enable_lora=True)` picks on this machine (int4 weights
+on CPU) and PEFT in the dtype of the engine's activations over the model's own weights, which is what a
+PEFT user runs; the answers then differ where int4 rounding parts them.
+
+    python benchmarks/lora.py [--max-tokens 64] [--repeats 2] [--threads 2] [--dtype float32|bfloat16|default]
+                              [--compile]
 """
 
 from __future__ import annotations
@@ -28,12 +33,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import load_mt_bench_prompts, machine_info, median, uptime, write_results  # noqa: E402
+from common import (  # noqa: E402
+    load_mt_bench_prompts,
+    machine_info,
+    median,
+    precision_name,
+    uptime,
+    write_results,
+)
 
 NUM_REQUESTS = 32
 NUM_ADAPTERS = 4
 RANK = 8
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "default": None}
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -95,7 +107,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="rounds; each runs the three systems in turn")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help="both systems' precision (bfloat16 is what LLM picks on a CPU with native bf16)")
+                        help="both systems' precision (default: what LLM picks, int4 weights on CPU)")
     parser.add_argument("--compile", action="store_true",
                         help="compile the engine's forward (EngineConfig(compile=True); start-up not timed)")
     parser.add_argument("--json", type=Path, default=None)
@@ -107,12 +119,15 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(f"load before: {uptime()}")
-    # The same precision for both systems.
+    # The same precision for both systems, or the engine's default and PEFT over the model's own weights.
+    load = {} if dtype is None else {"dtype": dtype}
     llm = LLM(None, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, num_threads=args.threads,
-              dtype=dtype, compile=args.compile)
+              compile=args.compile, **load)
     if args.compile:
         print(f"engine compiled and warmed up in {llm.engine.compile_s:.1f} s")
-    peft = make_adapters(default_model_path(), dtype)
+    precision = precision_name(llm.model)
+    print(f"engine: {precision}; PEFT: {llm.model.dtype}")
+    peft = make_adapters(default_model_path(), llm.model.dtype)
     names = [f"adapter{i}" for i in range(NUM_ADAPTERS)]
     for name in names:
         llm.add_lora(name, peft, adapter_name=name)
@@ -151,6 +166,7 @@ def main() -> None:
     print(f"load after: {uptime()}")
     report = {"workload": {"requests": NUM_REQUESTS, "adapters": NUM_ADAPTERS, "rank": RANK, "targets": TARGETS,
                            "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype,
+                           "engine_precision": precision,
                            "compile": args.compile, "compile_s": llm.engine.compile_s},
               "seconds": seconds, "output_tokens_per_s": tok_s, "ratios": ratios,
               "identical_to_peft": same, "machine": machine_info()}

@@ -34,6 +34,7 @@ from common import (  # noqa: E402
     load_mt_bench_prompts,
     machine_info,
     median,
+    precision_name,
     write_results,
 )
 
@@ -48,12 +49,6 @@ INSTRUCTIONS = {
 def grounded_prompts() -> list[str]:
     rows = [json.loads(line) for line in PASSAGES.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [f"{INSTRUCTIONS[r['task']]}\n\n{r['passage']}" for r in rows]
-
-
-def precision_name(model) -> str:
-    from paged_backend.model.int4_linear import has_int4_layers
-
-    return "int4 weights, bf16 activations" if has_int4_layers(model) else str(model.dtype).removeprefix("torch.")
 
 
 def chat_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:

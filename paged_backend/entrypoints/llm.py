@@ -56,9 +56,6 @@ class LLM:
         check_method(quantization)
         if quantization not in (None, AUTO) and tensor_parallel_size > 1:
             raise ValueError("quantization= with tensor_parallel_size > 1 is not supported")
-        if quantization == "int4" and config.enable_lora:
-            raise ValueError("quantization='int4' with enable_lora=True is not supported: LoRA adapters attach to "
-                             "nn.Linear layers, which int4 replaces")
         register()
         self.tp_group = None
         if tensor_parallel_size > 1:
@@ -86,7 +83,7 @@ class LLM:
         model, tokenizer = load_model(source, tokenizer, attn_implementation=ATTENTION_NAME, **load_kwargs)
         param = next(model.parameters())
         method = resolve_method(quantization, is_default_model(source), param.device, param.dtype,
-                                plain_engine=self.tp_group is None and not config.enable_lora,
+                                single_process=self.tp_group is None,
                                 dtype_named=load_kwargs.get("dtype") not in (None, "auto"))
         if method is not None:
             quantize_weights(model, method, gguf_file_of(source) if method == "int4" else None)

@@ -2,7 +2,7 @@
 
 An adapter is registered once (`LoRARegistry.add`, from a PEFT folder or a loaded `PeftModel`): its
 weights are read, checked against the base model's modules and kept on the host. Up to `max_loras`
-adapters sit in device *slots* at a time (`LoRASlots`): per targeted `nn.Linear`, the stacked A and
+adapters sit in device *slots* at a time (`LoRASlots`): per targeted linear layer, the stacked A and
 B of the loaded adapters, ranks padded to `max_lora_rank` with zeros, zeros where an adapter does not
 target the module; slot 0 is the base model (no delta). The scheduler admits a request only when its
 adapter has a slot (loaded already, or a slot no running request uses), so more distinct adapters
@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from paged_backend.model.quantized_linear import QuantizedLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +108,8 @@ def read_adapter(name: str, source: Any, model: nn.Module, max_rank: int,
                              f"and B {tuple(b.shape)} (an adapter trained on another model?)")
         if r > max_rank:
             raise ValueError(f"LoRA adapter {name!r} has rank {r} at {module_name}, above max_lora_rank={max_rank}")
-        param = linear.weight
-        weights[module_name] = (a.to(param.dtype).contiguous(), b.to(param.dtype).contiguous(),
-                                _scaling(config, module_name, r))
+        dtype = weight_of(linear).dtype
+        weights[module_name] = (a.to(dtype).contiguous(), b.to(dtype).contiguous(), _scaling(config, module_name, r))
     if not weights:
         raise ValueError(f"LoRA adapter {name!r} has no LoRA weights")
     return LoRAAdapter(name, next(_ids), weights)
@@ -141,9 +142,9 @@ def read_lora_layers(name: str, model: nn.Module, adapter_name: str, max_rank: i
             raise ValueError(f"LoRA adapter {adapter_name!r} at {module_name} is a LoRA variant (e.g. DoRA): "
                              "not supported")
         linear = base_linear(module)
-        if type(linear) is not nn.Linear:
+        if not is_linear(linear):
             raise ValueError(f"LoRA adapter {adapter_name!r} targets {module_name}, a {type(linear).__name__}: "
-                             "only nn.Linear layers are supported")
+                             "only linear layers are supported")
         if linear is output_embedding(model):
             raise ValueError(f"LoRA adapter {adapter_name!r} targets the output embedding ({module_name}): "
                              "not supported")
@@ -151,7 +152,8 @@ def read_lora_layers(name: str, model: nn.Module, adapter_name: str, max_rank: i
         if a.shape[0] > max_rank:
             raise ValueError(f"LoRA adapter {adapter_name!r} has rank {a.shape[0]} at {module_name}, above "
                              f"max_lora_rank={max_rank}")
-        weights[module_name] = (a.to(linear.weight.dtype).clone(), b.to(linear.weight.dtype).clone(),
+        dtype = weight_of(linear).dtype
+        weights[module_name] = (a.to(dtype).clone(), b.to(dtype).clone(),
                                 float(module.scaling[adapter_name]))
     if not weights:
         raise ValueError(f"the model has no LoRA layers for adapter {adapter_name!r}")
@@ -217,7 +219,7 @@ def _pair_weights(name: str, state: dict[str, torch.Tensor]) -> dict[str, tuple[
     return pairs
 
 
-def _target_linear(name: str, model: nn.Module, module_name: str, linears: dict[str, nn.Linear]) -> nn.Linear:
+def _target_linear(name: str, model: nn.Module, module_name: str, linears: dict[str, nn.Module]) -> nn.Module:
     """The linear `module_name` of `model` when an adapter may target it (`linears`, adaptable_linears), else
     ValueError saying why not."""
     if module_name in linears:
@@ -229,11 +231,11 @@ def _target_linear(name: str, model: nn.Module, module_name: str, linears: dict[
                          f"{module_name}, which this model does not have") from None
     if module is output_embedding(model):
         raise ValueError(f"LoRA adapter {name!r} targets the output embedding ({module_name}): not supported")
-    if type(module) is nn.Linear:
+    if is_linear(module):
         raise ValueError(f"LoRA adapter {name!r} targets {module_name}, a part of a PEFT tuner layer: target the "
                          "tuner layer itself")
     raise ValueError(f"LoRA adapter {name!r} targets {module_name}, a {type(module).__name__}: "
-                     "only nn.Linear layers are supported")
+                     "only linear layers (nn.Linear, or this engine's int4 layers) are supported")
 
 
 def base_linear(module: nn.Module) -> nn.Module:
@@ -247,8 +249,8 @@ _PEFT_PARTS = {"base_layer", "lora_A", "lora_B", "lora_embedding_A", "lora_embed
                "lora_magnitude_vector"}
 
 
-def adaptable_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """The linears an adapter may target, by module name as adapters name them: every `nn.Linear` of
+def adaptable_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """The linears an adapter may target, by module name as adapters name them: every linear layer of
     `model` (a PEFT tuner layer by its base layer) but the output embedding, which sees only the step's
     kept rows, not every token the mask covers."""
     head = output_embedding(model)
@@ -257,9 +259,21 @@ def adaptable_linears(model: nn.Module) -> dict[str, nn.Linear]:
         if _PEFT_PARTS.intersection(name.split(".")):
             continue
         linear = base_linear(module)
-        if type(linear) is nn.Linear and linear is not head:
+        if is_linear(linear) and linear is not head:
             linears[name] = linear
     return linears
+
+
+def is_linear(module: nn.Module) -> bool:
+    """An `nn.Linear`, or a `QuantizedLinear` (int4 weights): the hook adds the delta to either's output,
+    so adapters serve over a quantized base as over its float weights."""
+    return type(module) is nn.Linear or isinstance(module, QuantizedLinear)
+
+
+def weight_of(linear: nn.Module) -> torch.Tensor:
+    """The float weight a linear multiplies by in the model's dtype (a quantized layer's dense copy): what an
+    adapter's A and B are stored like."""
+    return linear.dense if isinstance(linear, QuantizedLinear) else linear.weight
 
 
 def output_embedding(model: nn.Module) -> nn.Module | None:
@@ -366,8 +380,8 @@ class LoRALinearHook:
     per layer whatever the mix of adapters, no loop over adapters or tokens; base tokens get exact
     zeros. The cost grows with max_loras x max_lora_rank, which is why both are bounded."""
 
-    def __init__(self, linear: nn.Linear, owner: LoRASlots, num_slots: int, max_rank: int) -> None:
-        weight = linear.weight
+    def __init__(self, linear: nn.Module, owner: LoRASlots, num_slots: int, max_rank: int) -> None:
+        weight = weight_of(linear)
         self.owner = owner  # two engines on one model each hook its linears: each applies only its own steps
         self.max_rank = max_rank
         self.a = weight.new_zeros(num_slots * max_rank, linear.in_features)

@@ -38,17 +38,18 @@ def check_method(method: str | None) -> None:
 
 
 def resolve_method(method: str | None, default_model: bool, device: torch.device, dtype: torch.dtype,
-                   plain_engine: bool, dtype_named: bool = False) -> str | None:
+                   single_process: bool, dtype_named: bool = False) -> str | None:
     """What `quantization="auto"` means: int4 for the default model on CPU (its GGUF file's Q4_1 weights,
     as they are), in bf16 (as good as bf16 weights and about twice as fast on one stream) or in the fp32
     the engine picks on a CPU without native bf16 (the int4 kernel against fp32 weights: 3.7x faster at 1
     row on an AVX2 CPU); README, "Precision". Not for fp32 the caller named (`dtype_named`: exact weights
-    asked for), nor for anything else (a model given, another device, tensor parallelism or LoRA, which
-    int4 layers cannot take). Other values: themselves."""
+    asked for), nor for anything else (a model given, another device, tensor parallelism, which int4
+    layers cannot take). LoRA adapters add their deltas to int4 layers as to float ones (lora.py). Other
+    values: themselves."""
     if method != AUTO:
         return method
     precision = dtype == torch.bfloat16 or (dtype == torch.float32 and not dtype_named)
-    wanted = default_model and device.type == "cpu" and precision and plain_engine
+    wanted = default_model and device.type == "cpu" and precision and single_process
     return "int4" if wanted else None
 
 

@@ -206,28 +206,21 @@ def test_int4_compiles_once_for_small_and_large_steps() -> None:
 
 def test_auto_means_int4_for_the_default_model_on_cpu_unless_fp32_is_named() -> None:
     cpu, bf16, fp32 = torch.device("cpu"), torch.bfloat16, torch.float32
-    assert resolve_method("auto", True, cpu, bf16, plain_engine=True) == "int4"
-    assert resolve_method("auto", True, cpu, bf16, plain_engine=True, dtype_named=True) == "int4"
-    assert resolve_method("auto", True, cpu, fp32, plain_engine=True) == "int4"  # picked: no native bf16
-    assert resolve_method("auto", True, cpu, fp32, plain_engine=True, dtype_named=True) is None  # exact fp32 asked
-    assert resolve_method("auto", True, cpu, torch.float16, plain_engine=True) is None
-    assert resolve_method("auto", False, cpu, bf16, plain_engine=True) is None  # a model the caller chose
-    assert resolve_method("auto", True, torch.device("cuda"), bf16, plain_engine=True) is None
-    assert resolve_method("auto", True, cpu, bf16, plain_engine=False) is None  # LoRA or tensor parallelism
-    assert resolve_method(None, True, cpu, bf16, plain_engine=True) is None
-    assert resolve_method("int8", False, cpu, torch.float32, plain_engine=True) == "int8"
+    assert resolve_method("auto", True, cpu, bf16, single_process=True) == "int4"
+    assert resolve_method("auto", True, cpu, bf16, single_process=True, dtype_named=True) == "int4"
+    assert resolve_method("auto", True, cpu, fp32, single_process=True) == "int4"  # picked: no native bf16
+    assert resolve_method("auto", True, cpu, fp32, single_process=True, dtype_named=True) is None  # exact fp32 asked
+    assert resolve_method("auto", True, cpu, torch.float16, single_process=True) is None
+    assert resolve_method("auto", False, cpu, bf16, single_process=True) is None  # a model the caller chose
+    assert resolve_method("auto", True, torch.device("cuda"), bf16, single_process=True) is None
+    assert resolve_method("auto", True, cpu, bf16, single_process=False) is None  # tensor parallelism
+    assert resolve_method(None, True, cpu, bf16, single_process=True) is None
+    assert resolve_method("int8", False, cpu, torch.float32, single_process=True) == "int8"
 
 
 def test_a_given_model_is_not_quantized_by_default() -> None:
     model = build("llama").to(torch.bfloat16)
     LLM(model, compile=False, num_kv_blocks=16)
-    assert not has_int4_layers(model)
-
-
-def test_int4_with_lora_is_refused_before_loading() -> None:
-    model = build("llama")
-    with pytest.raises(ValueError, match="int4.*enable_lora"):
-        LLM(model, quantization="int4", enable_lora=True)
     assert not has_int4_layers(model)
 
 

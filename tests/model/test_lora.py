@@ -362,3 +362,45 @@ def test_padded_decode_is_off_with_lora(case):
     engine = lora_engine(case, num_kv_blocks=64, pad_decode=True)
     assert engine.runner.padding is None
     assert run(engine, prompts[:4], names[:4]) == refs[:4]
+
+
+def with_adapter_added_by_hand(model, peft_model, adapter: str | None):
+    """Forward hooks adding `adapter`'s delta, x A^T B^T * scaling, to `model`'s layers as PEFT computes it
+    (none for the base): the reference for a base PEFT cannot wrap (int4 layers)."""
+    handles = []
+    for name, module in peft_model.named_modules():
+        if adapter is None or adapter not in (getattr(module, "lora_A", None) or {}):
+            continue
+        a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+        scale = module.scaling[adapter]
+        target = model.get_submodule(name.removeprefix("base_model.model."))
+        handles.append(target.register_forward_hook(
+            lambda _m, args, out, a=a, b=b, scale=scale: out + (args[0] @ a.T @ b.T) * scale))
+    return handles
+
+
+def test_adapters_over_an_int4_base_add_their_deltas_to_its_layers(case):
+    """quantization="int4" with adapters: every request equals generate on the same int4 model with its
+    adapter's delta added by hand, in a mixed, chunked batch; and the adapters change the answers."""
+    from paged_backend.model.int4_linear import Int4Linear
+    from paged_backend.model.quantization import quantize_weights
+
+    peft_model, _, prompts, names, _ = case
+    reference = build("llama")
+    quantize_weights(reference, "int4")
+    refs = []
+    for prompt, name in zip(prompts, names):
+        handles = with_adapter_added_by_hand(reference, peft_model, name)
+        refs.append(hf_greedy(reference, prompt, MAX_NEW))
+        for handle in handles:
+            handle.remove()
+    assert sum(ref != hf_greedy(reference, p, MAX_NEW) for p, ref in zip(prompts, refs)) >= 4
+
+    llm = LLM(build("llama"), quantization="int4", enable_lora=True, max_loras=3, max_lora_rank=8,
+              num_kv_blocks=64, max_num_batched_tokens=24, compile=False)
+    assert isinstance(llm.model.model.layers[0].self_attn.q_proj, Int4Linear)
+    for name in NAMES[1:]:
+        llm.add_lora(name, peft_model, adapter_name=name)
+    outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False, lora=names)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert_all_blocks_free(llm.engine)
