@@ -350,9 +350,10 @@ class LoRARegistry:
 @dataclass(slots=True)
 class LoRAStep:
     """Which adapter each packed token runs with, as a mask over the stacked slots' rank columns:
-    `mask[t, s * max_rank + j]` is 1 when token t runs with the adapter in slot s, else 0."""
+    `mask[t, (s - 1) * max_rank + j]` is 1 when token t runs with the adapter in slot s >= 1, else 0
+    (the base, slot 0, has no columns)."""
 
-    mask: torch.Tensor  # [T, (max_loras + 1) * max_rank]
+    mask: torch.Tensor  # [T, max_loras * max_rank]
     owner: LoRASlots  # whose slots the mask indexes: only that engine's hooks apply it
 
 
@@ -370,9 +371,9 @@ def step_context(step: LoRAStep | None) -> Iterator[None]:
 
 
 class LoRALinearHook:
-    """A forward hook on one targeted linear, holding every slot's adapter for it, stacked:
-    `a [slots * max_rank, in]` and `b [slots * max_rank, out]` (B transposed, scaling folded in), ranks
-    padded with zero rows, zeros for a slot whose adapter does not target this module.
+    """A forward hook on one targeted linear, holding every adapter slot's weights for it, stacked:
+    `a [max_loras * max_rank, in]` and `b [max_loras * max_rank, out]` (B transposed, scaling folded in),
+    ranks padded with zero rows, zeros for a slot whose adapter does not target this module.
 
     The delta of the whole packed batch is `((x @ a.T) * mask) @ b`: the first product projects every
     token onto every loaded adapter's rank space (a few dozen columns beside the layer's hundreds),
@@ -380,16 +381,17 @@ class LoRALinearHook:
     per layer whatever the mix of adapters, no loop over adapters or tokens; base tokens get exact
     zeros. The cost grows with max_loras x max_lora_rank, which is why both are bounded."""
 
-    def __init__(self, linear: nn.Module, owner: LoRASlots, num_slots: int, max_rank: int) -> None:
+    def __init__(self, linear: nn.Module, owner: LoRASlots, max_loras: int, max_rank: int) -> None:
         weight = weight_of(linear)
         self.owner = owner  # two engines on one model each hook its linears: each applies only its own steps
         self.max_rank = max_rank
-        self.a = weight.new_zeros(num_slots * max_rank, linear.in_features)
-        self.b = weight.new_zeros(num_slots * max_rank, linear.out_features)
+        self.a = weight.new_zeros(max_loras * max_rank, linear.in_features)
+        self.b = weight.new_zeros(max_loras * max_rank, linear.out_features)
         self.handle = linear.register_forward_hook(self)
 
     def load(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
-        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        """Put `weights` (None: zeros) in adapter slot `slot` >= 1."""
+        rows = slice((slot - 1) * self.max_rank, slot * self.max_rank)
         self.a[rows].zero_()
         self.b[rows].zero_()
         if weights is not None:
@@ -462,7 +464,7 @@ class LoRASlots:
         the forward is compiled, so that loading an adapter never adds a hook; return how many are hooked."""
         for name, linear in adaptable_linears(self.model).items():
             if name not in self.hooks:
-                self.hooks[name] = LoRALinearHook(linear, self, self.max_loras + 1, self.max_rank)
+                self.hooks[name] = LoRALinearHook(linear, self, self.max_loras, self.max_rank)
         self.hooks_fixed = True
         return len(self.hooks)
 
@@ -470,7 +472,7 @@ class LoRASlots:
         for module_name in adapter.weights:
             if module_name not in self.hooks:
                 linear = base_linear(self.model.get_submodule(module_name))
-                self.hooks[module_name] = LoRALinearHook(linear, self, self.max_loras + 1, self.max_rank)
+                self.hooks[module_name] = LoRALinearHook(linear, self, self.max_loras, self.max_rank)
         with torch.no_grad():
             for module_name, hook in self.hooks.items():
                 hook.load(slot, adapter.weights.get(module_name))
@@ -484,8 +486,8 @@ class LoRASlots:
         if not request_slots.any() and not self.hooks_fixed:
             return None
         token_slots = np.repeat(request_slots, counts)
-        columns = np.repeat(np.arange(self.max_loras + 1), self.max_rank)
-        mask = (token_slots[:, None] == columns[None, :]) & (token_slots[:, None] > 0)
+        columns = np.repeat(np.arange(1, self.max_loras + 1), self.max_rank)
+        mask = token_slots[:, None] == columns[None, :]
         return LoRAStep(torch.from_numpy(mask).to(device=device, dtype=self.dtype, non_blocking=True), self)
 
     def remove_hooks(self) -> None:
