@@ -104,6 +104,8 @@ def run_interleaved(engines: dict, prompts: list[list[int]], max_tokens: int) ->
     from paged_backend import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for engine in engines.values():
+        engine.reset_prefix_cache()  # prompts run before (an earlier repeat or workload) are computed again
     before = {name: engine.stats() for name, engine in engines.items()}
     ids = {name: [engine.add_request(p, params) for p in prompts] for name, engine in engines.items()}
     finals: dict = {name: {} for name in engines}

@@ -550,6 +550,11 @@ class Engine:
                 filled[block_id] = max(filled.get(block_id, 0), min(bs, computed - i * bs))
         self.utilisation_samples.append(sum(filled.values()) / allocated)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes when no request holds blocks (else nothing changes); returns whether
+        it did."""
+        return self.kv.pool.reset_prefix_cache()
+
     def stats(self) -> dict[str, float]:
         samples = self.utilisation_samples
         return {

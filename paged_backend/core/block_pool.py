@@ -93,3 +93,14 @@ class BlockPool:
                 del self.cached[block_hash]
             self.block_hash[block_id] = None
             self.block_key[block_id] = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so the next requests compute their prompts afresh (a benchmark's
+        rounds, vLLM's `reset_prefix_cache`). Only while no block is in use: a running request's blocks
+        would be registered again as it fills them. Returns whether the cache was reset."""
+        if self.num_free != self.num_blocks:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.block_key = [None] * self.num_blocks
+        return True

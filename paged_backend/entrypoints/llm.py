@@ -114,6 +114,11 @@ class LLM:
     def list_loras(self) -> list[str]:
         return self.engine.list_loras()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes, so the next prompts are computed afresh (between a benchmark's rounds);
+        False, with nothing changed, while requests hold blocks."""
+        return self.engine.reset_prefix_cache()
+
     @property
     def model(self):
         return self.engine.model

@@ -130,6 +130,22 @@ def test_freed_blocks_keep_their_hash_until_evicted_lru(model):
     assert run_all(engine, [b])[0].num_cached_tokens == 16
 
 
+def test_reset_prefix_cache_forgets_cached_prefixes_only_when_no_block_is_held(model, shared_prompts):
+    prompts, refs = shared_prompts
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128))
+    run_all(engine, prompts[:4])
+    engine.add_request(prompts[4], greedy(MAX_NEW), request_id="running")
+    engine.step()
+    assert not engine.reset_prefix_cache()  # a request holds blocks: nothing is forgotten
+    run_to_completion(engine)
+    assert engine.reset_prefix_cache()
+    again = run_all(engine, prompts[:4])
+    assert [o.num_cached_tokens for o in again] == [0, 0, 0, 0]
+    assert [o.outputs[0].token_ids for o in again] == refs[:4]
+    assert sum(o.num_cached_tokens for o in run_all(engine, prompts[:4])) > 0  # cached anew after the reset
+    assert_all_blocks_free(engine)
+
+
 def test_parallel_sampling_returns_n_distinct_samples_in_order(model):
     engine = Engine(model, None, EngineConfig(num_kv_blocks=128))
     prompt = mixed_prompts(1, seed=5)[0]
