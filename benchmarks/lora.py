@@ -18,8 +18,11 @@ not an assertion: tests/model/test_lora.py checks equality on unpadded reference
 on CPU) and PEFT in the dtype of the engine's activations over the model's own weights, which is what a
 PEFT user runs; the answers then differ where int4 rounding parts them.
 
+`--single K` also times the first K requests one at a time (each with its adapter) on the engine
+and on PEFT (`set_adapter`, a batch of one): what one conversation with an adapter runs at.
+
     python benchmarks/lora.py [--max-tokens 64] [--repeats 2] [--threads 2] [--dtype float32|bfloat16|default]
-                              [--compile]
+                              [--single K] [--compile]
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def run_engine(llm, prompts: list[list[int]], loras: list[str | None], max_token
     from paged_backend import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.reset_prefix_cache()  # every round computes its prompts, as PEFT's batches do
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False, lora=loras)
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
@@ -101,6 +105,16 @@ def run_peft_sequential(peft, prompts: list[list[int]], loras: list[str], max_to
     return time.perf_counter() - start, tokens
 
 
+def one_by_one(run, indices: list[int]) -> tuple[float, list[list[int]]]:
+    """`run(i)` for each request index alone: (total seconds, outputs)."""
+    total, outputs = 0.0, []
+    for i in indices:
+        seconds, out = run(i)
+        total += seconds
+        outputs += out
+    return total, outputs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -110,6 +124,8 @@ def main() -> None:
                         help="both systems' precision (default: what LLM picks, int4 weights on CPU)")
     parser.add_argument("--compile", action="store_true",
                         help="compile the engine's forward (EngineConfig(compile=True); start-up not timed)")
+    parser.add_argument("--single", type=int, default=0,
+                        help="also time this many requests one at a time, on the engine and on PEFT")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
@@ -139,34 +155,47 @@ def main() -> None:
     run_engine(llm, prompts[:4], loras[:4], 2)  # warm-up: first-call costs and every adapter's slot load
     run_peft_sequential(peft, prompts[:1], loras[:1], 2, tokenizer.pad_token_id)
 
-    seconds: dict[str, list[float]] = {"engine_lora": [], "engine_base": [], "peft_sequential": []}
+    pad = tokenizer.pad_token_id
+    single = list(range(args.single))
+    systems = {
+        "engine_lora": lambda: run_engine(llm, prompts, loras, args.max_tokens),
+        "engine_base": lambda: run_engine(llm, prompts, [None] * NUM_REQUESTS, args.max_tokens),
+        "peft_sequential": lambda: run_peft_sequential(peft, prompts, loras, args.max_tokens, pad),
+    }
+    if single:
+        systems["engine_single"] = lambda: one_by_one(
+            lambda i: run_engine(llm, [prompts[i]], [loras[i]], args.max_tokens), single)
+        systems["peft_single"] = lambda: one_by_one(
+            lambda i: run_peft_sequential(peft, [prompts[i]], [loras[i]], args.max_tokens, pad), single)
+    requests = {system: len(single) if system.endswith("_single") else NUM_REQUESTS for system in systems}
+    seconds: dict[str, list[float]] = {system: [] for system in systems}
     outputs: dict[str, list[list[int]]] = {}
     for round_ in range(args.repeats):
-        for system in seconds:
-            if system == "peft_sequential":
-                s, out = run_peft_sequential(peft, prompts, loras, args.max_tokens, tokenizer.pad_token_id)
-            else:
-                s, out = run_engine(llm, prompts, loras if system == "engine_lora" else [None] * NUM_REQUESTS,
-                                    args.max_tokens)
+        for system, run in systems.items():
+            s, out = run()
             seconds[system].append(s)
             outputs[system] = out
-            print(f"round {round_ + 1} {system:16s} {s:7.2f} s  {NUM_REQUESTS * args.max_tokens / s:7.1f} tok/s",
+            print(f"round {round_ + 1} {system:16s} {s:7.2f} s  {requests[system] * args.max_tokens / s:7.1f} tok/s",
                   flush=True)
 
-    total = NUM_REQUESTS * args.max_tokens
-    tok_s = {system: total / median(values) for system, values in seconds.items()}
+    tok_s = {system: requests[system] * args.max_tokens / median(values) for system, values in seconds.items()}
     ratios = {"lora_vs_base": tok_s["engine_lora"] / tok_s["engine_base"],
               "lora_vs_peft_sequential": tok_s["engine_lora"] / tok_s["peft_sequential"]}
+    if single:
+        ratios["single_vs_peft_single"] = tok_s["engine_single"] / tok_s["peft_single"]
     same = sum(a == b for a, b in zip(outputs["engine_lora"], outputs["peft_sequential"]))
     print(f"\noutput tokens/s (medians of {args.repeats}): " + ", ".join(f"{k} {v:.1f}" for k, v in tok_s.items()))
     print(f"engine with 4 adapters vs without: {ratios['lora_vs_base']:.2f}x (target >= 0.8)")
     print(f"engine with 4 adapters vs PEFT set_adapter + static batches: {ratios['lora_vs_peft_sequential']:.2f}x "
           "(target >= 3)")
     print(f"requests identical to the PEFT batch: {same}/{NUM_REQUESTS}")
+    if single:
+        print(f"one request at a time ({len(single)}, each with its adapter): engine {tok_s['engine_single']:.1f}, "
+              f"PEFT {tok_s['peft_single']:.1f} tok/s, {ratios['single_vs_peft_single']:.2f}x")
     print(f"load after: {uptime()}")
     report = {"workload": {"requests": NUM_REQUESTS, "adapters": NUM_ADAPTERS, "rank": RANK, "targets": TARGETS,
                            "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype,
-                           "engine_precision": precision,
+                           "engine_precision": precision, "single": args.single,
                            "compile": args.compile, "compile_s": llm.engine.compile_s},
               "seconds": seconds, "output_tokens_per_s": tok_s, "ratios": ratios,
               "identical_to_peft": same, "machine": machine_info()}
