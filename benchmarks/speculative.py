@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         'runs, interleaved step by step (default: {"spec": {}})')
     p.add_argument("--skip-mt-bench", action="store_true")
     p.add_argument("--precision", choices=("fp32", "default"), default="fp32",
-                   help="the model's precision: fp32, or the engine's default on this CPU (int4 where bf16 is native)")
+                   help="the model's precision: fp32, or the engine's default on this CPU (int4 weights)")
     p.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/speculative.json)")
     args = p.parse_args(argv)
 
