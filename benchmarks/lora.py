@@ -19,7 +19,8 @@ on CPU) and PEFT in the dtype of the engine's activations over the model's own w
 PEFT user runs; the answers then differ where int4 rounding parts them.
 
 `--single K` also times the first K requests one at a time (each with its adapter) on the engine
-and on PEFT (`set_adapter`, a batch of one): what one conversation with an adapter runs at.
+and on PEFT (`set_adapter`, a batch of one), and on the engine without adapters: what one conversation
+with an adapter runs at, and what its adapter costs.
 
     python benchmarks/lora.py [--max-tokens 64] [--repeats 2] [--threads 2] [--dtype float32|bfloat16|default]
                               [--single K] [--compile]
@@ -165,9 +166,11 @@ def main() -> None:
     if single:
         systems["engine_single"] = lambda: one_by_one(
             lambda i: run_engine(llm, [prompts[i]], [loras[i]], args.max_tokens), single)
+        systems["engine_single_base"] = lambda: one_by_one(
+            lambda i: run_engine(llm, [prompts[i]], [None], args.max_tokens), single)
         systems["peft_single"] = lambda: one_by_one(
             lambda i: run_peft_sequential(peft, [prompts[i]], [loras[i]], args.max_tokens, pad), single)
-    requests = {system: len(single) if system.endswith("_single") else NUM_REQUESTS for system in systems}
+    requests = {system: len(single) if "_single" in system else NUM_REQUESTS for system in systems}
     seconds: dict[str, list[float]] = {system: [] for system in systems}
     outputs: dict[str, list[list[int]]] = {}
     for round_ in range(args.repeats):
@@ -183,6 +186,7 @@ def main() -> None:
               "lora_vs_peft_sequential": tok_s["engine_lora"] / tok_s["peft_sequential"]}
     if single:
         ratios["single_vs_peft_single"] = tok_s["engine_single"] / tok_s["peft_single"]
+        ratios["single_lora_vs_base"] = tok_s["engine_single"] / tok_s["engine_single_base"]
     same = sum(a == b for a, b in zip(outputs["engine_lora"], outputs["peft_sequential"]))
     print(f"\noutput tokens/s (medians of {args.repeats}): " + ", ".join(f"{k} {v:.1f}" for k, v in tok_s.items()))
     print(f"engine with 4 adapters vs without: {ratios['lora_vs_base']:.2f}x (target >= 0.8)")
@@ -191,7 +195,8 @@ def main() -> None:
     print(f"requests identical to the PEFT batch: {same}/{NUM_REQUESTS}")
     if single:
         print(f"one request at a time ({len(single)}, each with its adapter): engine {tok_s['engine_single']:.1f}, "
-              f"PEFT {tok_s['peft_single']:.1f} tok/s, {ratios['single_vs_peft_single']:.2f}x")
+              f"PEFT {tok_s['peft_single']:.1f} tok/s, {ratios['single_vs_peft_single']:.2f}x; the engine without "
+              f"adapters {tok_s['engine_single_base']:.1f} ({ratios['single_lora_vs_base']:.2f}x)")
     print(f"load after: {uptime()}")
     report = {"workload": {"requests": NUM_REQUESTS, "adapters": NUM_ADAPTERS, "rank": RANK, "targets": TARGETS,
                            "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype,
