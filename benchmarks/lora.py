@@ -119,14 +119,14 @@ def one_by_one(run, indices: list[int]) -> tuple[float, list[list[int]]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="rounds; each runs the three systems in turn")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds; each runs every system in turn")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="both systems' precision (default: what LLM picks, int4 weights on CPU)")
     parser.add_argument("--compile", action="store_true",
                         help="compile the engine's forward (EngineConfig(compile=True); start-up not timed)")
     parser.add_argument("--single", type=int, default=0,
-                        help="also time this many requests one at a time, on the engine and on PEFT")
+                        help="also time this many requests one at a time: on the engine with and without adapters, on PEFT")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
@@ -158,23 +158,24 @@ def main() -> None:
 
     pad = tokenizer.pad_token_id
     single = list(range(args.single))
+    # Each system: (how many requests it answers, a run timing them).
     systems = {
-        "engine_lora": lambda: run_engine(llm, prompts, loras, args.max_tokens),
-        "engine_base": lambda: run_engine(llm, prompts, [None] * NUM_REQUESTS, args.max_tokens),
-        "peft_sequential": lambda: run_peft_sequential(peft, prompts, loras, args.max_tokens, pad),
+        "engine_lora": (NUM_REQUESTS, lambda: run_engine(llm, prompts, loras, args.max_tokens)),
+        "engine_base": (NUM_REQUESTS, lambda: run_engine(llm, prompts, [None] * NUM_REQUESTS, args.max_tokens)),
+        "peft_sequential": (NUM_REQUESTS, lambda: run_peft_sequential(peft, prompts, loras, args.max_tokens, pad)),
     }
     if single:
-        systems["engine_single"] = lambda: one_by_one(
-            lambda i: run_engine(llm, [prompts[i]], [loras[i]], args.max_tokens), single)
-        systems["engine_single_base"] = lambda: one_by_one(
-            lambda i: run_engine(llm, [prompts[i]], [None], args.max_tokens), single)
-        systems["peft_single"] = lambda: one_by_one(
-            lambda i: run_peft_sequential(peft, [prompts[i]], [loras[i]], args.max_tokens, pad), single)
-    requests = {system: len(single) if "_single" in system else NUM_REQUESTS for system in systems}
+        systems["engine_single"] = (len(single), lambda: one_by_one(
+            lambda i: run_engine(llm, [prompts[i]], [loras[i]], args.max_tokens), single))
+        systems["engine_single_base"] = (len(single), lambda: one_by_one(
+            lambda i: run_engine(llm, [prompts[i]], [None], args.max_tokens), single))
+        systems["peft_single"] = (len(single), lambda: one_by_one(
+            lambda i: run_peft_sequential(peft, [prompts[i]], [loras[i]], args.max_tokens, pad), single))
+    requests = {system: n for system, (n, _) in systems.items()}
     seconds: dict[str, list[float]] = {system: [] for system in systems}
     outputs: dict[str, list[list[int]]] = {}
     for round_ in range(args.repeats):
-        for system, run in systems.items():
+        for system, (_, run) in systems.items():
             s, out = run()
             seconds[system].append(s)
             outputs[system] = out

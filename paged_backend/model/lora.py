@@ -144,7 +144,7 @@ def read_lora_layers(name: str, model: nn.Module, adapter_name: str, max_rank: i
         linear = base_linear(module)
         if not is_linear(linear):
             raise ValueError(f"LoRA adapter {adapter_name!r} targets {module_name}, a {type(linear).__name__}: "
-                             "only linear layers are supported")
+                             f"{ONLY_LINEAR}")
         if linear is output_embedding(model):
             raise ValueError(f"LoRA adapter {adapter_name!r} targets the output embedding ({module_name}): "
                              "not supported")
@@ -234,8 +234,7 @@ def _target_linear(name: str, model: nn.Module, module_name: str, linears: dict[
     if is_linear(module):
         raise ValueError(f"LoRA adapter {name!r} targets {module_name}, a part of a PEFT tuner layer: target the "
                          "tuner layer itself")
-    raise ValueError(f"LoRA adapter {name!r} targets {module_name}, a {type(module).__name__}: "
-                     "only linear layers (nn.Linear, or this engine's int4 layers) are supported")
+    raise ValueError(f"LoRA adapter {name!r} targets {module_name}, a {type(module).__name__}: {ONLY_LINEAR}")
 
 
 def base_linear(module: nn.Module) -> nn.Module:
@@ -262,6 +261,9 @@ def adaptable_linears(model: nn.Module) -> dict[str, nn.Module]:
         if is_linear(linear) and linear is not head:
             linears[name] = linear
     return linears
+
+
+ONLY_LINEAR = "only linear layers (nn.Linear, or this engine's int4 layers) are supported"
 
 
 def is_linear(module: nn.Module) -> bool:
