@@ -12,11 +12,10 @@ PACKAGE = "paged_backend"
 
 
 def module_files() -> dict[str, Path]:
-    """Every module of the installed package by dotted name (the package maps `kernels/` and
+    """Every module of the installed package by dotted name (the package maps the top-level
     `integrations/` into it, so walk each sub-package's own folder)."""
     found: dict[str, Path] = {}
     roots = {PACKAGE: Path(paged_backend.__file__).parent,
-             f"{PACKAGE}.kernels": Path(paged_backend.kernels.__file__).parent,
              f"{PACKAGE}.integrations": Path(paged_backend.integrations.__file__).parent}
     for prefix, root in roots.items():
         for path in root.rglob("*.py"):

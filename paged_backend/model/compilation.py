@@ -9,7 +9,7 @@ add a third past their dense-copy threshold):
 afterwards steady state never recompiles. Inductor's on-disk cache (torch's default) makes a second process's compile faster.
 
 On CPU the one-token graph is the exception: there the step's write and attention are plain tensor ops
-inside the graph (kernels/torch_single_row.py, reading the cache and the block table as graph inputs),
+inside the graph (paged_backend/kernels/torch_single_row.py, reading the cache and the block table as graph inputs),
 which inductor fuses into one kernel per layer instead of calling the opaque op.
 
 Before each call torch checks the graph's guards: about 7,700 of them on the default model, nearly all on
@@ -130,7 +130,7 @@ def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor 
     The dummy K/V land in the first blocks, which hold nothing yet (no request has run) and which
     every later owner writes before reading."""
     device, num_blocks = kv.device, kv.shape[3] // block_size
-    # The one-token graph takes the cache as an input (kernels/torch_single_row.py). Its sizes other than the
+    # The one-token graph takes the cache as an input (paged_backend/kernels/torch_single_row.py). Its sizes other than the
     # slot count are the model's: as constants they cannot be duck-sized with the step's block count (torch
     # gives equal sizes one symbol, which tied the warm-up's two blocks to a two-layer model's layers). The
     # slot count stays symbolic, so engines with caches of other sizes share the graph.
