@@ -13,6 +13,7 @@ from paged_backend.kernels import (
 from paged_backend.kernels.triton_attention import LaunchConfig
 
 import helpers.triton_interpret  # noqa: F401,E402  (must precede every Triton kernel import)
+from helpers.tolerances import tolerance
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -21,7 +22,6 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "c
 
 
 # Kernel output vs an fp32 oracle fed the same (rounded) inputs.
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 @dataclass
@@ -111,5 +111,4 @@ def check_attention(batch: Batch, config: LaunchConfig | None = None, **options)
     want = oracle(batch, scale, **options)
     assert got.dtype == batch.query.dtype and got.shape == batch.query.shape
     assert torch.isfinite(got).all()
-    tol = TOLERANCE[batch.query.dtype]
-    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float().cpu(), want, **tolerance(batch.query.dtype, "kernel"))

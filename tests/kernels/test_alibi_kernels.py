@@ -10,7 +10,8 @@ import sys
 import helpers.triton_interpret  # noqa: F401,E402  (must precede every Triton kernel import)
 import pytest
 import torch
-from helpers.kernels import DEVICE, DTYPES, TOLERANCE, Batch, make_batch
+from helpers.kernels import DEVICE, DTYPES, Batch, make_batch
+from helpers.tolerances import tolerance
 from paged_backend.kernels import (
     AttentionMetadata,
     dispatch,
@@ -75,8 +76,8 @@ def check_triton(batch: Batch, slopes: torch.Tensor, config: LaunchConfig | None
     got = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale,
                                            config=config, alibi_slopes=slopes.to(DEVICE), **options)
     assert torch.isfinite(got).all()
-    tol = TOLERANCE[batch.query.dtype]
-    torch.testing.assert_close(got.float().cpu(), oracle(batch, scale, slopes, **options), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float().cpu(), oracle(batch, scale, slopes, **options),
+                               **tolerance(batch.query.dtype, "kernel"))
 
 
 # Decode, chunked prefill, prefix hit, fresh prefill: the bias must follow each row's own position.
@@ -91,15 +92,15 @@ def test_torch_backend_matches_dense_reference(heads: int, kv_heads: int) -> Non
     slopes = bloom_slopes(heads)
     scale = 0.25
     got = oracle(batch, scale, slopes)
-    torch.testing.assert_close(got, dense_reference(batch, scale, slopes), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, dense_reference(batch, scale, slopes), **tolerance(torch.float32, "kernel"))
 
 
 def test_torch_backend_alibi_with_window_and_softcap() -> None:
     batch = make_batch([1, 6], [20, 9], num_kv_heads=2, group=2, head_dim=16, block_size=4, seed=5)
     slopes = bloom_slopes(4)
     got = oracle(batch, 0.25, slopes, sliding_window=5, softcap=3.0)
-    torch.testing.assert_close(got, dense_reference(batch, 0.25, slopes, softcap=3.0, window=5), atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(got, dense_reference(batch, 0.25, slopes, softcap=3.0, window=5),
+                               **tolerance(torch.float32, "kernel"))
 
 
 def test_torch_backend_fresh_prefill_fast_path_has_alibi() -> None:
@@ -110,7 +111,7 @@ def test_torch_backend_fresh_prefill_fast_path_has_alibi() -> None:
                                           new_key=batch.new_key, new_value=batch.new_value, alibi_slopes=slopes)
     plain = torch_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.25,
                                             new_key=batch.new_key, new_value=batch.new_value)
-    torch.testing.assert_close(got, dense_reference(batch, 0.25, slopes), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, dense_reference(batch, 0.25, slopes), **tolerance(torch.float32, "kernel"))
     assert not torch.allclose(got, plain, atol=1e-3)  # the slopes are big enough to matter
 
 
@@ -143,7 +144,7 @@ def test_dispatcher_passes_slopes_to_both_backends() -> None:
         with dispatch.use_backend(backend):
             got = dispatch.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.25,
                                            new_key=batch.new_key, new_value=batch.new_value, alibi_slopes=slopes)
-        torch.testing.assert_close(got.float().cpu(), want, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got.float().cpu(), want, **tolerance(torch.float32, "kernel"))
 
 
 # As test_kernels.py's compile check, for the ALiBi kernel: compiled for sm_90 in a fresh process

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from helpers.kernels import make_batch
+from helpers.tolerances import tolerance
 from paged_backend.kernels import paged_attention, torch_attention, torch_buckets
 from paged_backend.kernels.kv_quant import quantize_int8
 
@@ -43,7 +44,7 @@ def test_buckets_match_attending_one_by_one(monkeypatch: pytest.MonkeyPatch, win
             assert set(slots) == set(slots[:SEQ_LENS[seq]])
     want = one_by_one(monkeypatch, *args)
     assert torch.isfinite(got).all()  # the cache's unwritten slots hold NaN: padding never reads them
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, **tolerance(torch.float32, "kernel"))
 
 
 def test_low_precision_buckets_take_decode_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,7 +57,7 @@ def test_low_precision_buckets_take_decode_rows_only(monkeypatch: pytest.MonkeyP
     plan = torch_buckets.plan_buckets(batch.metadata, KV_HEADS, GROUP, None, 1)
     assert [(b.rows_per_seq, b.seqs, b.kept) for b in plan.buckets] == [(1, [0, 2, 1, 3], None)]
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got, one_by_one(monkeypatch, *args), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got, one_by_one(monkeypatch, *args), **tolerance(torch.bfloat16, "kernel"))
 
 
 def test_int8_cache_buckets_dequantize_like_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,7 +68,7 @@ def test_int8_cache_buckets_dequantize_like_one_by_one(monkeypatch: pytest.Monke
     scales = {"key_scales": key_scales, "value_scales": value_scales}
     got = paged_attention(*args, **scales)
     assert torch_buckets.plan_buckets(batch.metadata, KV_HEADS, GROUP, None, torch_attention.FEW_ROWS[1]).buckets
-    torch.testing.assert_close(got, one_by_one(monkeypatch, *args, **scales), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, one_by_one(monkeypatch, *args, **scales), **tolerance(torch.float32, "kernel"))
 
 
 def test_soft_capped_layers_attend_one_by_one() -> None:

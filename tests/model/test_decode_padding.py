@@ -14,6 +14,7 @@ from helpers.engine import (
     run_to_completion,
 )
 from helpers.models import build
+from helpers.tolerances import approx
 
 from paged_backend import Engine, EngineConfig, SamplingParams
 from paged_backend.model import cuda_graphs
@@ -97,7 +98,7 @@ def test_padded_sampling_and_logprobs_equal_unpadded(case):
         for a, b in zip(plain.outputs[0].logprobs + plain.prompt_logprobs[1:],
                         padded.outputs[0].logprobs + padded.prompt_logprobs[1:]):
             assert a.keys() == b.keys()
-            assert [lp.logprob for lp in b.values()] == pytest.approx([lp.logprob for lp in a.values()], abs=1e-5)
+            assert [lp.logprob for lp in b.values()] == approx([lp.logprob for lp in a.values()])
 
 
 def test_padding_rows_write_only_the_scratch_slot_and_are_never_returned():

@@ -17,6 +17,7 @@ from helpers.engine import (
 )
 from helpers.kernels import DEVICE, Batch, make_batch, oracle
 from helpers.models import build
+from helpers.tolerances import tolerance
 from paged_backend.kernels import torch_attention, triton_attention, triton_cache_write
 from paged_backend.kernels.kv_quant import dequantize_int8, quantize_int8
 
@@ -60,7 +61,7 @@ def test_torch_backend_reads_an_int8_cache() -> None:
     caches = int8_caches(batch)
     got = torch_attention.paged_attention(batch.query.cpu(), caches[0], caches[1], oracle_metadata(batch), 0.125,
                                           key_scales=caches[2], value_scales=caches[3])
-    torch.testing.assert_close(got, oracle(dequantized(batch, caches), 0.125), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, oracle(dequantized(batch, caches), 0.125), **tolerance(torch.float32, "kernel"))
     assert (got - oracle(batch, 0.125)).abs().max() < 0.05  # and int8 stays close to the unquantized cache
 
 
@@ -76,7 +77,7 @@ def test_triton_kernel_reads_an_int8_cache() -> None:
     k, v, ks, vs = (t.to(DEVICE) for t in int8_caches(batch))
     got = triton_attention.paged_attention(batch.query, k, v, batch.metadata, 0.125, key_scales=ks, value_scales=vs)
     want = oracle(dequantized(batch, (k.cpu(), v.cpu(), ks.cpu(), vs.cpu())), 0.125)
-    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.cpu(), want, **tolerance(torch.float32, "kernel"))
 
 
 def test_triton_kernel_reads_a_half_cache_under_fp32_queries() -> None:
@@ -85,7 +86,7 @@ def test_triton_kernel_reads_a_half_cache_under_fp32_queries() -> None:
     got = triton_attention.paged_attention(batch.query, k, v, batch.metadata, 0.125)
     assert got.dtype == torch.float32
     want = oracle(Batch(batch.query, batch.new_key, batch.new_value, k.float(), v.float(), batch.metadata), 0.125)
-    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.cpu(), want, **tolerance(torch.float32, "kernel"))
 
 
 def test_cache_writes_quantize_alike_on_both_backends() -> None:

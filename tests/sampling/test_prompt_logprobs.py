@@ -12,6 +12,7 @@ from helpers.engine import (
     run_to_completion,
 )
 from helpers.models import build
+from helpers.tolerances import approx
 
 from paged_backend import Engine, EngineConfig, SamplingParams
 
@@ -35,7 +36,7 @@ def check(model, prompt: list[int], scored: list) -> None:
     for t in range(1, len(prompt)):
         row, entry = logprobs[t - 1], scored[t]
         token = prompt[t]
-        assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[token].logprob == approx(row[token].item())
         assert entry[token].rank == int((row > row[token]).sum()) + 1
         top = row.topk(K)
         ranked = sorted((lp.rank, tid) for tid, lp in entry.items() if lp.rank <= K)
@@ -79,8 +80,8 @@ def test_a_cached_prompt_is_still_scored_and_samples_share_one_score(model):
 def check_tokens_only(model, prompt: list[int], scored: list) -> None:
     logprobs = reference(model, prompt)
     assert scored[0] is None and [list(e) for e in scored[1:]] == [[t] for t in prompt[1:]]
-    assert [e[t].logprob for e, t in zip(scored[1:], prompt[1:])] == pytest.approx(
-        [logprobs[i, t].item() for i, t in enumerate(prompt[1:])], abs=1e-4)
+    assert [e[t].logprob for e, t in zip(scored[1:], prompt[1:])] == approx(
+        [logprobs[i, t].item() for i, t in enumerate(prompt[1:])])
 
 
 def test_prompt_logprobs_is_checked():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers.engine import greedy, hf_greedy, run_to_completion
 from helpers.models import build
+from helpers.tolerances import approx
 
 from paged_backend import Engine, EngineConfig, SamplingParams
 from paged_backend.sampling.sampler import apply_penalties, filter_logits
@@ -117,7 +118,7 @@ def test_logprobs_are_the_model_distribution(model, engine):
         ref = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, -1], dim=-1)
     first = out.logprobs[0]
     token = out.token_ids[0]
-    assert first[token].logprob == pytest.approx(ref[token].item(), abs=1e-4)
+    assert first[token].logprob == approx(ref[token].item())
     assert first[token].rank == 1
     top3 = ref.topk(3).indices.tolist()
     assert set(top3) <= set(first)

@@ -27,6 +27,7 @@ from helpers.engine import (
     run_to_completion,
 )
 from helpers.models import build, build_from_config
+from helpers.tolerances import approx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from paged_backend import Engine, EngineConfig, SamplingParams
@@ -336,7 +337,7 @@ def test_logprobs_penalties_and_processors(llama):
         assert [sorted(e) for e in a.logprobs] == [sorted(e) for e in b.logprobs]
         for ea, eb in zip(a.logprobs, b.logprobs):
             for token in ea:
-                assert eb[token].logprob == pytest.approx(ea[token].logprob, abs=1e-4)
+                assert eb[token].logprob == approx(ea[token].logprob)
                 assert eb[token].rank == ea[token].rank
     # Penalties and a processor depend on the history: each verified position must see its own.
     compare(model, prompts, greedy(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),

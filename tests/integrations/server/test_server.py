@@ -33,6 +33,7 @@ from helpers.server import (
     tiny_llama,
     wait_all_blocks_free,
 )
+from helpers.tolerances import approx
 from paged_backend.integrations.server.chat_template import add_tool_prompt, render_chat
 from paged_backend.integrations.server.tool_calls import (
     ToolCallStreamer,
@@ -181,8 +182,7 @@ def test_echo_with_logprobs_scores_the_prompt(real: Served) -> None:
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[:2] == [0, len(lp.tokens[0])]
     with torch.no_grad():
         expected = torch.log_softmax(real.aengine.engine.model(torch.tensor([ids])).logits[0].float(), dim=-1)
-    assert lp.token_logprobs[1:len(ids)] == pytest.approx([expected[t - 1, ids[t]].item() for t in range(1, len(ids))],
-                                                          abs=1e-3)
+    assert lp.token_logprobs[1:len(ids)] == approx([expected[t - 1, ids[t]].item() for t in range(1, len(ids))])
     assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
     chunks = list(client.completions.create(model="smollm2", prompt=prompt, echo=True, logprobs=2, stream=True,
                                             **greedy(max_tokens=2)))

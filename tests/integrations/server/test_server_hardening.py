@@ -33,6 +33,7 @@ from helpers.server import (
     tiny_llama,
     wait_all_blocks_free,
 )
+from helpers.tolerances import approx
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from paged_backend.integrations.server.protocol import (
@@ -284,7 +285,7 @@ def test_lm_eval_loglikelihood_batch_scores_match_the_model(served: Served, part
         with torch.no_grad():
             expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
         want = [expected[i - 1, ids[i]].item() for i in range(1, len(ids))]
-        assert scored["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=1e-4)
+        assert scored["token_logprobs"][1:len(ids)] == approx(want)
         # lm-eval's greedy check: each position's top-1 alternative against the token's own logprob
         for own, top in zip(scored["token_logprobs"][1:], scored["top_logprobs"][1:]):
             assert len(top) == 1 and max(top.values()) >= own - 1e-6
