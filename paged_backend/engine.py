@@ -129,8 +129,11 @@ class Engine:
         if self.runner.lora_slots is not None:  # the graph holds every hook an adapter may need (lora.py)
             hooked = self.runner.lora_slots.hook_adaptable_linears()
             logger.info("compile: LoRA hooks on all %d adaptable linears", hooked)
-        self.compile_s = self.runner.compile()
-        logger.info("compiled the model forward and warmed it up in %.1f s", self.compile_s)
+        report = self.runner.compile()
+        self.compile_s = report.seconds
+        source = "loaded from the compile cache" if report.loaded else "compiled"
+        logger.info("compile: the model forward %s (%d graphs, %s) and warmed up in %.1f s", source,
+                    len(report.forward.graphs), report.folder, report.seconds)
         return True
 
     def wants_padding(self, device: torch.device) -> bool:

@@ -19,6 +19,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Set at import, before any test starts a process: Ray replicas, tensor-parallel workers and command-line
 # runs inherit it, so they pick the dtype the test process picks (fp32_default_on_cpu below).
 os.environ["PAGED_BACKEND_CPU_BF16"] = "0"
+# The engine compiles its forward by default; a test compiles where it says compile=True, or every engine of the
+# suite would compile (a minute each for the real model). Inherited by the processes tests start, like the above.
+os.environ["PAGED_BACKEND_COMPILE"] = "0"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,25 +1,23 @@
-"""Compiling the model forward with `torch.compile`, once, at engine start-up.
+"""Compiling the model forward ahead of time, once per shape class, at engine start-up.
 
-The forward is compiled with `dynamic=True`, so the packed length `T` and the number of kept logits
-rows are symbolic and one graph serves every step. Attention and the cache write are opaque custom ops
-(custom_ops.py) that read the step from a context, so nothing step-specific is guarded on. Sizes 0
-and 1 would be specialised by torch; compiling with `backed_size_oblivious` stops that for the kept
-rows, and start-up runs a dummy step of each of the two graphs that remain (`T = 1`, `T > 1`; int4 layers
-add a third past their dense-copy threshold):
-afterwards steady state never recompiles. Inductor's on-disk cache (torch's default) makes a second process's compile faster.
+Each graph is traced whole (`aot_compile`, fullgraph) with `dynamic=True`, so the packed length `T` and the
+number of kept logits rows are symbolic. Attention and the cache write are opaque custom ops (custom_ops.py)
+that read the step from a context, so nothing step-specific is traced. Sizes 0 and 1 would be specialised by
+torch; tracing under `backed_size_oblivious` stops that for the kept rows, and start-up runs a dummy step of
+each shape class (`T = 1`, `T > 1`; int4 layers add a third past their dense-copy threshold), compiling a
+graph for each: afterwards no step compiles. On CPU the one-token graph writes and attends in plain tensor
+ops (paged_backend/kernels/torch_single_row.py, the cache and the block table as graph inputs), which
+inductor fuses into one kernel per layer instead of calling the opaque op.
 
-On CPU the one-token graph is the exception: there the step's write and attention are plain tensor ops
-inside the graph (paged_backend/kernels/torch_single_row.py, reading the cache and the block table as graph inputs),
-which inductor fuses into one kernel per layer instead of calling the opaque op.
+A graph keeps the guards on the step's inputs (dtypes, ranks, the shape conditions it was traced under) and
+on global state, and drops the rest: about 7,700 guards on the default model's modules (hooks, attributes,
+parameters) took 1.8-2.1 ms of a 19 ms one-stream decode step on CPU, and the engine changes no module once
+its forward is compiled (`structure_of` says when a caller did, and the engine is rebuilt). The graphs take
+the model as an argument, its weights as inputs at each call, so one set of graphs serves every engine over
+an equal model and settings; `CompiledForward` picks, per step, the graph whose guards the step passes.
 
-Before each call torch checks the graph's guards: about 7,700 of them on the default model, nearly all on
-the model's modules (their hooks, attributes and parameters), which took 1.8-2.1 ms of a 19 ms one-stream
-decode step on CPU. The engine owns its model and changes no module once the forward is compiled, so the
-module guards are dropped (`guard_filter_fn`), which left 0.3 ms; the guards on the step's inputs (and so
-the `T = 1` / `T > 1` choice between graphs) and on globals stay. Without module guards nothing would tell
-two models of one class apart, so each model gets a forward of its own (a code object of its own, which is
-where torch keeps compiled graphs), memoised per model for as long as its structure (`structure_of`)
-stays as it was compiled.
+Ahead-of-time graphs can be saved: compile_cache.py keeps them on disk, keyed by what changes them, so the
+next process that starts the same model loads them instead of tracing and lowering again.
 
 A path the engine cannot compile (tensor parallelism, whose collectives run inside the forward; a model with
 PEFT's tuner layers, whose adapter switches the dropped guards would not see) runs eagerly, and says so once
@@ -28,20 +26,20 @@ at start-up.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import os
+import shutil
 import time
-import types
-import weakref
 from collections.abc import Callable
-from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.fx.experimental._config as fx_config
+from tqdm.auto import tqdm
 
 from paged_backend.kernels import AttentionMetadata
-from paged_backend.model import custom_ops, int4_linear
+from paged_backend.model import compile_cache, custom_ops, int4_linear
 from paged_backend.model.model_state import tuner_layers
 
 logger = logging.getLogger(__name__)
@@ -60,10 +58,24 @@ def warm_up_shapes(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
     return WARM_UP_SHAPES
 
 
+# Setting it to 0 makes `EngineConfig.compile=None` mean eager (an explicit compile=True still compiles).
+ENV_COMPILE = "PAGED_BACKEND_COMPILE"
+
+
 def wants_compile(setting: bool | None, device: torch.device) -> bool:
-    """`EngineConfig.compile`: None compiles on CUDA only. On CPU a compiled step
-    has not been measured to pay (README, "Compiled steps"), so CPU compiles only when asked."""
-    return device.type == "cuda" if setting is None else setting
+    """`EngineConfig.compile`: None compiles on CUDA and on CPU alike (a compiled CPU step decodes 1.3-1.6x
+    faster, and the compile cache makes every start after the first cost seconds), unless PAGED_BACKEND_COMPILE=0
+    or, on CPU, no C++ compiler is installed (inductor builds its CPU kernels with one)."""
+    if setting is not None:
+        return setting
+    if os.environ.get(ENV_COMPILE, "1") == "0":
+        return False
+    return device.type == "cuda" or cpp_compiler() is not None
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would build CPU kernels with, or None."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
 def eager_reason() -> str | None:
@@ -93,55 +105,145 @@ def structure_of(model: torch.nn.Module) -> tuple:
     return modules, params
 
 
-# model -> (its structure when compiled, its compiled forward). The forward takes the model as an argument
-# rather than holding it, so this memo does not keep a model alive.
-_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_numbers = itertools.count()
+def logits_of(model: torch.nn.Module, **kwargs) -> torch.Tensor:
+    """The step's forward: the model's logits for the kept rows. What is compiled, and what runs eagerly; it
+    returns the logits alone so a compiled graph rebuilds no output object."""
+    return model(**kwargs).logits
 
 
-def compile_model(model: torch.nn.Module) -> tuple[Callable, tuple]:
-    """`model`'s compiled forward (called with the forward's keywords) and the structure it was compiled
-    for; compiled on first use and shared by every engine over the model while its structure is unchanged."""
-    structure = structure_of(model)
-    known = _compiled.get(model)
-    if known is None or known[0] != structure:
-        known = _compiled[model] = (structure, torch.compile(own_forward(), dynamic=True,
-                                                             options={"guard_filter_fn": drop_module_guards}))
-    return partial(known[1], model), structure
+class CompiledForward:
+    """`model`'s forward as ahead-of-time compiled graphs, one per shape class the warm-up runs (compile_forward).
+
+    Each graph was traced whole for one warm-up shape and keeps the guards on the step's inputs (their dtypes,
+    ranks and the shape conditions it was traced under, such as T == 1 or the int4 layers' row threshold) and
+    on global state, not those on the model's modules (see the module docstring). A call runs the graph whose
+    guards its inputs pass: the last one that served its token count, else the first that fits. While
+    `tracing` (the warm-up) a step that fits none compiles a graph for itself; afterwards such a step runs
+    eagerly and is counted in `eager_steps` (and, over every instance, `all_eager_steps`), which the tests read,
+    since a silent slow path is the bug that matters here."""
+
+    all_eager_steps = 0
+
+    def __init__(self, model: torch.nn.Module, graphs: list, static_kv: torch.Tensor | None = None) -> None:
+        self.model = model
+        self.graphs = list(graphs)
+        self.new_graphs = 0  # compiled by this process (not loaded)
+        self.static_kv = static_kv  # the paged cache: its sizes but the slot count are static while tracing
+        self.by_tokens: dict[int, object] = {}
+        self.tracing = False
+        self.eager_steps = 0
+
+    def __call__(self, **kwargs) -> torch.Tensor:
+        tokens = kwargs["input_ids"].shape[-1]
+        graph = self.by_tokens.get(tokens)
+        if graph is None or not graph.guard_check(self.model, **kwargs):
+            graph = self.graph_for(kwargs)
+        if graph is None:
+            if self.eager_steps == 0:
+                logger.warning("compile: a step of %d tokens fits no compiled graph and runs eagerly", tokens)
+            self.eager_steps += 1
+            CompiledForward.all_eager_steps += 1
+            return logits_of(self.model, **kwargs)
+        self.by_tokens[tokens] = graph
+        return graph(self.model, **kwargs)
+
+    def graph_for(self, kwargs: dict):
+        """The first graph whose guards `kwargs` pass; while tracing, a new one compiled for them."""
+        graph = next((g for g in self.graphs if g.guard_check(self.model, **kwargs)), None)
+        if graph is None and self.tracing:
+            graph = self.compile_graph(kwargs)
+        return graph
+
+    def compile_graph(self, kwargs: dict):
+        if self.static_kv is not None:
+            # The cache's sizes other than its slot count are the model's: as constants they cannot be duck-sized
+            # with the step's block count (torch gives equal sizes one symbol, which tied the warm-up's two blocks to
+            # a two-layer model's layers). The slot count stays symbolic, so caches of other sizes share the graph.
+            torch._dynamo.mark_static(self.static_kv, [0, 1, 2, 4])
+        try:
+            compiled = torch.compile(logits_of, dynamic=True, fullgraph=True,
+                                     options={"guard_filter_fn": keep_step_guards})
+            graph = compiled.aot_compile(((self.model,), kwargs))
+        finally:
+            unmark_dims(self.static_kv)
+        # The call after this checks the guards itself (guard_check), so the graph's own check would be a second.
+        graph.disable_guard_check()
+        self.graphs.append(graph)
+        self.new_graphs += 1
+        return graph
 
 
-def own_forward() -> Callable:
-    """`forward(model, **kwargs) -> model(**kwargs)` with a code object no other forward shares."""
-    def forward(model: torch.nn.Module, **kwargs):
-        return model(**kwargs)
+def unmark_dims(tensor: torch.Tensor | None) -> None:
+    """Forget `mark_static`'s marks once a graph is traced: a graph saved and loaded again no longer records
+    them, and its guard then refuses a marked tensor; one traced in this process accepts an unmarked one."""
+    for name in ("_dynamo_static_indices", "_has_dynamo_dim_marking"):
+        if tensor is not None and hasattr(tensor, name):
+            delattr(tensor, name)
 
-    code = forward.__code__.replace(co_name=f"paged_forward_{next(_numbers)}")
-    return types.FunctionType(code, forward.__globals__, code.co_name)
+
+def keep_step_guards(guards: list) -> list[bool]:
+    """Keep the guards on the step's inputs and on global state; drop those on the model's modules, parameters
+    and buffers (the engine changes none of them once compiled: structure_of says when it did), and those on
+    globals, which a saved graph cannot carry to another process."""
+    kept = []
+    for guard in guards:
+        owned = any(part in guard.name for part in ("_modules", "_parameters", "_buffers"))
+        kept.append(guard.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
+                    or (guard.guard_type == "TENSOR_MATCH" and not guard.is_global and not owned))
+    return kept
 
 
-def drop_module_guards(guards: list) -> list[bool]:
-    """Keep every guard but those on the model's modules (see the module docstring)."""
-    return torch.compiler.skip_guard_on_all_nn_modules_unsafe(guards)
+# graph key (compile_cache.graph_key) -> the graphs compiled or loaded for it in this process. The graphs take
+# the model as an argument, so every engine over an equal model and settings shares them.
+_graphs: dict[str, list] = {}
+
+
+class CompileReport(NamedTuple):
+    forward: CompiledForward
+    seconds: float  # the compile or load, and the warm-up steps
+    loaded: bool  # the graphs came from the on-disk cache or this process's memo, not a compile
+    folder: str
+
+
+def compile_forward(model: torch.nn.Module, kv: torch.Tensor, settings: dict,
+                    warm: Callable[[CompiledForward, str | None], float]) -> CompileReport:
+    """`model`'s CompiledForward for the engine `settings` (what reaches the graph: the cache's layout, the block
+    size, the warm-up shapes), from this process's memo, the on-disk cache, or compiled during `warm(forward)`,
+    which runs one dummy step per warm-up shape through it (warm_up) under a progress bar of the title given."""
+    start = time.perf_counter()
+    key = compile_cache.graph_key(model, settings)
+    folder = compile_cache.graphs_dir(key)
+    count = len(settings["shapes"])
+    if key in _graphs:
+        forward = CompiledForward(model, _graphs[key], kv)
+        warm(forward, None)
+        return CompileReport(forward, time.perf_counter() - start, True, str(folder))
+    with compile_cache.graph_store(folder, count) as store:
+        forward = CompiledForward(model, store.graphs, kv)
+        forward.tracing = True
+        try:
+            warm(forward, "Loading the compiled forward" if store.graphs else "Compiling the forward")
+        finally:
+            forward.tracing = False
+        store.keep(forward.graphs[len(store.graphs):])
+    _graphs[key] = forward.graphs
+    return CompileReport(forward, time.perf_counter() - start, forward.new_graphs == 0, str(folder))
 
 
 def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor | None = None,
-            shapes: tuple[tuple[int, int], ...] = WARM_UP_SHAPES) -> float:
-    """Run `forward` on dummy steps of every specialised shape in `shapes`; return the seconds it took.
+            shapes: tuple[tuple[int, int], ...] = WARM_UP_SHAPES, progress: str | None = None) -> float:
+    """Run `forward` on dummy steps of every specialised shape in `shapes`; return the seconds it took. With
+    `progress`, a bar of that title counts the shapes (a cold compile takes a minute: it shows graph by graph).
     The dummy K/V land in the first blocks, which hold nothing yet (no request has run) and which
     every later owner writes before reading."""
     device, num_blocks = kv.device, kv.shape[3] // block_size
-    # The one-token graph takes the cache as an input (paged_backend/kernels/torch_single_row.py). Its sizes other than the
-    # slot count are the model's: as constants they cannot be duck-sized with the step's block count (torch
-    # gives equal sizes one symbol, which tied the warm-up's two blocks to a two-layer model's layers). The
-    # slot count stays symbolic, so engines with caches of other sizes share the graph.
-    torch._dynamo.mark_static(kv, [0, 1, 2, 4])
     start = time.perf_counter()
     # Module float attributes (norm epsilons, attention scales) would be symbolic: torch traced each graph,
     # failed to turn them into tensors, and traced it again with them as constants, 17 of 66 s of the
     # default model's start-up. Constants from the start trace each graph once.
     with (torch.inference_mode(), fx_config.patch(backed_size_oblivious=True),
           torch._dynamo.config.patch(specialize_float=True)):
-        for tokens, rows in shapes:
+        for tokens, rows in tqdm(shapes, desc=progress, unit="graph", disable=progress is None):
             ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
             positions = torch.arange(tokens, device=device)[None]
             blocks = min(-(-tokens // block_size), num_blocks)

@@ -9,6 +9,7 @@ the positions of the proposed tokens a request carries, which speculation verifi
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -47,7 +48,8 @@ class ModelRunner:
                  publish: Callable[[StepInputs], None] | None = None, lora_slots: lora.LoRASlots | None = None) -> None:
         self.model = model
         self.lora_slots = lora_slots
-        self.forward_model: Callable = model  # what runs the step: the model, or its compiled forward (compile())
+        # What runs the step and returns its logits: the model eagerly, or its compiled graphs (compile()).
+        self.forward_model: Callable[..., torch.Tensor] = partial(compilation.logits_of, model)
         self.cache = cache
         self.device = cache.kv.device
         self.publish = publish  # tensor parallelism: hands each step's inputs to the other ranks
@@ -86,7 +88,7 @@ class ModelRunner:
         extra = {}
         if self.single_row and input_ids.shape[-1] == 1:
             extra["paged_single_row"] = single_row_step(metadata, self.cache.kv)
-        out = self.forward_model(
+        logits = self.forward_model(
             input_ids=input_ids,
             position_ids=position_ids,
             cache=self.cache,
@@ -95,11 +97,11 @@ class ModelRunner:
             logits_to_keep=logits_indices,
             **extra,
         )
-        return out.logits[0]
+        return logits[0]
 
     @property
     def compiled(self) -> bool:
-        return self.forward_model is not self.model
+        return isinstance(self.forward_model, compilation.CompiledForward)
 
     @property
     def single_row(self) -> bool:
@@ -111,11 +113,22 @@ class ModelRunner:
         """Whether the compiled forward still fits the model (compilation.structure_of); always, when eager."""
         return not self.compiled or compilation.structure_of(self.model) == self.compiled_structure
 
-    def compile(self) -> float:
-        """Compile the model forward and warm it up on every shape class; return the seconds taken."""
-        self.forward_model, self.compiled_structure = compilation.compile_model(self.model)
-        return compilation.warm_up(self.warm_up_step, self.cache.kv, self.cache.block_size, self.cache.kv_scales,
-                                   compilation.warm_up_shapes(self.model))
+    def compile(self) -> compilation.CompileReport:
+        """Compile the model forward (or load its graphs from the compile cache) and warm it up on every shape
+        class; say where the graphs came from and how long it took."""
+        cache, shapes = self.cache, compilation.warm_up_shapes(self.model)
+        settings = {"shapes": shapes, "kv": [list(cache.kv.shape[:3]), cache.kv.shape[4], str(cache.kv.dtype)],
+                    "kv_scales": cache.kv_scales is not None, "block_size": cache.block_size,
+                    "single_row": self.device.type == "cpu" and cache.kv_scales is None}
+
+        def warm(forward: compilation.CompiledForward, title: str) -> float:
+            self.forward_model = forward
+            return compilation.warm_up(self.warm_up_step, cache.kv, cache.block_size, cache.kv_scales, shapes,
+                                       progress=title)
+
+        report = compilation.compile_forward(self.model, cache.kv, settings, warm)
+        self.compiled_structure = compilation.structure_of(self.model)
+        return report
 
     def warm_up_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
                      metadata: AttentionMetadata) -> torch.Tensor:

@@ -15,10 +15,12 @@ from helpers.engine import (
     run_to_completion,
 )
 from helpers.models import build
+from helpers.tolerances import approx
 from torch._dynamo.utils import counters
 
 from paged_backend import BeamSearchParams, Engine, EngineConfig, SamplingParams
 from paged_backend.entrypoints.beam_search import beam_search
+from paged_backend.model.compilation import CompiledForward
 
 # Small blocks and a small cache: prompts are chunked, the batch preempts, blocks are shared.
 CONFIG = dict(num_kv_blocks=40, block_size=4, max_num_batched_tokens=24)
@@ -52,6 +54,7 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> lis
 
 def assert_no_recompiles(graphs: int) -> None:
     assert counters["stats"]["unique_graphs"] == graphs, "a path made the compiled forward recompile"
+    assert CompiledForward.all_eager_steps == 0, "a step fitted no compiled graph and ran eagerly"
 
 
 def test_prompt_logprobs_and_logprobs(model, graphs):
@@ -64,8 +67,7 @@ def test_prompt_logprobs_and_logprobs(model, graphs):
         for entry_a, entry_b in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
                                     b.prompt_logprobs[1:] + b.outputs[0].logprobs):
             assert {t: lp.rank for t, lp in entry_a.items()} == {t: lp.rank for t, lp in entry_b.items()}
-            assert [lp.logprob for lp in entry_b.values()] == pytest.approx(
-                [lp.logprob for lp in entry_a.values()], abs=1e-4)
+            assert [lp.logprob for lp in entry_b.values()] == approx([lp.logprob for lp in entry_a.values()])
     assert_no_recompiles(graphs)
 
 

@@ -198,6 +198,7 @@ def test_int4_compiles_once_for_small_and_large_steps() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
     with torch._dynamo.config.patch(error_on_recompile=True):
         outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.runner.forward_model.eager_steps == 0, "a step fitted no compiled graph and ran eagerly"
     for prompt, out, reference in zip(prompts, outs, expected):
         got = [entry[token].logprob for token, entry in zip(prompt[1:], out.prompt_logprobs[1:])]
         assert got == pytest.approx(reference, rel=1e-2, abs=2e-2)  # unrelated logits would be far off

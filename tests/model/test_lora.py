@@ -30,6 +30,7 @@ from paged_backend import (
     SamplingParams,
 )
 from paged_backend.entrypoints.beam_search import beam_search
+from paged_backend.model.compilation import CompiledForward
 from paged_backend.model.lora import LoRAWeights, portable_source, read_lora_layers
 
 MAX_NEW = 8
@@ -286,6 +287,7 @@ def test_compiled_steps_add_each_request_adapter_in_the_graph(case):
     assert run(engine, prompts, names) == refs
     assert engine.stats()["num_preemptions"] > 0, "the small cache should have forced preemptions"
     assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled after start-up"
+    assert CompiledForward.all_eager_steps == 0, "a step fitted no compiled graph and ran eagerly"
     assert engine.runner.compiled
     assert_all_blocks_free(engine)
 
