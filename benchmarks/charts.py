@@ -329,7 +329,10 @@ def readme_section() -> str:
     lines = [f"![Output tokens/s on the throughput workload](docs/assets/benchmarks/{benchmark}_{machine}.png)\n",
              "| measured | result | machine | command |", "|---|---|---|---|"]
     for benchmark, machine, what, figure in HEADLINE:
-        record = records[(benchmark, machine)]
+        record = records.get((benchmark, machine))
+        if record is None:
+            raise FileNotFoundError(f"the README's results table shows benchmarks/results/{benchmark}_{machine}.json, "
+                                    "which is gone: point HEADLINE in benchmarks/charts.py at the current file")
         lines.append(f"| {what(record)} | {figure(record)} | `{machine}` | `{record['provenance']['command']}` |")
     return "\n".join(lines)
 
