@@ -235,7 +235,7 @@ def quality_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     for name, v in r["variants"].items():
         speed = f", one stream {number(v['tokens_per_s'])} tok/s" if "tokens_per_s" in v else ""
-        rows.append((name, (f"mean |dlogprob| {number(v['mean_abs_dlogprob'], 3)}, teacher-forced top token equal "
+        rows.append((name, (f"mean absolute logprob difference {number(v['mean_abs_dlogprob'], 3)}, teacher-forced top token equal "
                            f"{number(v['teacher_forced_agreement'], 3)}, free-running equal {number(v['agreement'], 3)}{speed}")))
     return rows
 

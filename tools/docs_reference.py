@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import html
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,6 +32,12 @@ def cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def code_cell(text: object) -> str:
+    """`text` as inline code inside a Markdown table cell: HTML, since a `|` in a code span would split the
+    cell (and an escaped one shows its backslash on the site)."""
+    return "<code>" + html.escape(str(text)).replace("|", "&#124;") + "</code>"
+
+
 def dataclass_table(cls: type) -> str:
     """One row per field: name, annotation, default and the comment the code gives it."""
     from paged_backend.integrations.options.flags import field_comments
@@ -45,7 +52,7 @@ def dataclass_table(cls: type) -> str:
         else:
             default = "(required)"
         annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
-        rows.append(f"| `{field.name}` | `{cell(annotation)}` | `{cell(default)}` | {cell(comments.get(field.name, ''))} |")
+        rows.append(f"| `{field.name}` | {code_cell(annotation)} | {code_cell(default)} | {cell(comments.get(field.name, ''))} |")
     return "\n".join(rows)
 
 
