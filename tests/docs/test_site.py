@@ -5,6 +5,7 @@ ARCHITECTURE.md."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,3 +84,26 @@ def test_models_page_lists_every_supported_type() -> None:
 
     page = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
     assert all(f"| `{model_type}` |" in page for model_type in SUPPORTED)
+
+
+def table_rows_off_their_header(text: str) -> list[str]:
+    """Table rows whose cell count differs from their table's header (a stray | splits a cell)."""
+    off, cells, fenced = [], None, False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not line.startswith("|"):
+            cells = None
+            continue
+        count = len(re.split(r"(?<!\\)\|", line.strip().strip("|")))
+        if cells is None:
+            cells = count
+        elif count != cells:
+            off.append(line)
+    return off
+
+
+def test_table_rows_have_their_headers_cells() -> None:
+    assert table_rows_off_their_header("| a | b |\n|---|---|\n| x | y |\n| mean |d| 1 | 2 |\n") == ["| mean |d| 1 | 2 |"]
+    for page in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        assert table_rows_off_their_header(page.read_text(encoding="utf-8")) == [], page.name
