@@ -7,7 +7,7 @@ the default model, greedy) served by the CPU engine, with its cache writes, cont
 Prints the share of the run's wall time spent in the PyTorch backend's cache writes, in its reads of the
 sequences' contexts out of the paged cache (gathers and casts), and in the rest of paged attention (each call
 timed with perf_counter around it, so a share includes the calls' Python overhead), and writes them to
-benchmarks/results/attention_share.json.
+benchmarks/results/attention_share_<machine class>.json.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--precision", choices=("fp32", "default"), default="fp32",
                         help="the model's precision: fp32, or the engine's default on this CPU (int4 codes)")
     parser.add_argument("--json", type=Path, default=None,
-                        help="results file (default benchmarks/results/attention_share.json)")
+                        help="results file (default benchmarks/results/attention_share_<machine class>.json)")
     args = parser.parse_args(argv)
     llm = LLM(None, **({"dtype": torch.float32} if args.precision == "fp32" else {}))
     workload = chat_workload(llm.tokenizer, load_mt_bench_prompts(args.num_prompts),

@@ -1,21 +1,31 @@
-"""Bar charts of the comparison benchmarks, drawn from their results JSON into a PNG beside it.
+"""Charts and result tables of the benchmarks, drawn from the current results files (no re-measuring).
 
-Each comparison script calls its chart function after writing its JSON; this script redraws every
-chart from the JSON files already in benchmarks/results/ (no re-measuring). matplotlib comes with the
-optional `bench` extra (`pip install -e ".[bench]"`); without it the scripts skip the chart and say so.
-
-    python benchmarks/charts.py                 # redraw every chart whose JSON exists
+`python benchmarks/charts.py` reads every `benchmarks/results/<benchmark>_<machine class>.json` and writes
+- the charts, as PNGs in docs/assets/benchmarks/ (matplotlib, the optional `bench` extra),
+- the generated results section of docs/benchmarks.md (every figure with the command and the provenance
+  of the file it comes from),
+- the generated results section of README.md (the headline chart and table).
+`python benchmarks/charts.py --check` changes nothing and fails when a generated section is stale.
+Each comparison script also draws its own chart beside its JSON right after a run (`draw`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+CHARTS_DIR = ROOT / "docs" / "assets" / "benchmarks"
+BENCHMARKS_PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+sys.path.insert(0, str(ROOT / "tools"))
+
+import generated_sections
 
 
 def bar_chart(path: Path, title: str, labels: Sequence[str], values: Sequence[float], unit: str,
@@ -49,22 +59,27 @@ def bar_chart(path: Path, title: str, labels: Sequence[str], values: Sequence[fl
     return path
 
 
-def machine_note(machine: dict[str, Any] | None) -> str:
-    if not machine:
-        return ""
-    load = machine.get("uptime") or f"load average {machine.get('load_average_1m', float('nan')):.1f}"
-    return (f"{machine.get('cpu_count')} CPUs, {machine.get('torch_threads')} torch threads, {load}, "
-            f"{machine.get('time_utc')}")
+def machine_note(report: dict[str, Any]) -> str:
+    """The chart's footnote: where and when the figures were measured."""
+    machine = report.get("machine") or {}
+    provenance = report.get("provenance") or {}
+    load = machine.get("load_average_1m")
+    parts = [f"machine class {provenance['machine_class']}" if provenance else None,
+             f"{machine['cpu_count']} CPUs" if machine.get("cpu_count") else None,
+             f"{machine['torch_threads']} torch threads" if machine.get("torch_threads") else None,
+             f"load average {load:.1f}" if load is not None else None,
+             machine.get("time_utc") or provenance.get("written_utc")]
+    return ", ".join(p for p in parts if p)
 
 
 def throughput_chart(report: dict[str, Any], path: Path) -> Path | None:
     systems = report["systems"]
-    names = [n for n in ("sequential", "static", "hf_cb", "engine") if n in systems]
+    names = [n for n in ("sequential", "static", "hf_cb", "engine", "engine_compiled") if n in systems]
     labels = [SHORT_LABELS.get(n, n) for n in names]
     workload = report.get("workload", {})
     return bar_chart(path, f"Output tokens/s, {workload.get('num_prompts', '')} MT-bench chats, greedy, EOS ignored",
                      labels, [systems[n]["tokens_per_s"] for n in names], "output tokens/s",
-                     machine_note(report.get("machine")),
+                     machine_note(report),
                      highlight=names.index("engine") if "engine" in names else None)
 
 
@@ -74,7 +89,7 @@ def prefix_cache_chart(report: dict[str, Any], path: Path) -> Path | None:
     return bar_chart(path, f"Prefix caching, {report['args']['num_requests']} requests sharing a "
                            f"{report['args']['system_tokens']}-token system prompt",
                      ["caching off", "caching on"], [off["output_tokens_per_s"], on["output_tokens_per_s"]],
-                     unit, machine_note(report.get("machine")), highlight=1)
+                     unit, machine_note(report), highlight=1)
 
 
 def pipeline_chart(report: dict[str, Any], path: Path) -> Path | None:
@@ -82,7 +97,7 @@ def pipeline_chart(report: dict[str, Any], path: Path) -> Path | None:
                            f"{report['workload']['max_new_tokens']} tokens",
                      [f"stock, batch_size={report['workload']['stock_batch_size']}", "paged"],
                      [report["stock"]["output_tokens_per_s"], report["paged"]["output_tokens_per_s"]],
-                     "output tokens/s", machine_note(report.get("machine")), highlight=1)
+                     "output tokens/s", machine_note(report), highlight=1)
 
 
 def langchain_chart(report: dict[str, Any], path: Path) -> Path | None:
@@ -90,11 +105,12 @@ def langchain_chart(report: dict[str, Any], path: Path) -> Path | None:
                            f"{report['config']['max_tokens']} tokens max",
                      ["ChatHuggingFace (HuggingFacePipeline)", "ChatPaged"],
                      [report["chat_huggingface"]["tokens_per_s"], report["chat_paged"]["tokens_per_s"]],
-                     "output tokens/s (median of alternating runs)", machine_note(report.get("machine")), highlight=1)
+                     "output tokens/s (median of alternating runs)", machine_note(report), highlight=1)
 
 
 SHORT_LABELS = {"sequential": "HF generate, one at a time", "static": "HF generate, static batches",
-                "hf_cb": "transformers continuous batching", "engine": "paged-backend engine"}
+                "hf_cb": "transformers continuous batching", "engine": "paged-backend engine",
+                "engine_compiled": "paged-backend engine, compile=True"}
 
 CHARTS: dict[str, Callable[[dict[str, Any], Path], Path | None]] = {
     "throughput": throughput_chart,
@@ -104,17 +120,256 @@ CHARTS: dict[str, Callable[[dict[str, Any], Path], Path | None]] = {
 }
 
 
-def draw(name: str, report: dict[str, Any], json_path: Path) -> Path | None:
-    """The chart of benchmark `name` for `report`, written beside its JSON file."""
-    return CHARTS[name](report, json_path.with_suffix(".png"))
+def draw(name: str, report: dict[str, Any], json_path: Path, out: Path | None = None) -> Path | None:
+    """The chart of benchmark `name` for `report`, written to `out` or beside its JSON file."""
+    return CHARTS[name](report, out or json_path.with_suffix(".png"))
 
 
-def main() -> None:
-    for name in CHARTS:
-        json_path = RESULTS_DIR / f"{name}.json"
-        if json_path.is_file():
-            print(f"{name}: {draw(name, json.loads(json_path.read_text()), json_path)}")
+# ------------------------------------------------------------------ the current results files
+
+
+def current_results() -> list[tuple[str, str, dict[str, Any]]]:
+    """(benchmark, machine class, record) of every results file, by benchmark then machine class."""
+    found = []
+    for path in sorted(RESULTS_DIR.glob("*.json")):
+        benchmark, _, machine = path.stem.rpartition("_")
+        found.append((benchmark, machine, json.loads(path.read_text())))
+    return found
+
+
+def number(value: float, digits: int = 1) -> str:
+    return f"{value:.{digits}f}"
+
+
+def throughput_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for s in r["systems"].values():
+        equal = s.get("tokens_equal_sequential")
+        same = "" if not isinstance(equal, dict) else f", tokens equal to one-at-a-time {equal['equal']}/{equal['of']}"
+        rows.append((s["label"], (f"{number(s['tokens_per_s'])} output tok/s, wall {number(s['wall_s'])} s, "
+                                 f"first token {number(s['ttft_first_s'], 2)} s, peak RSS {s['peak_rss_mb']:.0f} MB{same}")))
+    rows += [(f"ratio {name}", f"{number(v, 2)}x") for name, v in r["ratios"].items() if v is not None]
+    engine = r["systems"].get("engine", {})
+    if engine.get("kv_utilisation_mean") is not None:
+        rows.append(("engine KV-cache utilisation (mean)", number(engine["kv_utilisation_mean"], 3)))
+    return rows
+
+
+def prefix_cache_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    off, on = r["off"], r["on"]
+    return [("caching off", f"{number(off['output_tokens_per_s'])} output tok/s, {off['prefill_tokens_computed']} prefill tokens computed"),
+            ("caching on", (f"{number(on['output_tokens_per_s'])} output tok/s, {on['prefill_tokens_computed']} prefill tokens "
+                           f"computed, hit rate {number(on['hit_rate'], 2)}")),
+            ("ratio", f"{number(r['ratio'], 2)}x, same tokens: {r['same_tokens']}")]
+
+
+def pipeline_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    return [("stock pipeline, batch_size " + str(r["workload"]["stock_batch_size"]), f"{number(r['stock']['output_tokens_per_s'])} output tok/s"),
+            ("PagedTextGenerationPipeline", f"{number(r['paged']['output_tokens_per_s'])} output tok/s"),
+            ("ratio", f"{number(r['throughput_ratio'], 2)}x, identical outputs {r['identical_outputs']}")]
+
+
+def serve_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for row in r["results"]:
+        ms = {k: {q: row[k][q] * 1000 for q in ("mean", "median", "p99")} for k in ("ttft_s", "tpot_s", "itl_s")}
+        rows.append((f"request rate {row['rate']}/s",
+                     (f"{row['completed']} done, {number(row['requests_per_s'], 2)} req/s, {number(row['output_tokens_per_s'])} "
+                     f"output tok/s; TTFT mean/median/p99 {ms['ttft_s']['mean']:.0f}/{ms['ttft_s']['median']:.0f}/"
+                     f"{ms['ttft_s']['p99']:.0f} ms; TPOT {ms['tpot_s']['mean']:.0f}/{ms['tpot_s']['median']:.0f}/"
+                     f"{ms['tpot_s']['p99']:.0f} ms")))
+    return rows
+
+
+def replicas_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [(e["label"], f"{number(e['tokens_per_s'])} output tok/s") for e in r["one_engine"]]
+    rows.append((r["replicas"]["label"], f"{number(r['replicas']['tokens_per_s'])} output tok/s"))
+    rows.append(("replicas over the best single engine", (f"{number(r['replicas_over_best_one_engine'], 2)}x, tokens equal "
+                                                         f"{r['tokens_equal']}")))
+    return rows
+
+
+def self_check_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    return [("load-time self-check (median)", f"{number(r['self_check_median_ms'])} ms"),
+            ("one plain 8-token forward (median)", f"{number(r['plain_8_token_forward_median_ms'])} ms"),
+            ("engine start without the check (median)", f"{number(r['engine_start_without_check_median_ms'])} ms")]
+
+
+def structured_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    tps = r["output_tokens_per_s"]
+    return [("constrained", f"{number(tps['constrained'])} output tok/s, {r['valid']} of {r['num_answers']} valid"),
+            ("unconstrained", f"{number(tps['unconstrained'])} output tok/s"),
+            ("ratio", f"{number(r['ratio'], 2)}x")]
+
+
+def stats_scrape_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    return [("stats() idle", f"{number(r['stats_idle_ms'], 2)} ms"), ("stats() during a batch (median)", f"{number(r['stats_busy_ms'])} ms"),
+            ("generation with a thread scraping / without", f"{number(r['ratio'], 2)}x")]
+
+
+def speculative_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for workload in ("single_stream", "concurrent_grounded", "concurrent_mt_bench"):
+        w = r.get(workload)
+        if not w:
+            continue
+        for variant in r.get("variants", {"spec": {}}):
+            v = w[variant]
+            rows.append((f"{workload} ({variant})", (f"{number(w['plain_tokens_per_s'], 2)} -> {number(v['tokens_per_s'], 2)} tok/s, "
+                                                    f"{number(v['ratio'], 3)}x, acceptance {number(v['acceptance_rate'], 3)}, "
+                                                    f"identical outputs: {w['outputs_identical']}")))
+    return rows
+
+
+def lora_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    tps, ratios = r["output_tokens_per_s"], r["ratios"]
+    return [("engine, each request with its adapter", f"{number(tps['engine_lora'])} output tok/s"),
+            ("same engine, no adapters", f"{number(tps['engine_base'])} output tok/s"),
+            ("PEFT, set_adapter + static batches", f"{number(tps['peft_sequential'])} output tok/s"),
+            ("LoRA / no LoRA", f"{number(ratios['lora_vs_base'], 2)}x"),
+            ("engine / PEFT", (f"{number(ratios['lora_vs_peft_sequential'], 2)}x, {r['identical_to_peft']} of "
+                              f"{r['workload']['requests']} answers identical to PEFT's"))]
+
+
+def quality_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for name, v in r["variants"].items():
+        speed = f", one stream {number(v['tokens_per_s'])} tok/s" if "tokens_per_s" in v else ""
+        rows.append((name, (f"mean absolute logprob difference {number(v['mean_abs_dlogprob'], 3)}, teacher-forced top token equal "
+                           f"{number(v['teacher_forced_agreement'], 3)}, free-running equal {number(v['agreement'], 3)}{speed}")))
+    return rows
+
+
+def cpu_vs_llamacpp_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    m = r["medians"]
+    rows = [("engine one stream (median)", f"{number(m['engine_one_stream'])} tok/s"),
+            ("llama.cpp one stream (median)", f"{number(m['llamacpp_one_stream'])} tok/s")]
+    if "engine_throughput" in m:
+        rows.append(("engine, throughput workload (median)", f"{number(m['engine_throughput'])} tok/s"))
+    rows.append(("engine weights", f"{r['engine_dtype']}, int4: {r['engine_int4_weights']}"))
+    return rows
+
+
+FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
+    "throughput": throughput_figures, "prefix_cache": prefix_cache_figures, "pipeline": pipeline_figures,
+    "serve": serve_figures, "replicas": replicas_figures, "self_check": self_check_figures,
+    "structured": structured_figures, "stats_scrape": stats_scrape_figures, "speculative": speculative_figures,
+    "lora": lora_figures, "quality": quality_figures, "cpu_vs_llamacpp": cpu_vs_llamacpp_figures,
+}
+
+
+def provenance_lines(p: dict[str, Any]) -> list[str]:
+    commit = p.get("git_commit")
+    code = (f"commit `{commit[:10]}`" + (" (with uncommitted changes)" if p.get("git_dirty") else "")
+            if commit else f"not recorded; the file was added in commit `{p['added_in_commit'][:10]}`")
+    flags = p.get("cpu_flags")
+    shown = ", ".join(f for f, on in flags.items() if on) if flags else None
+    loads = [p.get("load_average_before"), p.get("load_average_after")]
+    load = " -> ".join(number(x[0]) if x else "?" for x in loads) if any(loads) else "not recorded"
+    return [f"- command: `{p['command']}`",
+            f"- code: {code}",
+            f"- machine: {p.get('machine_note') or p.get('cpu_model') or 'not recorded'}"
+            + (f"; flags {shown}" if shown else "") + (f"; GPU {p['gpu']}" if p.get("gpu") else ""),
+            (f"- torch threads {p.get('torch_threads') or 'not recorded'}; torch {p.get('torch') or 'not recorded'}, "
+            f"transformers {p.get('transformers') or 'not recorded'}; 1-minute load average {load}"),
+            f"- date: {p.get('written_utc') or p.get('added_utc') or 'not recorded'} ({p['provenance']})"]
+
+
+def benchmarks_section() -> str:
+    """docs/benchmarks.md's results: per file, its figures and where they came from."""
+    out = []
+    for benchmark, machine, record in current_results():
+        out.append(f"### {benchmark}, machine class `{machine}`\n")
+        chart = CHARTS_DIR / f"{benchmark}_{machine}.png"
+        if chart.is_file():
+            out.append(f"![{benchmark} on {machine}](assets/benchmarks/{chart.name})\n")
+        out.append("| figure | value |\n|---|---|")
+        out += [f"| {label} | {value} |" for label, value in FIGURES[benchmark](record)]
+        out.append(f"\nFrom `benchmarks/results/{benchmark}_{machine}.json`:\n")
+        out += provenance_lines(record["provenance"])
+        out.append("")
+    return "\n".join(out)
+
+
+# The README's headline: (benchmark, machine class, what was measured, the figure); both are formatted from
+# the record, so every number the README shows is one of its results file's.
+HEADLINE: list[tuple[str, str, Callable[[dict[str, Any]], str], Callable[[dict[str, Any]], str]]] = [
+    ("throughput", "unrecorded",
+     lambda r: f"{r['workload']['num_prompts']} MT-bench chats, default model in fp32: engine vs HF `generate` static batches",
+     lambda r: f"{number(r['systems']['engine']['tokens_per_s'])} vs {number(r['systems']['static']['tokens_per_s'])} tok/s "
+               f"({number(r['ratios']['engine_vs_static'], 2)}x)"),
+    ("throughput", "unrecorded", lambda r: "the same: engine vs transformers' continuous batching (peak RSS)",
+     lambda r: f"{number(r['ratios']['engine_vs_hf_cb'], 2)}x ({r['systems']['engine']['peak_rss_mb']:.0f} vs "
+               f"{r['systems']['hf_cb']['peak_rss_mb']:.0f} MB)"),
+    ("prefix_cache", "unrecorded",
+     lambda r: f"{r['args']['num_requests']} chats sharing a {r['args']['system_tokens']}-token system prompt: "
+               "prefix caching on vs off",
+     lambda r: f"{number(r['ratio'], 2)}x (hit rate {number(r['on']['hit_rate'], 2)})"),
+    ("pipeline", "unrecorded",
+     lambda r: f"`PagedTextGenerationPipeline` vs the stock pipeline (batch size {r['workload']['stock_batch_size']})",
+     lambda r: f"{number(r['throughput_ratio'], 2)}x, identical outputs {r['identical_outputs']}"),
+    ("structured", "unrecorded",
+     lambda r: f"JSON-schema-constrained vs free generation, {r['args']['num_prompts']} extraction prompts",
+     lambda r: f"{number(r['ratio'], 2)}x, {r['valid']} of {r['num_answers']} valid"),
+    ("speculative", "avx2", lambda r: "n-gram speculation vs plain decoding, one stream, fp32 (identical outputs)",
+     lambda r: f"{number(r['single_stream']['spec']['ratio'], 3)}x"),
+    ("lora", "avx2",
+     lambda r: f"{r['workload']['adapters']} LoRA adapters in one batch vs PEFT, one adapter at a time",
+     lambda r: f"{number(r['ratios']['lora_vs_peft_sequential'], 2)}x"),
+    ("cpu_vs_llamacpp", "avx512", lambda r: "default model (int4) one stream vs llama.cpp on the same GGUF file",
+     lambda r: f"{number(r['medians']['engine_one_stream'])} vs {number(r['medians']['llamacpp_one_stream'])} tok/s"),
+]
+HEADLINE_CHART = ("throughput", "unrecorded")
+
+
+def readme_section() -> str:
+    """The README's headline chart and table of current results."""
+    records = {(b, m): r for b, m, r in current_results()}
+    benchmark, machine = HEADLINE_CHART
+    lines = [f"![Output tokens/s on the throughput workload](docs/assets/benchmarks/{benchmark}_{machine}.png)\n",
+             "| measured | result | machine | command |", "|---|---|---|---|"]
+    for benchmark, machine, what, figure in HEADLINE:
+        record = records.get((benchmark, machine))
+        if record is None:
+            raise FileNotFoundError(f"the README's results table shows benchmarks/results/{benchmark}_{machine}.json, "
+                                    "which is gone: point HEADLINE in benchmarks/charts.py at the current file")
+        lines.append(f"| {what(record)} | {figure(record)} | `{machine}` | `{record['provenance']['command']}` |")
+    return "\n".join(lines)
+
+
+SECTIONS: dict[Path, dict[str, Callable[[], str]]] = {
+    BENCHMARKS_PAGE: {"benchmark-results": benchmarks_section},
+    README: {"readme-results": readme_section},
+}
+
+
+def draw_charts() -> None:
+    for benchmark, machine, record in current_results():
+        if benchmark in CHARTS:
+            out = CHARTS_DIR / f"{benchmark}_{machine}.png"
+            print(f"{benchmark} ({machine}): {draw(benchmark, record, RESULTS_DIR / f'{benchmark}_{machine}.json', out)}")
+
+
+def stale_sections() -> list[str]:
+    return [f"{path.relative_to(ROOT)}: {name}" for path, generators in SECTIONS.items()
+            for name in generated_sections.stale(path, generators)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="charts and result tables from benchmarks/results/")
+    parser.add_argument("--check", action="store_true", help="change nothing; fail when a generated section is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_sections()
+        for name in stale:
+            print(f"stale: {name} (run python benchmarks/charts.py)")
+        return 1 if stale else 0
+    draw_charts()
+    for path, generators in SECTIONS.items():
+        if generated_sections.rewrite(path, generators):
+            print(f"rewrote {path.relative_to(ROOT)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

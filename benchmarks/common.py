@@ -237,11 +237,125 @@ def run_json_subprocess(args: Sequence[str], out_path: Path, timeout_s: float | 
 
 
 def write_results(payload: dict[str, Any], name: str, path: Path | None = None) -> Path:
-    """Write `payload` as JSON to `path`, or to benchmarks/results/<name>.json; return where it went."""
-    path = Path(path) if path is not None else RESULTS_DIR / f"{name}.json"
+    """Write `payload` with its provenance as JSON to `path`, or to the benchmark's current file for this
+    machine class, benchmarks/results/<name>_<machine class>.json; return where it went.
+
+    Every benchmark writes its results through here, so every results file says what made it."""
+    path = Path(path) if path is not None else current_results_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    record = dict(payload)
+    record["provenance"] = provenance()
+    path.write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
     return path
+
+
+def current_results_path(name: str) -> Path:
+    """The one current results file of benchmark `name` on this machine's class."""
+    return RESULTS_DIR / f"{name}_{machine_class()}.json"
+
+
+# ------------------------------------------------------------------ provenance
+
+# The load when this module was imported, i.e. when the benchmark started: with the load at write time,
+# it tells a run on a quiet machine from one that shared the CPUs with other jobs.
+LOAD_AT_START = os.getloadavg() if hasattr(os, "getloadavg") else None
+STARTED_UTC = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+# The CPU features that decide which kernels and dtypes the engine uses (precision.py, int4_linear.py).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """What a results file needs beside its figures to be read and rerun: the command, the code, the
+    machine and its load, the library versions and the date."""
+    import torch
+    import transformers
+
+    flags = cpu_flags()
+    return {
+        "provenance": "recorded at the run by benchmarks/common.py",
+        "command": command_line(argv),
+        "git_commit": git_output("rev-parse", "HEAD"),
+        "git_dirty": git_dirty(),
+        "machine_class": machine_class(flags),
+        "cpu_model": cpu_model(),
+        "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS} if flags is not None else None,
+        "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "load_average_before": list(LOAD_AT_START) if LOAD_AT_START is not None else None,
+        "load_average_after": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "started_utc": STARTED_UTC,
+        "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as typed from the repository root: `python benchmarks/<script>.py <arguments>`."""
+    import shlex
+
+    args = list(sys.argv if argv is None else argv)
+    script = Path(args[0]) if args else Path("?")
+    try:
+        script = script.resolve().relative_to(BENCHMARKS_DIR.parent)
+    except ValueError:
+        pass
+    return shlex.join(["python", str(script), *args[1:]])
+
+
+def git_output(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(BENCHMARKS_DIR), *args], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
+def git_dirty() -> bool | None:
+    """Whether tracked files differ from the commit (results files aside: a run writes those itself)."""
+    status = git_output("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)benchmarks/results")
+    return None if status is None else bool(status)
+
+
+def cpu_info_lines() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def cpu_model() -> str | None:
+    for line in cpu_info_lines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    import platform
+
+    return platform.processor() or None
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags (Linux's /proc/cpuinfo), or None where they cannot be read."""
+    for line in cpu_info_lines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def machine_class(flags: set[str] | None = None) -> str:
+    """The class of machine results are filed under: the GPU's model (`h200`) where CUDA runs, else the
+    widest x86 vector extension the CPU has (`avx512`, `avx2`), else `cpu`. Results of one class compare."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0).split()[-1].lower()
+    flags = cpu_flags() if flags is None else flags
+    if flags and "avx512f" in flags:
+        return "avx512"
+    if flags and "avx2" in flags:
+        return "avx2"
+    return "cpu"
 
 
 def uptime() -> str | None:

@@ -16,13 +16,12 @@ llama-cpp-python is the `compare` extra, built from source (several minutes on a
     python benchmarks/cpu_vs_llamacpp.py --engine dtype=float32,quantization=int8
 
 Without llama-cpp-python the script says how to install it and exits without measuring.
-Writes benchmarks/results/cpu_vs_llamacpp.json.
+Writes benchmarks/results/cpu_vs_llamacpp_<machine class>.json (common.write_results).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, load_mt_bench_prompts
+from common import load_mt_bench_prompts, write_results
 
 INSTALL_HINT = ("llama-cpp-python is not installed; it is the `compare` extra, built from source (several minutes):\n"
                 "    CMAKE_BUILD_PARALLEL_LEVEL=2 pip install 'paged-backend[compare]'")
@@ -101,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--threads", type=int, default=None, help="threads for both (default: torch's)")
     p.add_argument("--engine", default="", help="LLM keywords for the engine, e.g. dtype=float32,quantization=int8")
     p.add_argument("--skip-throughput", action="store_true")
-    p.add_argument("--json", type=Path, default=RESULTS_DIR / "cpu_vs_llamacpp.json")
+    p.add_argument("--json", type=Path, default=None,
+                   help="results file (default: benchmarks/results/cpu_vs_llamacpp_<machine class>.json)")
     args = p.parse_args(argv)
     try:
         import llama_cpp
@@ -143,14 +143,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
               "tokens": args.tokens, "repeats": args.repeats, "llama_cpp_version": llama_cpp.__version__,
               "gguf": gguf_file_path().name, "load_1m_start": load_start, "load_1m_end": os.getloadavg()[0],
               "runs": runs, "medians": medians, "ratios": ratios}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results(result, "cpu_vs_llamacpp", args.json)
     for name, value in medians.items():
         print(f"{name:<22} {value:7.1f} tok/s   runs {[round(v, 1) for v in runs[name]]}")
     for name, value in ratios.items():
         print(f"ratio {name:<36} {value:5.2f}x")
     print(f"engine start-up {engine_load_s:.1f} s (compile and warm-up {engine.llm.engine.compile_s or 0:.1f} s)")
-    print(f"threads {threads}; load average {load_start:.1f} -> {result['load_1m_end']:.1f}; wrote {args.json}")
+    print(f"threads {threads}; load average {load_start:.1f} -> {result['load_1m_end']:.1f}; wrote {path}")
     return result
 
 

@@ -41,6 +41,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # the benchmarks folder, as when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("kernel_tests", "greedy", "micro", "throughput", "steps")
 # Peak HBM bandwidth (bytes/s) by device-name fragment; the first match wins. --peak-bandwidth overrides.
@@ -102,7 +105,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on CPU, kernels through the interpreter")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections out of {SECTIONS}")
     parser.add_argument("--peak-bandwidth", type=float, default=None, help="GPU peak memory bandwidth in bytes/s")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check.json")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="results file (default: benchmarks/results/gpu_check_<machine class>.json)")
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(args.sections) - set(SECTIONS)
@@ -649,9 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report[name]["section_seconds"] = round(time.perf_counter() - start, 1)
         print(f"[{'PASS' if report[name]['ok'] else 'FAIL'}] {name}: {json.dumps(report[name], default=str)}",
               flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"wrote {args.json}")
+    print(f"wrote {write_results(report, 'gpu_check', args.json)}")
     return 0 if all(report[name]["ok"] for name in args.sections) else 1
 
 

@@ -8,7 +8,7 @@ sides; each side runs the same `chain.batch(...)` call a LangChain user would wr
 untimed warm-up of both, the sides take turns (`--repeats` runs each; medians count). Output tokens
 are counted the same way on both sides (the answer text re-tokenised), and the answers are compared.
 Prints output tokens/s for each and their ratio (target: ChatPaged at least 3x) and writes
-benchmarks/results/langchain_batch.json and a chart beside it.
+benchmarks/results/langchain_batch_<machine class>.json and a chart beside it.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each side; medians count")
     parser.add_argument("--json", type=Path, default=None,
-                        help="results file (default benchmarks/results/langchain_batch.json)")
+                        help="results file (default benchmarks/results/langchain_batch_<machine class>.json)")
     args = parser.parse_args()
     conversations = load_conversations(args.questions)
 

@@ -5,7 +5,7 @@ Workload: N requests (default 64) whose chat prompts share a system message of a
 number of output tokens. After an untimed warm-up of both settings, the settings take turns
 (`--repeats` runs each) and each reports its median run. Prints throughput, wall time, prefill
 tokens computed and the hit rate for each setting, then the ratio, checks every run produced the
-same tokens, and writes benchmarks/results/prefix_cache.json and a chart beside it.
+same tokens, and writes benchmarks/results/prefix_cache_<machine class>.json and a chart beside it.
 
     python benchmarks/prefix_cache.py [--num-requests 64] [--max-tokens 16] [--system-tokens 512] [--repeats 2]
 """

@@ -15,14 +15,13 @@ For every variant (weights in fp32 / bf16 / int8 / int4, KV cache in bf16 / int8
     python benchmarks/quality.py                       # 16 prompts, 128 tokens, every variant
     python benchmarks/quality.py --variants fp32,kv_int8 --num-prompts 4 --speed-tokens 64
 
-Writes benchmarks/results/quality.json.
+Writes benchmarks/results/quality_<machine class>.json (common.write_results).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, load_mt_bench_prompts
+from common import load_mt_bench_prompts, write_results
 
 # name -> LLM keywords; every variant runs eagerly unless its name says compiled.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -156,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--speed-tokens", type=int, default=0, help="also time one conversation of N tokens")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--json", type=Path, default=RESULTS_DIR / "quality.json")
+    p.add_argument("--json", type=Path, default=None,
+                   help="results file (default: benchmarks/results/quality_<machine class>.json)")
     args = p.parse_args(argv)
     import torch
 
@@ -172,14 +172,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result = {"num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "speed_tokens": args.speed_tokens,
               "threads": torch.get_num_threads(), "load_1m_start": load_start, "load_1m_end": os.getloadavg()[0],
               "variants": report}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results(result, "quality", args.json)
     print(f"{'variant':<14} {'mean|dlogp|':>11} {'forced':>7} {'agreement':>9} {'prefix':>7} {'tok/s':>7}")
     for name, r in report.items():
         speed = f"{r['tokens_per_s']:7.1f}" if "tokens_per_s" in r else "      -"
         print(f"{name:<14} {r['mean_abs_dlogprob']:11.4f} {r['teacher_forced_agreement']:7.1%} {r['agreement']:9.1%} {r['identical_prefix_mean']:7.1f} "
               f"{speed}")
-    print(f"load average {result['load_1m_start']:.1f} -> {result['load_1m_end']:.1f}; wrote {args.json}")
+    print(f"load average {result['load_1m_start']:.1f} -> {result['load_1m_end']:.1f}; wrote {path}")
     return result
 
 

@@ -9,7 +9,7 @@ on shared cores more threads can be slower); K replicas run as Ray actors (start
 (random prompt ids, greedy, ignore_eos, so every run generates the same number of tokens), after a
 short warm-up; the tokens must be equal. On a machine with C cores, K replicas can beat one engine
 only where one engine leaves cores idle; with 2 shared cores expect no gain (a ratio near or below 1).
-Results go to benchmarks/results/replicas.json.
+Results go to benchmarks/results/replicas_<machine class>.json.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="CPUs given to Ray and to one engine")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 160), metavar=("LOW", "HIGH"))
     p.add_argument("--max-tokens", type=int, nargs=2, default=(16, 48), metavar=("LOW", "HIGH"))
-    p.add_argument("--json", type=Path, default=None, help="default benchmarks/results/replicas.json")
+    p.add_argument("--json", type=Path, default=None, help="default benchmarks/results/replicas_<machine class>.json")
     return p.parse_args(argv)
 
 

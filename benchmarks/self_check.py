@@ -21,7 +21,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    parser.add_argument("--json", type=Path, default=None, help="results file (default: benchmarks/results/self_check.json)")
+    parser.add_argument("--json", type=Path, default=None, help="results file (default: benchmarks/results/self_check_<machine class>.json)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

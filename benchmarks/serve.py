@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-args", default="", help="extra flags for the server started here")
-    parser.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/serve.json)")
+    parser.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/serve_<machine class>.json)")
     return parser.parse_args()
 
 

@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--skip-mt-bench", action="store_true")
     p.add_argument("--precision", choices=("fp32", "default"), default="fp32",
                    help="the model's precision: fp32, or the engine's default on this CPU (int4 weights)")
-    p.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/speculative.json)")
+    p.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/speculative_<machine class>.json)")
     args = p.parse_args(argv)
 
     import torch

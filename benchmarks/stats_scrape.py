@@ -3,7 +3,7 @@
 A random 2-layer Llama (hidden 64, vocabulary 256) serves batches of requests; `stats()` is timed
 idle and while a batch runs, and batches run alternately without and with a scraper thread calling
 `stats()` in a loop (far more often than any Prometheus scrape), each setting reporting its median
-tokens/s. Prints both and writes benchmarks/results/stats_scrape.json.
+tokens/s. Prints both and writes benchmarks/results/stats_scrape_<machine class>.json.
 
     python benchmarks/stats_scrape.py [--requests 32] [--max-tokens 32] [--repeats 5]
 """

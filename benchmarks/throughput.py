@@ -529,7 +529,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None, help="MT-bench prompts (default 32, or 8 with --quick)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--quick", action="store_true", help="8 prompts, max_tokens 16..32")
-    p.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/throughput.json)")
+    p.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/throughput_<machine class>.json)")
     p.add_argument("--model", default=None, help="model folder (default: the default model)")
     p.add_argument("--cb-num-blocks", type=int, default=None,
                    help="transformers CB cache blocks (default: its own sizing, 60%% of free RAM)")
