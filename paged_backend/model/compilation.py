@@ -80,6 +80,8 @@ def cpp_compiler() -> str | None:
 
 def eager_reason() -> str | None:
     """Why this process cannot run a compiled forward, or None when it can."""
+    if not hasattr(torch.compiler, "load_compiled_function"):
+        return f"compiled steps need torch.compile's aot_compile, which torch {torch.__version__} lacks"
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "tensor parallelism runs eagerly (its collectives are inside the forward)"
     return None
