@@ -26,10 +26,12 @@ at start-up.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
 import time
+import types
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -80,8 +82,6 @@ def cpp_compiler() -> str | None:
 
 def eager_reason() -> str | None:
     """Why this process cannot run a compiled forward, or None when it can."""
-    if not hasattr(torch.compiler, "load_compiled_function"):
-        return f"compiled steps need torch.compile's aot_compile, which torch {torch.__version__} lacks"
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "tensor parallelism runs eagerly (its collectives are inside the forward)"
     return None
@@ -157,22 +157,69 @@ class CompiledForward:
         return graph
 
     def compile_graph(self, kwargs: dict):
+        """A graph for a step of `kwargs`' shape class, traced ahead of time (or, on an older torch, one lazy graph
+        that traces each class as it first sees it)."""
         if self.static_kv is not None:
             # The cache's sizes other than its slot count are the model's: as constants they cannot be duck-sized
             # with the step's block count (torch gives equal sizes one symbol, which tied the warm-up's two blocks to
             # a two-layer model's layers). The slot count stays symbolic, so caches of other sizes share the graph.
             torch._dynamo.mark_static(self.static_kv, [0, 1, 2, 4])
-        try:
-            compiled = torch.compile(logits_of, dynamic=True, fullgraph=True,
-                                     options={"guard_filter_fn": keep_step_guards})
-            graph = compiled.aot_compile(((self.model,), kwargs))
-        finally:
-            unmark_dims(self.static_kv)
-        # The call after this checks the guards itself (guard_check), so the graph's own check would be a second.
-        graph.disable_guard_check()
+        # The packed row's batch of 1 is a constant: under backed_size_oblivious it would stay a symbol, and
+        # inductor on CUDA could not split [1, T, hidden] views by it ("CantSplit", torch 2.11, H200).
+        rows = (kwargs["input_ids"], kwargs["position_ids"])
+        for row in rows:
+            torch._dynamo.mark_static(row, 0)
+        if not AHEAD_OF_TIME:  # the marks stay: the lazy graph traces at its first call, just after this
+            graph = LazyGraph()
+        else:
+            try:
+                graph = ahead_of_time_graph(self.model, kwargs)
+            finally:
+                for tensor in (self.static_kv, *rows):
+                    unmark_dims(tensor)
         self.graphs.append(graph)
         self.new_graphs += 1
         return graph
+
+
+# torch 2.11's aot_compile (behind enable_aot_compile) failed to lower the default model's graphs on CUDA
+# ("CantSplit" in inductor, H200), where its plain torch.compile lowers them; 2.13's is the one measured here.
+AHEAD_OF_TIME = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+def ahead_of_time_graph(model: torch.nn.Module, kwargs: dict):
+    """`logits_of(model, **kwargs)` traced whole and compiled now, its guards kept as keep_step_guards says."""
+    compiled = torch.compile(logits_of, dynamic=True, fullgraph=True, options={"guard_filter_fn": keep_step_guards})
+    graph = compiled.aot_compile(((model,), kwargs))
+    # CompiledForward checks the guards itself (guard_check) before each call: the graph's own check would be a second.
+    graph.disable_guard_check()
+    return graph
+
+
+class LazyGraph:
+    """On a torch without a working aot_compile: one `torch.compile`d forward that traces each shape class when
+    first called (the warm-up calls them all) and checks its own guards, the module guards dropped. It is kept
+    in memory only (compile_cache saves ahead-of-time graphs alone) and serves one model: without module guards,
+    its code object (own_forward) is what keeps two models' graphs apart."""
+
+    def __init__(self) -> None:
+        self.forward = torch.compile(own_forward(), dynamic=True,
+                                     options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+    def guard_check(self, model: torch.nn.Module, **kwargs) -> bool:
+        return True  # torch checks them at the call, and traces a new graph where they fail
+
+    def __call__(self, model: torch.nn.Module, **kwargs) -> torch.Tensor:
+        return self.forward(model, **kwargs)
+
+
+_numbers = itertools.count()
+
+
+def own_forward() -> Callable:
+    """`logits_of` with a code object no other forward shares (torch keeps compiled graphs per code object)."""
+    code = logits_of.__code__.replace(co_name=f"paged_forward_{next(_numbers)}")
+    return types.FunctionType(code, logits_of.__globals__, code.co_name)
 
 
 def unmark_dims(tensor: torch.Tensor | None) -> None:
@@ -216,6 +263,12 @@ def compile_forward(model: torch.nn.Module, kv: torch.Tensor, settings: dict,
     key = compile_cache.graph_key(model, settings)
     folder = compile_cache.graphs_dir(key)
     count = len(settings["shapes"])
+    if not AHEAD_OF_TIME:
+        forward = CompiledForward(model, [], kv)
+        forward.tracing = True
+        warm(forward, "Compiling the forward")
+        forward.tracing = False
+        return CompileReport(forward, time.perf_counter() - start, False, "(kept in memory)")
     if key in _graphs:
         forward = CompiledForward(model, _graphs[key], kv)
         warm(forward, None)
