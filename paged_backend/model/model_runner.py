@@ -8,6 +8,7 @@ the positions of the proposed tokens a request carries, which speculation verifi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -40,6 +41,8 @@ class StepInputs(NamedTuple):
     # A padded decode step (decode_padding.py): the first `real_rows` logits rows are its own, the rest
     # padding's. None: not padded.
     real_rows: int | None = None
+    # A cache of layer groups (kv_cache_groups.py): the metadata of each group, `metadata` the first's. None: one.
+    group_metadata: tuple[AttentionMetadata, ...] | None = None
 
 
 class ModelRunner:
@@ -69,7 +72,9 @@ class ModelRunner:
         return self.forward(inputs), inputs
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        with (custom_ops.step_context(inputs.metadata, self.cache.kv, self.cache.kv_scales),
+        groups = self.cache.groups if inputs.group_metadata is not None else None
+        with (custom_ops.step_context(inputs.metadata, self.cache.kv, self.cache.kv_scales, inputs.group_metadata,
+                                      groups),
               lora.step_context(inputs.lora)):
             logits = self.graphs.replay(inputs) if self.graphs is not None and inputs.real_rows is not None else None
             if logits is None:
@@ -105,7 +110,7 @@ class ModelRunner:
     def single_row(self) -> bool:
         """Whether one-token steps attend inside the compiled graph (torch_single_row.py): compiled on CPU over
         a float cache. CUDA keeps its Triton kernel and an int8 cache the opaque op."""
-        return self.compiled and self.device.type == "cpu" and self.cache.kv_scales is None
+        return self.compiled and self.device.type == "cpu" and self.cache.kv_scales is None and not self.cache.grouped
 
     def model_unchanged(self) -> bool:
         """Whether the compiled forward still fits the model (compilation.structure_of); always, when eager."""
@@ -152,7 +157,22 @@ class ModelRunner:
             metadata=metadata,
             prompt_spans=tuple(spans),
             lora=self.lora_step(requests, counts),
+            group_metadata=self.group_metadata(requests, positions, counts, metadata) if self.cache.grouped else None,
         )
+
+    def group_metadata(self, requests: list[Request], positions: np.ndarray, counts: np.ndarray,
+                       first: AttentionMetadata) -> tuple[AttentionMetadata, ...]:
+        """Each layer group's metadata: `first` (the first group's, from pack()), then the others', which differ
+        only in their block tables and the slots these give the step's tokens."""
+        block_size = self.cache.block_size
+        rows = np.repeat(np.arange(len(requests)), counts)
+        metadata = [first]
+        for group in range(1, self.cache.groups.num_groups):
+            tables = self.block_table_array(requests, group)
+            slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+            metadata.append(dataclasses.replace(first, slot_mapping=self.to_device(slots),
+                                                block_tables=self.to_device(tables), derived={}))
+        return tuple(metadata)
 
     def pack(self, block_tables: np.ndarray, starts: np.ndarray, counts: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
@@ -210,11 +230,13 @@ class ModelRunner:
         return spans, (np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
 
     @staticmethod
-    def block_table_array(requests: list[Request]) -> np.ndarray:
-        width = max(len(r.block_ids) for r in requests)
+    def block_table_array(requests: list[Request], group: int = 0) -> np.ndarray:
+        """The requests' block tables of layer group `group`, one row each, padded with 0."""
+        width = max(len(r.block_tables[group]) for r in requests)
         table = np.zeros((len(requests), width), dtype=np.int32)
         for i, request in enumerate(requests):
-            table[i, : len(request.block_ids)] = request.block_ids
+            ids = request.block_tables[group]
+            table[i, : len(ids)] = ids
         return table
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
