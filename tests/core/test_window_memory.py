@@ -163,6 +163,19 @@ def test_beam_search_matches_hf():
     assert_all_blocks_free(engine)
 
 
+def test_an_int8_cache_gives_the_same_tokens_with_and_without_freeing(case):
+    """int8 K/V read with their scales: the null block's zeroed scales and keys are masked like any key
+    outside the window, so freeing changes no token."""
+    _, model, prompts, _ = case
+    tokens = []
+    for free in (True, False):
+        engine = Engine(model, None, EngineConfig(num_kv_blocks=48, block_size=BLOCK, max_num_batched_tokens=32,
+                                                  kv_cache_dtype="int8", free_window_blocks=free))
+        tokens.append([o.outputs[0].token_ids for o in run_checking_windows(engine, prompts[:6], late_from=6)])
+        assert_all_blocks_free(engine)
+    assert tokens[0] == tokens[1]
+
+
 def test_stats_show_the_blocks_of_each_group(case):
     _, model, prompts, _ = case
     engine = Engine(model, None, EngineConfig(num_kv_blocks=256, block_size=BLOCK))
