@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info, write_results
-
 import torch
 import transformers as tf
+from common import machine_info, write_results
 
 from paged_backend import Engine, EngineConfig, SamplingParams
 
@@ -125,7 +124,7 @@ def main() -> None:
     needed = token_layer_bytes * (LAYERS.count("full_attention") * context + LAYERS.count("sliding_attention")
                                   * args.window)
     result = {
-        "command": "python benchmarks/sliding_window_memory.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/sliding_window_memory.py", *sys.argv[1:]]),
         "model": "tiny random Gemma 3 text: 6 layers (5 sliding-window, 1 full), 2 KV heads of 16, fp32",
         "window": args.window,
         "context": context,

@@ -611,7 +611,6 @@ class Engine:
             **(self.speculator.stats() if self.speculator else speculation_stats(0, 0, 0)),
         }
 
-
     def group_stats(self) -> dict[str, float]:
         """Blocks in use and the window of each layer group, when window layers free their blocks (a model
         without windows has one group: kv_blocks_total - kv_blocks_free)."""

@@ -4,6 +4,11 @@ request can reach."""
 
 from __future__ import annotations
 
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from paged_backend.core.kv_cache_groups import LayerGroup, one_group, plan_groups
 from paged_backend.core.kv_cache_manager import UNBOUNDED_TOKENS, KVCacheManager
 from paged_backend.core.outputs import RequestMetrics
@@ -136,3 +141,50 @@ def test_a_lone_request_at_capacity_runs_to_its_end_without_running_out():
     while request.num_computed_tokens < request.num_tokens:
         step(kv, request, min(4, request.num_tokens - request.num_computed_tokens))
     assert kv.pool.num_free >= 0
+
+
+# (request slot, what it does, a size): start/grow by `size` tokens, trim to the kept tokens, finish, preempt.
+ACTION = st.tuples(st.integers(0, 3), st.sampled_from(["grow", "trim", "finish", "preempt"]), st.integers(1, 12))
+
+
+@settings(max_examples=40, deadline=None)
+@given(actions=st.lists(ACTION, min_size=1, max_size=40), num_blocks=st.integers(6, 30),
+       prompts=st.lists(st.integers(0, 3), min_size=4, max_size=4))
+def test_window_groups_never_leak_or_keep_a_block_behind_the_window(actions, num_blocks, prompts):
+    """Any interleaving of growing (with shared prompts: prefix hits), trimming, finishing and preempting
+    requests: every held block is counted once per holder, the free queue holds exactly the unreferenced
+    blocks, each group's count is right, and after each allocation a window group holds nothing behind
+    its window."""
+    kv = KVCacheManager(num_blocks, BLOCK, groups=TWO_KINDS, max_step_tokens=12)
+    requests: dict[int, Request] = {}
+    for slot, what, size in actions:
+        request = requests.get(slot)
+        if what == "grow":
+            if request is None:
+                request = requests[slot] = make_request([prompts[slot]] * 40)
+                kv.acquire_cached_prefix(request)
+            n = min(size, request.num_tokens - request.num_computed_tokens)
+            if n and kv.allocate_slots(request, n):
+                first = TWO_KINDS.groups[1].first_needed_block(request.num_computed_tokens, BLOCK)
+                assert all(b == kv.null_block for b in request.block_tables[1][:first])
+                request.num_computed_tokens += n
+                kv.cache_full_blocks(request)
+        elif request is not None and what == "trim":
+            kv.trim(request, request.num_computed_tokens)
+        elif request is not None:  # finish or preempt: either way its blocks go back
+            kv.free(request)
+            del requests[slot]
+        check_pool(kv, requests.values())
+    for request in requests.values():
+        kv.free(request)
+    assert kv.pool.num_free == num_blocks and kv.blocks_per_group() == [0, 0]
+
+
+def check_pool(kv: KVCacheManager, requests) -> None:
+    holders = Counter(b for r in requests for table in r.block_tables for b in table if b != kv.null_block)
+    pool = kv.pool
+    for block in range(pool.num_blocks):
+        assert pool.ref_counts[block] == holders.get(block, 0)
+        assert (block in pool.free_queue) == (holders.get(block, 0) == 0)
+    used = Counter(pool.block_group[b] for b in holders)
+    assert kv.blocks_per_group() == [used.get(0, 0), used.get(1, 0)]

@@ -193,7 +193,7 @@ def test_stats_show_the_blocks_of_each_group(case):
 
 
 def test_free_window_blocks_false_keeps_every_block_as_before(case):
-    _, model, prompts, refs = case
+    _, model, _, _ = case
     engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=BLOCK, free_window_blocks=False))
     assert engine.kv.groups.num_groups == 1 and not engine.kv.groups.frees_blocks
     assert engine.kv.pool.num_blocks == 64 and engine.cache.kv.shape[0] == model.config.num_hidden_layers
