@@ -4,6 +4,7 @@ prefix hits, parallel samples, beams, speculation), while each window group hold
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers as tf
@@ -175,6 +176,34 @@ def test_an_int8_cache_gives_the_same_tokens_with_and_without_freeing():
         tokens.append([o.outputs[0].token_ids for o in run_checking_windows(engine, prompts[:6], late_from=6)])
         assert_all_blocks_free(engine)
     assert tokens[0] == tokens[1]
+
+
+def test_window_layers_attend_over_their_window_never_the_null_block(case):
+    """The runner hands a window group its sequences cropped to the window's first block: the attention
+    reads no freed entry, and about a window of keys however long the sequence is."""
+    _, model, prompts, refs = case
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=256, block_size=BLOCK, max_num_batched_tokens=32))
+    seen, forward = [], engine.runner.forward
+
+    def recording_forward(inputs):
+        seen.append(inputs)
+        return forward(inputs)
+
+    engine.runner.forward = recording_forward
+    assert_equal_to_hf(run_checking_windows(engine, prompts[-3:], late_from=3), refs[-3:])
+    cropped = 0
+    for inputs in seen:
+        queries = np.diff(inputs.metadata.query_start_loc_host)
+        for group, step in zip(engine.kv.groups.groups, inputs.group_metadata):
+            if group.window is None:
+                assert step.seq_lens_host == inputs.metadata.seq_lens_host
+                continue
+            tables = step.block_tables.numpy()
+            for i, seq_len in enumerate(step.seq_lens_host):
+                assert seq_len <= WINDOW - 1 + queries[i] + BLOCK
+                assert engine.kv.null_block not in tables[i, : -(-seq_len // BLOCK)]
+            cropped += step.seq_lens_host != inputs.metadata.seq_lens_host
+    assert cropped
 
 
 def test_stats_show_the_blocks_of_each_group(case):
