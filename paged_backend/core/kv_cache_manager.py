@@ -9,7 +9,8 @@ Layer groups (kv_cache_groups.py): each request has a block table per group. A g
 window of W keys lets go of the blocks before its window as the request grows: before each step,
 blocks no query of the step or of any later step reads (every position below `computed - W + 1`) go
 back to the pool, their table entries pointing at the null block (a page outside the pool, zeroed,
-which no step writes), so the tables keep their positions and attention masks those keys anyway.
+which no step writes), so the tables keep their positions; the runner hands the attention of a window
+group only the blocks from its window on (ModelRunner.window_view).
 A freed block keeps its prefix-cache entry until reused, like any freed block. A cached prefix is a hit
 only where every group can serve it: a full group needs every block before the hit point, a window
 group only those of the window behind it (the first query after the hit reads nothing older), so the

@@ -60,7 +60,8 @@ class PagedCache(PackedStepCache):
     `groups` (kv_cache_groups.py) lays layers out on pages of `groups.group_size` layers: layer `l` is
     `kv[groups.layer_position[l]]`, read through its group's block tables. None: every layer on every
     block, `kv[l]`. `null_block`, when given, is a page no step writes, zeroed: the entry of a block a
-    window group freed, so the keys read there (and masked) are finite."""
+    window group freed. The runner crops window groups' tables past such entries, so no kernel reads it;
+    zeroed, it would hold finite keys if one did."""
 
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, groups: CacheGroups | None = None, null_block: int | None = None) -> None:
