@@ -20,6 +20,7 @@ from paged_backend.config import (
     DEFAULT_CUDA_KV_FRACTION,
     EngineConfig,
 )
+from paged_backend.core.kv_cache_groups import CacheGroups, one_group, plan_groups
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.outputs import (
     CompletionOutput,
@@ -80,12 +81,19 @@ class Engine:
         self.graph_refusal = cuda_graphs.refusal(param.device, param.dtype, shape.head_dim,
                                                  compilation.eager_reason() is not None, self.config.enable_lora)
         pad = self.wants_padding(param.device)
-        # A padded decode step's padding rows write to one block beyond those the block pool hands out.
-        self.cache = PagedCache(shape, num_blocks + pad, self.config.block_size, kv_dtype, param.device)
+        groups = self.cache_groups(shape, param.device, pad, draft)
+        if groups.frees_blocks:  # pages of fewer layers, the same memory; one more: the null block
+            num_blocks = groups.pages_for(num_blocks)
+            self.cache = PagedCache(shape, num_blocks + 1, self.config.block_size, kv_dtype, param.device, groups,
+                                    null_block=num_blocks)
+        else:
+            # A padded decode step's padding rows write to one block beyond those the block pool hands out.
+            self.cache = PagedCache(shape, num_blocks + pad, self.config.block_size, kv_dtype, param.device)
         if draft is not None:  # as many blocks: the draft reads and writes through the target's block tables
             draft.allocate(num_blocks + pad, self.config.block_size, kv_dtype, param.device,
                            self.config.max_num_batched_tokens)
-        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
+                                 self.cache.groups, self.config.max_num_batched_tokens)
         self.context_note = ""  # why the context is shorter than the model's positions, when it is
         self.max_model_len = self.resolve_max_model_len(text_config, draft)
         self.speculator = Speculator(spec, draft) if spec is not None else None
@@ -107,6 +115,34 @@ class Engine:
         self.num_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
         self.grammars: Grammars | None = None  # built with the first structured-outputs request
         self.compiling: list[Request] = []  # structured requests whose grammar is not compiled yet
+
+    def cache_groups(self, shape: KVShape, device: torch.device, pad: bool,
+                     draft: DraftProposer | None) -> CacheGroups:
+        """The layer groups of the KV cache: per window, so window layers free their old blocks
+        (kv_cache_groups.py), unless the model has no window or this engine needs one block table for all
+        layers; then one group keeping every block, as a model without windows has."""
+        groups = plan_groups(list(shape.layer_windows))
+        if not groups.frees_blocks:
+            return one_group(shape.num_layers)
+        reason = self.window_memory_refusal(device, pad, draft)
+        if reason is not None:
+            logger.info("sliding windows: every layer keeps every block (%s)", reason)
+            return one_group(shape.num_layers)
+        return groups
+
+    def window_memory_refusal(self, device: torch.device, pad: bool, draft: DraftProposer | None) -> str | None:
+        """Why this engine keeps every block of its window layers, or None when they free theirs."""
+        if not self.config.free_window_blocks:
+            return "EngineConfig.free_window_blocks=False"
+        if draft is not None:
+            return "a draft model reads and writes through the target's one block table"
+        if compilation.eager_reason() is not None:
+            return "tensor parallelism's ranks share one block table"
+        if compilation.wants_compile(self.config.compile, device):
+            return "a compiled forward is warmed up and traced over one block table"
+        if pad:
+            return "padded and captured decode steps replay one block table"
+        return None
 
     def enable_lora(self, model: PreTrainedModel) -> tuple[LoRARegistry | None, LoRASlots | None]:
         config = self.config
@@ -549,8 +585,10 @@ class Engine:
         filled: dict[int, int] = {}
         for request in self.scheduler.running:
             computed = request.num_computed_tokens
-            for i, block_id in enumerate(request.block_ids[: -(-computed // bs)]):
-                filled[block_id] = max(filled.get(block_id, 0), min(bs, computed - i * bs))
+            for table in request.block_tables:
+                for i, block_id in enumerate(table[: -(-computed // bs)]):
+                    filled[block_id] = max(filled.get(block_id, 0), min(bs, computed - i * bs))
+        filled.pop(self.kv.null_block, None)  # a window group's freed entries
         self.utilisation_samples.append(sum(filled.values()) / allocated)
 
     def reset_prefix_cache(self) -> bool:
@@ -572,8 +610,22 @@ class Engine:
             "prefix_cache_hit_tokens": self.kv.hit_tokens,
             "prefix_cache_queried_tokens": self.kv.queried_tokens,  # to combine hit rates across engines
             "num_computed_tokens": self.num_computed_tokens,
+            **self.group_stats(),
             **(self.speculator.stats() if self.speculator else speculation_stats(0, 0, 0)),
         }
+
+    def group_stats(self) -> dict[str, float]:
+        """Blocks in use and the window of each layer group, when window layers free their blocks (a model
+        without windows has one group: kv_blocks_total - kv_blocks_free)."""
+        groups = self.kv.groups
+        if not groups.frees_blocks:
+            return {}
+        stats: dict[str, float] = {"kv_num_groups": groups.num_groups}
+        for g, (group, used) in enumerate(zip(groups.groups, self.kv.blocks_per_group())):
+            stats[f"kv_group_{g}_blocks"] = used
+            stats[f"kv_group_{g}_window"] = group.window or 0  # 0: full attention
+            stats[f"kv_group_{g}_layers"] = len(group.layers)
+        return stats
 
 
 def completions_of(samples: list[Request]) -> list[CompletionOutput]:

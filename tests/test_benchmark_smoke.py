@@ -180,3 +180,21 @@ def test_speculative_benchmark_compares_engines_on_a_tiny_model():
     for name in ("ngram", "draft"):
         assert result[name]["proposed"] > 0
         assert {"tokens_per_s", "ratio", "acceptance_rate", "mean_accepted_length"} <= set(result[name])
+
+
+def test_sliding_window_memory_benchmark_frees_window_blocks_with_the_same_tokens():
+    import sliding_window_memory as swm
+
+    from paged_backend import EngineConfig
+
+    model = swm.tiny_gemma3(window=8, context=64)
+    workload = swm.prompts(4, 56)
+    runs = {free: swm.run_workload(model, EngineConfig(num_kv_blocks=16, block_size=4, max_num_batched_tokens=16,
+                                                       free_window_blocks=free), workload, 8) for free in (False, True)}
+    assert runs[True]["tokens"] == runs[False]["tokens"]
+    assert runs[True]["most_requests_running"] > runs[False]["most_requests_running"]
+    assert runs[True]["kv_budget_bytes"] == runs[False]["kv_budget_bytes"]  # the same budget, cut into pages
+    alone = swm.memory_alone(model, EngineConfig(num_kv_blocks=64, block_size=4), workload[0], 8)
+    full, *windows = alone["pages_per_group"]
+    assert full == 64 // 4 and len(windows) == 5  # the full layer holds all 64 tokens' blocks
+    assert all(held <= -(-(8 - 1 + 1) // 4) + 1 for held in windows)  # a window layer: its 8 keys' blocks

@@ -100,6 +100,19 @@ class EngineCollector(Collector):
         yield gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens",
                     prefix_hit_rate(self.metrics))
         yield from speculation_metrics(stats)
+        yield from group_metrics(stats)
+
+
+def group_metrics(stats: dict[str, float]) -> Iterator[GaugeMetricFamily]:
+    """KV blocks in use per layer group, labelled with the group's window (0: full attention); only for
+    an engine whose window layers free their blocks (one group otherwise: total minus free)."""
+    if "kv_num_groups" not in stats:
+        return
+    family = GaugeMetricFamily(f"{PREFIX}_kv_cache_group_blocks_in_use", "KV blocks in use by a layer group",
+                               labels=["group", "window"])
+    for g in range(int(stats["kv_num_groups"])):
+        family.add_metric([str(g), str(int(stats[f"kv_group_{g}_window"]))], float(stats[f"kv_group_{g}_blocks"]))
+    yield family
 
 
 def speculation_metrics(stats: dict[str, float]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -5,6 +5,10 @@ dict, so a cache hit can take a block out of the middle in O(1)). A full block m
 its contents and stays findable by that hash after it is freed, until it is reused for other tokens:
 evicting in LRU order keeps the most recently used prefixes. Requests free their blocks tail first,
 so the tail of a sequence is evicted before its shared head.
+
+With several layer groups (kv_cache_groups.py) every group draws its blocks from this one pool; a block
+belongs to the group that allocated it until it is reused, and each group has its own prefix-cache
+index, since the same tokens have other K/V in another group's layers.
 """
 
 from __future__ import annotations
@@ -19,16 +23,24 @@ BlockKey = tuple[BlockHash | None, tuple[int, ...], str | None, int | None, int 
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, num_groups: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # Prefix cache: hash -> block, and each cached block's hash and key, compared on every hit.
-        self.cached: dict[BlockHash, int] = {}
+        # Prefix cache, per layer group: hash -> block, and each cached block's hash and key, compared on
+        # every hit.
+        self.cached_by_group: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.block_key: list[BlockKey | None] = [None] * num_blocks
+        self.block_group = [0] * num_blocks  # the group that last allocated the block
+        self.used_by_group = [0] * num_groups  # blocks with references, per group
+
+    @property
+    def cached(self) -> dict[BlockHash, int]:
+        """The first group's prefix-cache index (a model without windows has no other)."""
+        return self.cached_by_group[0]
 
     @property
     def free_ids(self) -> list[int]:
@@ -45,14 +57,16 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return n <= len(self.free_queue)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (least recently used first), each with reference count 1."""
+    def allocate(self, n: int, group: int = 0) -> list[int]:
+        """Take `n` free blocks (least recently used first) for `group`, each with reference count 1."""
         if n > len(self.free_queue):
             raise MemoryError(f"asked for {n} KV blocks, {len(self.free_queue)} free")
         ids = [self.free_queue.popitem(last=False)[0] for _ in range(n)]
         for block_id in ids:
             self.evict(block_id)
             self.ref_counts[block_id] = 1
+            self.block_group[block_id] = group
+        self.used_by_group[group] += n
         return ids
 
     def free(self, block_ids: list[int]) -> None:
@@ -64,33 +78,47 @@ class BlockPool:
             self.ref_counts[block_id] = count - 1
             if count == 1:
                 self.free_queue[block_id] = None
+                self.used_by_group[self.block_group[block_id]] -= 1
 
     # ------------------------------------------------------------ prefix cache
 
-    def lookup(self, block_hash: BlockHash, key: BlockKey) -> int | None:
-        """The cached block stored under `block_hash` with exactly this key, now referenced once more."""
-        block_id = self.cached.get(block_hash)
+    def find(self, block_hash: BlockHash, key: BlockKey, group: int = 0) -> int | None:
+        """The cached block of `group` stored under `block_hash` with exactly this key, untouched."""
+        block_id = self.cached_by_group[group].get(block_hash)
         # Comparing the key means a hash collision can never serve another sequence's K/V.
         if block_id is None or self.block_key[block_id] != key:
             return None
-        if self.ref_counts[block_id] == 0:
-            del self.free_queue[block_id]
-        self.ref_counts[block_id] += 1
         return block_id
 
+    def lookup(self, block_hash: BlockHash, key: BlockKey, group: int = 0) -> int | None:
+        """find(), the block now referenced once more."""
+        block_id = self.find(block_hash, key, group)
+        if block_id is not None:
+            self.take(block_id)
+        return block_id
+
+    def take(self, block_id: int) -> None:
+        """One more reference to a block, which leaves the free queue if it was there."""
+        if self.ref_counts[block_id] == 0:
+            del self.free_queue[block_id]
+            self.used_by_group[self.block_group[block_id]] += 1
+        self.ref_counts[block_id] += 1
+
     def register(self, block_id: int, block_hash: BlockHash, key: BlockKey) -> None:
-        """Make a full block findable by its hash (the first block with a hash keeps it)."""
-        if block_hash in self.cached or self.block_hash[block_id] is not None:
+        """Make a full block findable by its hash in its group (the first block with a hash keeps it)."""
+        cached = self.cached_by_group[self.block_group[block_id]]
+        if block_hash in cached or self.block_hash[block_id] is not None:
             return
-        self.cached[block_hash] = block_id
+        cached[block_hash] = block_id
         self.block_hash[block_id] = block_hash
         self.block_key[block_id] = key
 
     def evict(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
-            if self.cached.get(block_hash) == block_id:
-                del self.cached[block_hash]
+            cached = self.cached_by_group[self.block_group[block_id]]
+            if cached.get(block_hash) == block_id:
+                del cached[block_hash]
             self.block_hash[block_id] = None
             self.block_key[block_id] = None
 
@@ -100,7 +128,8 @@ class BlockPool:
         would be registered again as it fills them. Returns whether the cache was reset."""
         if self.num_free != self.num_blocks:
             return False
-        self.cached.clear()
+        for cached in self.cached_by_group:
+            cached.clear()
         self.block_hash = [None] * self.num_blocks
         self.block_key = [None] * self.num_blocks
         return True

@@ -4,6 +4,17 @@ Automatic prefix caching: every full block is hashed in a chain (its parent's ha
 and for the first block the request's cache salt, LoRA adapter and the model's state: its weights and PEFT adapters) and registered in the pool once computed. A new
 request first takes the longest run of cached blocks matching its tokens and starts computing
 after them; its last token is always computed, so there are logits to sample from.
+
+Layer groups (kv_cache_groups.py): each request has a block table per group. A group with a sliding
+window of W keys lets go of the blocks before its window as the request grows: before each step,
+blocks no query of the step or of any later step reads (every position below `computed - W + 1`) go
+back to the pool, their table entries pointing at the null block (a page outside the pool, zeroed,
+which no step writes), so the tables keep their positions; the runner hands the attention of a window
+group only the blocks from its window on (ModelRunner.window_view).
+A freed block keeps its prefix-cache entry until reused, like any freed block. A cached prefix is a hit
+only where every group can serve it: a full group needs every block before the hit point, a window
+group only those of the window behind it (the first query after the hit reads nothing older), so the
+hit is the longest prefix that all groups hold.
 """
 
 from __future__ import annotations
@@ -12,7 +23,12 @@ import hashlib
 import struct
 
 from paged_backend.core.block_pool import BlockHash, BlockKey, BlockPool
+from paged_backend.core.kv_cache_groups import CacheGroups, LayerGroup, one_group
 from paged_backend.core.request import Request
+
+# A context no request reaches: the capacity of a cache whose every group slides (a lone request never
+# outgrows its windows).
+UNBOUNDED_TOKENS = 2**40
 
 
 def hash_block(key: BlockKey) -> BlockHash:
@@ -30,16 +46,36 @@ def hash_block(key: BlockKey) -> BlockHash:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 groups: CacheGroups | None = None, max_step_tokens: int | None = None) -> None:
+        """`groups`: the layer groups (None: one group of every layer, keeping every block). `max_step_tokens`:
+        the most tokens one step computes for a request, which a window group must hold besides its
+        window (None: a whole request's)."""
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.groups = groups or one_group(1)
+        self.pool = BlockPool(num_blocks, self.groups.num_groups)
+        self.null_block = num_blocks  # the page after the pool's: what freed window entries point at
+        self.max_step_tokens = max_step_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.queried_tokens = 0
         self.hit_tokens = 0
 
     @property
     def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.block_size
+        """The longest request that fits in the cache alone (so preemption can always make room for it)."""
+        if not self.groups.frees_blocks:
+            return self.pool.num_blocks * self.block_size
+        if self.blocks_alone(UNBOUNDED_TOKENS) <= self.pool.num_blocks:
+            return UNBOUNDED_TOKENS
+        low, high = 0, self.pool.num_blocks * self.block_size  # a full group alone bounds it by this
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.blocks_alone(mid) <= self.pool.num_blocks else (low, mid - 1)
+        return low
+
+    def blocks_alone(self, num_tokens: int) -> int:
+        step = num_tokens if self.max_step_tokens is None else min(num_tokens, self.max_step_tokens)
+        return self.groups.blocks_alone(num_tokens, step, self.block_size)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -56,6 +92,18 @@ class KVCacheManager:
             return 0
         bs = self.block_size
         limit = (request.num_tokens - 1) // bs
+        if self.groups.frees_blocks:
+            num_hit = self.take_grouped_prefix(request, limit)
+        else:
+            num_hit = self.take_prefix(request, limit)
+        hit = num_hit * bs
+        self.queried_tokens += limit * bs
+        self.hit_tokens += hit
+        request.num_computed_tokens = hit
+        return hit
+
+    def take_prefix(self, request: Request, limit: int) -> int:
+        """One group keeping every block: take the longest run of cached blocks; return its length."""
         parent: BlockHash | None = None
         for i in range(limit):
             key = self.block_key(request, i, parent)
@@ -66,11 +114,56 @@ class KVCacheManager:
             request.block_ids.append(block_id)
             request.block_hashes.append(block_hash)
             parent = block_hash
-        hit = len(request.block_ids) * bs
-        self.queried_tokens += limit * bs
-        self.hit_tokens += hit
-        request.num_computed_tokens = hit
+        return len(request.block_ids)
+
+    def take_grouped_prefix(self, request: Request, limit: int) -> int:
+        """Several groups: the longest prefix of blocks (at most `limit`) every group can serve, taken;
+        return its length in blocks."""
+        keys, hashes = self.prefix_keys(request, limit)
+        groups = self.groups.groups
+        full = [g for g, group in enumerate(groups) if group.window is None]
+        hit = limit
+        for g in full:  # a full group serves the run of blocks it holds from the start
+            hit = next((i for i in range(hit) if self.pool.find(hashes[i], keys[i], g) is None), hit)
+        while hit > 0:  # a window group serves a hit whose window it holds; else the hit must end earlier
+            missing = self.missing_in_window(keys, hashes, hit)
+            if missing is None:
+                break
+            hit = missing
+        self.ensure_tables(request)
+        for g, group in enumerate(groups):
+            first = group.first_needed_block(hit * self.block_size, self.block_size)
+            table = request.block_tables[g]
+            table.extend([self.null_block] * first)
+            for i in range(first, hit):
+                table.append(self.pool.lookup(hashes[i], keys[i], g))
+        request.block_hashes.extend(hashes[:hit])
         return hit
+
+    def prefix_keys(self, request: Request, limit: int) -> tuple[list[BlockKey], list[BlockHash]]:
+        """The keys and chain hashes of the request's first `limit` blocks."""
+        keys: list[BlockKey] = []
+        hashes: list[BlockHash] = []
+        for i in range(limit):
+            keys.append(self.block_key(request, i, hashes[-1] if hashes else None))
+            hashes.append(hash_block(keys[-1]))
+        return keys, hashes
+
+    def missing_in_window(self, keys: list[BlockKey], hashes: list[BlockHash], hit: int) -> int | None:
+        """The last block a window group would read after a hit of `hit` blocks and has not cached."""
+        bs = self.block_size
+        for g, group in enumerate(self.groups.groups):
+            if group.window is None:
+                continue
+            for i in range(hit - 1, group.first_needed_block(hit * bs, bs) - 1, -1):
+                if self.pool.find(hashes[i], keys[i], g) is None:
+                    return i
+        return None
+
+    def ensure_tables(self, request: Request) -> None:
+        """Give a request one block table per group (a fresh request has the one of a single group)."""
+        if len(request.block_tables) != self.groups.num_groups:
+            request.block_tables = [[] for _ in self.groups.groups]
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the blocks that the last step filled, so later requests can share them."""
@@ -80,7 +173,10 @@ class KVCacheManager:
         for i in range(len(hashes), request.num_computed_tokens // self.block_size):
             key = self.block_key(request, i, hashes[-1] if hashes else None)
             block_hash = hash_block(key)
-            self.pool.register(request.block_ids[i], block_hash, key)
+            # A block is freed from its window only at the next step's allocation, after this: every
+            # group's block i is still held here.
+            for table in request.block_tables:
+                self.pool.register(table[i], block_hash, key)
             hashes.append(block_hash)
 
     def block_key(self, request: Request, index: int, parent: BlockHash | None) -> BlockKey:
@@ -95,28 +191,65 @@ class KVCacheManager:
         return parent, tokens, request.cache_salt, lora, request.model_state
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow the request's block table to hold `num_new_tokens` more computed tokens; False if full."""
-        needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
-        if needed <= 0:
+        """Grow the request's block tables to hold `num_new_tokens` more computed tokens; False if full.
+        First, each window group frees the blocks that fell out of its window."""
+        if not self.groups.frees_blocks:
+            needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+            if needed <= 0:
+                return True
+            if not self.pool.can_allocate(needed):
+                return False
+            request.block_ids.extend(self.pool.allocate(needed))
             return True
-        if not self.pool.can_allocate(needed):
+        self.ensure_tables(request)
+        self.free_out_of_window(request)
+        total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        needed = [max(0, total - len(table)) for table in request.block_tables]
+        if not self.pool.can_allocate(sum(needed)):
             return False
-        request.block_ids.extend(self.pool.allocate(needed))
+        for g, count in enumerate(needed):
+            if count:
+                request.block_tables[g].extend(self.pool.allocate(count, g))
         return True
+
+    def free_out_of_window(self, request: Request) -> None:
+        """Give back each window group's blocks that no query from the request's next token on reads."""
+        computed = request.num_computed_tokens
+        for g, group in enumerate(self.groups.groups):
+            if group.window is not None:
+                self.free_before(request.block_tables[g], group, computed)
+
+    def free_before(self, table: list[int], group: LayerGroup, position: int) -> None:
+        """Free the blocks of `table` before the window of a query at `position`, oldest first, so the pool
+        evicts those first: a later prefix hit needs a window group's blocks just behind its hit point, never
+        its oldest. The scan stops at the first entry already freed, as every one before it is too."""
+        first = min(group.first_needed_block(position, self.block_size), len(table))
+        start = first
+        while start > 0 and table[start - 1] != self.null_block:
+            start -= 1
+        if start < first:
+            self.pool.free(table[start:first])
+            table[start:first] = [self.null_block] * (first - start)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Free the tail blocks beyond those `num_tokens` need: blocks that held only tokens the request
         discarded (rejected speculative proposals). They were never full of kept tokens, so never cached."""
         keep = self.blocks_needed(num_tokens)
-        if len(request.block_ids) > keep:
-            self.pool.free(request.block_ids[keep:][::-1])
-            del request.block_ids[keep:]
+        for table in request.block_tables:
+            if len(table) > keep:
+                self.pool.free(table[keep:][::-1])
+                del table[keep:]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so the pool evicts tails before shared heads."""
-        self.pool.free(request.block_ids[::-1])
-        request.block_ids = []
+        for table in request.block_tables:
+            self.pool.free([b for b in reversed(table) if b != self.null_block])
+        request.block_tables = [[] for _ in request.block_tables]
         request.block_hashes = []
+
+    def blocks_per_group(self) -> list[int]:
+        """Blocks in use by each layer group (a block shared by several requests counted once)."""
+        return list(self.pool.used_by_group)
 
     def slots_in_use(self) -> int:
         return (self.pool.num_blocks - self.pool.num_free) * self.block_size

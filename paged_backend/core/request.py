@@ -56,7 +56,9 @@ class Request:
     spec_misses: int = 0  # verifications in a row that kept none of its proposals
     spec_acceptance: float | None = None  # its estimated share of proposals kept (None: no verification yet)
     draft_probs: torch.Tensor | None = None  # [proposals, V]: the draft distributions sampled proposals came from
-    block_ids: list[int] = field(default_factory=list)
+    # One block table per layer group (kv_cache_groups.py); a model without windows has one. A window group's
+    # entries before its window hold the KV cache manager's null block once their blocks are freed.
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, once computed
     cache_salt: str | None = None  # isolates this request's prefix-cache entries from other tenants'
     lora: LoRAAdapter | None = None  # the adapter it runs with (None: the base model)
@@ -83,6 +85,15 @@ class Request:
         if self.group is None:
             self.group = RequestGroup(self.request_id)
         self.index = self.group.join(self)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first layer group's block table: the only one of a model without windows."""
+        return self.block_tables[0]
+
+    @block_ids.setter
+    def block_ids(self, ids: list[int]) -> None:
+        self.block_tables[0] = ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -43,7 +43,8 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(paged_cache, ShapeProbe):
-        paged_cache.reached(module.layer_idx, "adapter" if hasattr(module, "_paged_original_forward") else "interface")
+        paged_cache.reached(module.layer_idx, "adapter" if hasattr(module, "_paged_original_forward") else "interface",
+                            sliding_window)
         out = attend_one(query[0], key[0], value[0], scale, sliding_window, softcap)
         return out.transpose(0, 1).unsqueeze(0), None
     if paged_cache is None:

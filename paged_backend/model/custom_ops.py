@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_backend.core.kv_cache_groups import CacheGroups
 from paged_backend.kernels import AttentionMetadata, write_and_attend
 
 
@@ -30,18 +31,31 @@ class StepContext:
     metadata: AttentionMetadata
     kv: torch.Tensor  # the paged cache [layers, 2, KVH, slots, D]
     kv_scales: torch.Tensor | None = None  # an int8 cache's scales [layers, 2, KVH, slots]
+    # Layer groups with block tables of their own (kv_cache_groups.py): each group's metadata, and the groups
+    # (layer -> group, and its position in `kv`). None: every layer reads `kv[layer]` through `metadata`.
+    group_metadata: tuple[AttentionMetadata, ...] | None = None
+    groups: CacheGroups | None = None
+
+    def layer_step(self, layer: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor | None]:
+        """The metadata, cache and scales `layer` reads and writes."""
+        if self.groups is None:
+            return self.metadata, self.kv[layer], None if self.kv_scales is None else self.kv_scales[layer]
+        position = self.groups.layer_position[layer]
+        return (self.group_metadata[self.groups.layer_group[layer]], self.kv[position],
+                None if self.kv_scales is None else self.kv_scales[position])
 
 
 _current: StepContext | None = None  # set by step_context() around one step's forward
 
 
 @contextlib.contextmanager
-def step_context(metadata: AttentionMetadata, kv: torch.Tensor,
-                 kv_scales: torch.Tensor | None = None) -> Iterator[None]:
+def step_context(metadata: AttentionMetadata, kv: torch.Tensor, kv_scales: torch.Tensor | None = None,
+                 group_metadata: tuple[AttentionMetadata, ...] | None = None,
+                 groups: CacheGroups | None = None) -> Iterator[None]:
     """Make `metadata` and the cache `kv` (with its scales, when int8) what the ops read while the
-    block runs (one step's forward)."""
+    block runs (one step's forward); with layer groups, each group's metadata and the groups."""
     global _current
-    previous, _current = _current, StepContext(metadata, kv, kv_scales)
+    previous, _current = _current, StepContext(metadata, kv, kv_scales, group_metadata, groups)
     try:
         yield
     finally:
@@ -60,11 +74,10 @@ def paged_attention_impl(query: torch.Tensor, new_key: torch.Tensor, new_value: 
     """Write this step's `new_key/new_value [T, KVH, D]` into layer `layer` of the step's paged cache at
     the step's slot mapping, then attend packed `query [T, H, D]` over each sequence's context there;
     returns `[T, H, D]`."""
-    step = current_step()
+    metadata, kv, kv_scales = current_step().layer_step(layer)
     # A contiguous query gives a contiguous output on every backend, as the fake promises.
-    return write_and_attend(query.contiguous(), new_key, new_value, step.kv[layer], step.metadata, scale,
-                            sliding_window, softcap, alibi_slopes,
-                            None if step.kv_scales is None else step.kv_scales[layer])
+    return write_and_attend(query.contiguous(), new_key, new_value, kv, metadata, scale, sliding_window, softcap,
+                            alibi_slopes, kv_scales)
 
 
 paged_attention_op = torch.library.custom_op("paged_backend::paged_attention", paged_attention_impl, mutates_args=())

@@ -8,6 +8,7 @@ the positions of the proposed tokens a request carries, which speculation verifi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
@@ -41,6 +42,8 @@ class StepInputs(NamedTuple):
     # A padded decode step (decode_padding.py): the first `real_rows` logits rows are its own, the rest
     # padding's. None: not padded.
     real_rows: int | None = None
+    # A cache of layer groups (kv_cache_groups.py): the metadata of each group, `metadata` the first's. None: one.
+    group_metadata: tuple[AttentionMetadata, ...] | None = None
 
 
 class ModelRunner:
@@ -71,7 +74,9 @@ class ModelRunner:
         return self.forward(inputs), inputs
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        with (custom_ops.step_context(inputs.metadata, self.cache.kv, self.cache.kv_scales),
+        groups = self.cache.groups if inputs.group_metadata is not None else None
+        with (custom_ops.step_context(inputs.metadata, self.cache.kv, self.cache.kv_scales, inputs.group_metadata,
+                                      groups),
               lora.step_context(inputs.lora)):
             logits = self.graphs.replay(inputs) if self.graphs is not None and inputs.real_rows is not None else None
             if logits is None:
@@ -107,7 +112,7 @@ class ModelRunner:
     def single_row(self) -> bool:
         """Whether one-token steps attend inside the compiled graph (torch_single_row.py): compiled on CPU over
         a float cache. CUDA keeps its Triton kernel and an int8 cache the opaque op."""
-        return self.compiled and self.device.type == "cpu" and self.cache.kv_scales is None
+        return self.compiled and self.device.type == "cpu" and self.cache.kv_scales is None and not self.cache.grouped
 
     def model_unchanged(self) -> bool:
         """Whether the compiled forward still fits the model (compilation.structure_of); always, when eager."""
@@ -149,7 +154,8 @@ class ModelRunner:
             [np.asarray(r.token_slice(s, e - d) + r.spec_token_ids if d else r.token_slice(s, e), dtype=np.int64)
              for r, s, e, d in zip(requests, starts, ends, spec.tolist())]
         )
-        positions, query_start_loc, metadata = self.pack(self.block_table_array(requests), starts, counts)
+        tables = self.block_table_array(requests)
+        positions, query_start_loc, metadata = self.pack(tables, starts, counts)
         sampling = [i for i, r in enumerate(requests) if ends[i] - spec[i] == r.num_tokens]
         logits_rows = self.sampling_rows(query_start_loc[1:][sampling] - 1, spec[sampling])
         spans, span_rows = self.prompt_spans(requests, starts, ends - spec, query_start_loc)
@@ -165,7 +171,52 @@ class ModelRunner:
             metadata=metadata,
             prompt_spans=tuple(spans),
             lora=self.lora_step(requests, counts),
+            group_metadata=(self.group_metadata(requests, tables, positions, starts, counts, metadata)
+                            if self.cache.grouped else None),
         )
+
+    def group_metadata(self, requests: list[Request], first_tables: np.ndarray, positions: np.ndarray,
+                       starts: np.ndarray, counts: np.ndarray, first: AttentionMetadata) -> tuple[AttentionMetadata, ...]:
+        """Each layer group's metadata. `first` (from pack(), over `first_tables`) is the first group's; the
+        others differ in their block tables and the slots these give the step's tokens. A window group's sequences start at the block
+        of their first query's window (window_view): the kernels then read no block the group freed."""
+        block_size = self.cache.block_size
+        rows = np.repeat(np.arange(len(requests)), counts)
+        metadata = []
+        for index, group in enumerate(self.cache.groups.groups):
+            if index == 0:
+                tables, slot_mapping = first_tables, first.slot_mapping
+            else:
+                tables = self.block_table_array(requests, index)
+                slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+                slot_mapping = self.to_device(slots)
+            if group.window is None:
+                step = first if index == 0 else dataclasses.replace(
+                    first, slot_mapping=slot_mapping, block_tables=self.to_device(tables), derived={})
+            else:
+                step = self.window_view(first, tables, slot_mapping, starts, counts, group.window)
+            metadata.append(step)
+        return tuple(metadata)
+
+    def window_view(self, first: AttentionMetadata, tables: np.ndarray, slot_mapping: torch.Tensor,
+                    starts: np.ndarray, counts: np.ndarray, window: int) -> AttentionMetadata:
+        """A window group's metadata: each sequence cropped to start at the block holding the first key its
+        first query reads. Causal and window masks (and ALiBi) depend only on the distance between query and
+        key, so dropping whole blocks from the front of a sequence, its length with them, changes nothing the
+        queries see; slots stay absolute. Every entry from that block on is a block the group holds (it frees
+        only blocks wholly before it), so the kernels never read the null block, and a window layer's
+        attention reads about its window, not the whole sequence."""
+        block_size = self.cache.block_size
+        skip = np.maximum(starts - window + 1, 0) // block_size
+        ends = starts + counts
+        width = max(1, int((tables.shape[1] - skip).max()))
+        columns = np.minimum(skip[:, None] + np.arange(width), tables.shape[1] - 1)
+        cropped = np.take_along_axis(tables, columns, axis=1)  # past a row's own blocks: padding, never read
+        seq_lens = ends - skip * block_size
+        return dataclasses.replace(
+            first, slot_mapping=slot_mapping, block_tables=self.to_device(cropped),
+            seq_lens=self.to_device(seq_lens.astype(np.int32)), seq_lens_host=seq_lens.tolist(),
+            max_seq_len=int(seq_lens.max()), derived={})
 
     def pack(self, block_tables: np.ndarray, starts: np.ndarray, counts: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
@@ -223,11 +274,13 @@ class ModelRunner:
         return spans, (np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
 
     @staticmethod
-    def block_table_array(requests: list[Request]) -> np.ndarray:
-        width = max(len(r.block_ids) for r in requests)
+    def block_table_array(requests: list[Request], group: int = 0) -> np.ndarray:
+        """The requests' block tables of layer group `group`, one row each, padded with 0."""
+        width = max(len(r.block_tables[group]) for r in requests)
         table = np.zeros((len(requests), width), dtype=np.int32)
         for i, request in enumerate(requests):
-            table[i, : len(request.block_ids)] = request.block_ids
+            ids = request.block_tables[group]
+            table[i, : len(ids)] = ids
         return table
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:

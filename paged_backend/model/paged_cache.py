@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from paged_backend.core.kv_cache_groups import CacheGroups, one_group
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels.kv_quant import SCALE_DTYPE
 
@@ -25,6 +26,8 @@ class KVShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # Each layer's sliding window as its attention received it (None: full attention); () when not probed.
+    layer_windows: tuple[int | None, ...] = ()
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """K and V of one block in every layer, stored as `dtype` (int8: plus a scale per token and head)."""
@@ -52,24 +55,42 @@ class PackedStepCache(Cache):
 
 class PagedCache(PackedStepCache):
     """`dtype` is what the cache stores, which may be below the model's precision: a float dtype,
-    or int8 with one fp32 scale per (layer, k/v, head, slot) in `kv_scales`."""
+    or int8 with one fp32 scale per (layer, k/v, head, slot) in `kv_scales`.
+
+    `groups` (kv_cache_groups.py) lays layers out on pages of `groups.group_size` layers: layer `l` is
+    `kv[groups.layer_position[l]]`, read through its group's block tables. None: every layer on every
+    block, `kv[l]`. `null_block`, when given, is a page no step writes, zeroed: the entry of a block a
+    window group freed. The runner crops window groups' tables past such entries, so no kernel reads it;
+    zeroed, it would hold finite keys if one did."""
 
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, groups: CacheGroups | None = None, null_block: int | None = None) -> None:
         super().__init__()
         self.shape = shape
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.groups = groups or one_group(shape.num_layers)
+        positions = self.groups.group_size
         # [layer, k/v, kv_head, slot, head_dim]: a head's slots are contiguous, so the CPU gather of
         # one sequence is one index_select per layer and a Triton tile of one block is one stride.
         # `empty`, not `zeros`: unwritten slots are never read (every read is bounded by seq_lens),
         # and untouched pages cost no resident memory.
         self.kv = torch.empty(
-            shape.num_layers, 2, shape.num_kv_heads, num_blocks * block_size, shape.head_dim,
+            positions, 2, shape.num_kv_heads, num_blocks * block_size, shape.head_dim,
             dtype=dtype, device=device,
         )
         self.kv_scales = None if dtype != torch.int8 else torch.empty(
-            shape.num_layers, 2, shape.num_kv_heads, num_blocks * block_size, dtype=SCALE_DTYPE, device=device)
+            positions, 2, shape.num_kv_heads, num_blocks * block_size, dtype=SCALE_DTYPE, device=device)
+        if null_block is not None:
+            null = slice(null_block * block_size, (null_block + 1) * block_size)
+            self.kv[:, :, :, null] = 0
+            if self.kv_scales is not None:
+                self.kv_scales[:, :, :, null] = 0
+
+    @property
+    def grouped(self) -> bool:
+        """Whether layers read their own group's block tables (else every layer reads the one table)."""
+        return self.groups.num_groups > 1 or self.groups.frees_blocks
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Hand the new K/V `[1, KVH, T, D]` back unwritten: the attention function that receives them
@@ -90,14 +111,17 @@ class ShapeProbe(PackedStepCache):
         super().__init__()
         self.seen: dict[int, tuple[int, int, torch.dtype]] = {}
         self.routes: dict[int, str] = {}  # layer -> "interface" or "adapter"
+        self.windows: dict[int, int | None] = {}  # layer -> the sliding window its attention was given
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.seen[layer_idx] = (key_states.shape[1], key_states.shape[3], key_states.dtype)
         return key_states, value_states
 
-    def reached(self, layer_idx: int, route: str) -> None:
-        """Called by the paged attention function or an adapter when the probe's step got to them."""
+    def reached(self, layer_idx: int, route: str, sliding_window: int | None = None) -> None:
+        """Called by the paged attention function or an adapter when the probe's step got to them, with the
+        sliding window the layer attends with (the one the engine's attention will mask with)."""
         self.routes[layer_idx] = route
+        self.windows[layer_idx] = sliding_window
 
 
 def probe_model(model: torch.nn.Module) -> ShapeProbe:
@@ -122,7 +146,7 @@ def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
             f"K/V of one shape; saw shapes (kv_heads, head_dim) {sorted(shapes)}"
         )
     (heads, head_dim), = shapes
-    return KVShape(num_layers, heads, head_dim)
+    return KVShape(num_layers, heads, head_dim, tuple(probe.windows.get(layer) for layer in range(num_layers)))
 
 
 def check_every_layer_driven(model: torch.nn.Module, probe: ShapeProbe, num_layers: int) -> None:

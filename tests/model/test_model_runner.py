@@ -31,7 +31,7 @@ def make_request(name: str, prompt: list[int], computed: int, block_ids: list[in
 
 def packing_runner() -> ModelRunner:
     """A runner whose packing needs only the block size and the device: no model, no cache tensors."""
-    return ModelRunner(None, SimpleNamespace(block_size=BLOCK, kv=torch.zeros(1), kv_scales=None))
+    return ModelRunner(None, SimpleNamespace(block_size=BLOCK, kv=torch.zeros(1), kv_scales=None, grouped=False))
 
 
 def test_a_mixed_batch_is_packed_into_hand_computed_inputs():

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from paged_backend.integrations.server import create_app
+from paged_backend.integrations.server.metrics import group_metrics
 
 from paged_backend import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from paged_backend.entrypoints.engine_client import EngineClient
@@ -226,3 +227,12 @@ def test_beam_search_runs_on_the_client_and_stops_at_its_eos_tokens():
     # The best beam ends at the client's EOS after one token; without it, "hioo" would win.
     assert reply.json()["text"][0] == "hio" and len(reply.json()["text"]) == 2
     assert all(params.logprobs and params.max_tokens == 1 for _, params, _ in fake.requests)
+
+
+def test_metrics_show_the_blocks_of_each_layer_group_of_a_window_model():
+    stats = {"kv_num_groups": 2, "kv_group_0_blocks": 7, "kv_group_0_window": 0,
+             "kv_group_1_blocks": 3, "kv_group_1_window": 32}
+    family, = group_metrics(stats)
+    assert [(s.labels, s.value) for s in family.samples] == [
+        ({"group": "0", "window": "0"}, 7.0), ({"group": "1", "window": "32"}, 3.0)]
+    assert list(group_metrics({"kv_blocks_free": 4})) == []  # a model without windows: one group, no family

@@ -1,0 +1,106 @@
+"""KV cache groups: which layers share a block table, and how much of a sequence each group must keep.
+
+A layer that attends over a sliding window of `W` keys never reads a key more than `W - 1` positions
+behind its query, so once a sequence has grown past it, the blocks before its window can go back to
+the pool. Layers that attend to everything keep every block. Layers are therefore split into groups
+by window (None: full attention), and each group has its own block table per request, so a window
+group can free its old blocks while a full group keeps them.
+
+All groups draw from one pool of pages. A page holds one block of `group_size` layers, so a page
+serves any group: the cache tensor is `[group_size, k/v, kv_head, slot, head_dim]` and layer `l` reads
+position `layer_position[l]` of it, through the block table of its group `layer_group[l]`. Each kind
+of layer (a window size, or full) is cut into groups of `group_size` layers, where `group_size` is the
+smallest number of layers of any kind: Gemma 3 (five sliding layers to one full) gets groups of one
+layer; a model whose layers all slide alike gets one group of all its layers. A kind whose count is no
+multiple of `group_size` leaves positions of its last group's pages unused.
+
+A model without windows gets one group of every layer: its pages are exactly the blocks it always had.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroup:
+    window: int | None  # keys a query attends to, itself included (None: all before it)
+    layers: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return "full" if self.window is None else f"window{self.window}"
+
+    def first_needed_block(self, position: int, block_size: int) -> int:
+        """The first block a query at `position` (or any later one) reads in this group."""
+        if self.window is None:
+            return 0
+        return max(0, position - self.window + 1) // block_size
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroups:
+    groups: tuple[LayerGroup, ...]
+    group_size: int  # layers per page
+    layer_group: tuple[int, ...]  # layer -> its group
+    layer_position: tuple[int, ...]  # layer -> its index in the cache tensor's first dimension
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_group)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def frees_blocks(self) -> bool:
+        """Whether some group lets blocks go as a sequence grows (so the layout differs from one table)."""
+        return any(group.window is not None for group in self.groups)
+
+    def pages_for(self, num_blocks: int) -> int:
+        """Pages holding the memory of `num_blocks` blocks of every layer."""
+        return num_blocks * self.num_layers // self.group_size
+
+    def blocks_alone(self, num_tokens: int, step_tokens: int, block_size: int) -> int:
+        """Pages a lone request holds at its largest, when it has `num_tokens` tokens and a step computes
+        at most `step_tokens` of them: all its blocks in a full group; in a window group those of the
+        window behind the step's first query and those the step writes."""
+        every = -(-num_tokens // block_size)
+        total = 0
+        for group in self.groups:
+            if group.window is None:
+                total += every
+            else:  # +1: the window's first key may sit anywhere in its block
+                total += min(every, -(-(group.window - 1 + step_tokens) // block_size) + 1)
+        return total
+
+
+def one_group(num_layers: int) -> CacheGroups:
+    """Every layer in one group that keeps every block: the layout of a model without windows, and of any
+    model when out-of-window blocks are not freed."""
+    return CacheGroups((LayerGroup(None, tuple(range(num_layers))),), num_layers,
+                       (0,) * num_layers, tuple(range(num_layers)))
+
+
+def plan_groups(windows: list[int | None]) -> CacheGroups:
+    """Groups for layers with these windows (None: full attention), in layer order within each kind."""
+    if all(window is None for window in windows):
+        return one_group(len(windows))
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(windows):
+        kinds.setdefault(window, []).append(layer)
+    size = min(len(layers) for layers in kinds.values())
+    groups: list[LayerGroup] = []
+    layer_group = [0] * len(windows)
+    layer_position = [0] * len(windows)
+    # Full attention first, then windows from the smallest: the group order stats and metrics show.
+    for window in sorted(kinds, key=lambda w: -1 if w is None else w):
+        layers = kinds[window]
+        for start in range(0, len(layers), size):
+            members = tuple(layers[start:start + size])
+            for position, layer in enumerate(members):
+                layer_group[layer] = len(groups)
+                layer_position[layer] = position
+            groups.append(LayerGroup(window, members))
+    return CacheGroups(tuple(groups), size, tuple(layer_group), tuple(layer_position))

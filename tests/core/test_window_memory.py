@@ -1,0 +1,238 @@
+"""Window layers free their old blocks, end to end: greedy output still equals HF generate on models
+whose sequences grow far past their window (mixed batches, chunked prefill, late arrivals, preemption,
+prefix hits, parallel samples, beams, speculation), while each window group holds only its window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from helpers.engine import assert_all_blocks_free, greedy, hf_greedy, one_thread, run_to_completion  # noqa: F401
+from helpers.models import VOCAB, build, build_from_config
+
+from paged_backend import BeamSearchParams, Engine, EngineConfig, SamplingParams
+from paged_backend.entrypoints.beam_search import beam_search
+
+WINDOW = 32
+BLOCK = 8
+MAX_NEW = 100
+
+
+def common(layers: int) -> dict:
+    return {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers,
+            "max_position_embeddings": 1024, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+CONFIGS = {
+    # Alternating window and full layers, soft-capped.
+    "gemma2": lambda: tf.Gemma2Config(head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+                                      final_logit_softcapping=10.0, query_pre_attn_scalar=16, **common(2)),
+    # Gemma 3's ratio: five window layers to one full.
+    "gemma3_text": lambda: tf.Gemma3TextConfig(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                               layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                                               **common(6)),
+    # Every layer slides: one group, and a lone request's blocks never outgrow its window.
+    "mistral": lambda: tf.MistralConfig(sliding_window=WINDOW, **common(2)),
+}
+
+
+def long_prompts(n: int = 12, seed: int = 0) -> list[list[int]]:
+    """Prompts of 3 to about 150 tokens: with MAX_NEW new tokens, sequences of up to 250 (8x the window)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (3 + (29 * i) % 150,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def case(request):
+    model = build_from_config(CONFIGS[request.param])
+    prompts = long_prompts()
+    return request.param, model, prompts, [hf_greedy(model, p, MAX_NEW) for p in prompts]
+
+
+def window_bound(step_tokens: int) -> int:
+    """The most blocks a window group holds for one request: its window behind the step, and the step."""
+    return -(-(WINDOW - 1 + step_tokens) // BLOCK) + 1
+
+
+def run_checking_windows(engine: Engine, prompts: list[list[int]], late_from: int, params=None) -> list:
+    """Run the prompts (those from `late_from` on joining after three steps); after every step, assert
+    that no request holds more of a window group than its window needs. Returns the final outputs."""
+    params = params or greedy(MAX_NEW)
+    ids = [engine.add_request(p, params) for p in prompts[:late_from]]
+    finals = {}
+    steps = 0
+    step_tokens = engine.config.max_num_batched_tokens
+    while engine.has_unfinished_requests():
+        if steps == 3:
+            ids += [engine.add_request(p, params) for p in prompts[late_from:]]
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        steps += 1
+        for request in engine.scheduler.running:
+            for g, group in enumerate(engine.kv.groups.groups):
+                if group.window is not None:
+                    table = request.block_tables[g]
+                    assert sum(b != engine.kv.null_block for b in table) <= window_bound(step_tokens)
+    return [finals[i] for i in ids]
+
+
+def assert_equal_to_hf(outputs, refs) -> None:
+    for i, (output, ref) in enumerate(zip(outputs, refs)):
+        assert [c.token_ids for c in output.outputs] == [ref] * len(output.outputs), f"request {i} differs"
+
+
+def test_the_window_groups_are_the_models(case):
+    name, model, _, _ = case
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=BLOCK))
+    windows = [g.window for g in engine.kv.groups.groups]
+    assert windows == {"gemma2": [None, WINDOW], "gemma3_text": [None] + [WINDOW] * 5, "mistral": [WINDOW]}[name]
+    layers = model.config.num_hidden_layers
+    assert engine.cache.kv.shape[0] == engine.kv.groups.group_size
+    assert engine.kv.pool.num_blocks == 64 * layers // engine.kv.groups.group_size  # the same memory
+
+
+def test_chunked_prefill_and_late_arrivals_match_hf_holding_only_the_windows(case):
+    _, model, prompts, refs = case
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=256, block_size=BLOCK, max_num_batched_tokens=32))
+    assert_equal_to_hf(run_checking_windows(engine, prompts, late_from=5), refs)
+    assert_all_blocks_free(engine)
+
+
+def test_preemption_matches_hf(case):
+    name, model, prompts, refs = case
+    blocks = {"gemma2": 48, "gemma3_text": 24, "mistral": 12}[name]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=blocks, block_size=BLOCK, max_num_batched_tokens=32))
+    assert_equal_to_hf(run_checking_windows(engine, prompts, late_from=5), refs)
+    assert engine.scheduler.num_preemptions >= 2
+    assert_all_blocks_free(engine)
+
+
+def test_a_window_model_holds_fewer_blocks_than_when_it_keeps_every_block(case):
+    _, model, prompts, refs = case
+    peaks, outputs = [], []
+    for free in (True, False):
+        engine = Engine(model, None, EngineConfig(num_kv_blocks=256, block_size=BLOCK, free_window_blocks=free))
+        ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts[:4]]
+        peak, finals = 0, {}
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+            # In units of one block of every layer, so the two layouts compare.
+            used = engine.kv.pool.num_blocks - engine.kv.pool.num_free
+            peak = max(peak, used * engine.kv.groups.group_size / model.config.num_hidden_layers)
+        peaks.append(peak)
+        outputs.append([finals[i] for i in ids])
+    assert_equal_to_hf(outputs[0], refs[:4])
+    assert_equal_to_hf(outputs[1], refs[:4])
+    assert peaks[0] < 0.8 * peaks[1]
+
+
+def test_prefix_hits_and_parallel_samples_match_hf(case):
+    _, model, prompts, refs = case
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=256, block_size=BLOCK, max_num_batched_tokens=64))
+    first = run_checking_windows(engine, prompts[:6], late_from=6)
+    assert_equal_to_hf(first, refs[:6])
+    # The same prompts again: each finds its prompt cached (every group holding its part), and n=3 samples
+    # share the leader's prompt blocks.
+    again = run_checking_windows(engine, prompts[:6], late_from=6,
+                                 params=SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert_equal_to_hf(again, refs[:6])
+    assert sum(o.num_cached_tokens for o in again) > 0
+    assert_all_blocks_free(engine)
+
+
+def test_ngram_speculation_matches_hf(case):
+    _, model, prompts, refs = case
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=256, block_size=BLOCK, max_num_batched_tokens=32,
+                                              speculative_config=spec))
+    assert_equal_to_hf(run_checking_windows(engine, prompts[:6], late_from=6), refs[:6])
+    assert engine.stats()["spec_num_draft_tokens"] > 0
+    assert_all_blocks_free(engine)
+
+
+def test_beam_search_matches_hf():
+    model = build_from_config(CONFIGS["gemma3_text"], seed=3)
+    model.config.eos_token_id = None
+    prompts = long_prompts(2, seed=5)
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=256, block_size=BLOCK))
+    outputs = beam_search(engine, prompts, BeamSearchParams(beam_width=3, max_tokens=40, ignore_eos=True))
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3, do_sample=False,
+                                 max_new_tokens=40)
+        assert [s.token_ids for s in output.sequences] == out[:, len(prompt):].tolist()
+    assert_all_blocks_free(engine)
+
+
+def test_an_int8_cache_gives_the_same_tokens_with_and_without_freeing():
+    """int8 K/V read with their scales: the null block's zeroed scales and keys are masked like any key
+    outside the window, so freeing changes no token."""
+    model = build_from_config(CONFIGS["gemma3_text"])
+    prompts = long_prompts()
+    tokens = []
+    for free in (True, False):
+        engine = Engine(model, None, EngineConfig(num_kv_blocks=48, block_size=BLOCK, max_num_batched_tokens=32,
+                                                  kv_cache_dtype="int8", free_window_blocks=free))
+        tokens.append([o.outputs[0].token_ids for o in run_checking_windows(engine, prompts[:6], late_from=6)])
+        assert_all_blocks_free(engine)
+    assert tokens[0] == tokens[1]
+
+
+def test_window_layers_attend_over_their_window_never_the_null_block(case):
+    """The runner hands a window group its sequences cropped to the window's first block: the attention
+    reads no freed entry, and about a window of keys however long the sequence is."""
+    _, model, prompts, refs = case
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=256, block_size=BLOCK, max_num_batched_tokens=32))
+    seen, forward = [], engine.runner.forward
+
+    def recording_forward(inputs):
+        seen.append(inputs)
+        return forward(inputs)
+
+    engine.runner.forward = recording_forward
+    assert_equal_to_hf(run_checking_windows(engine, prompts[-3:], late_from=3), refs[-3:])
+    cropped = 0
+    for inputs in seen:
+        queries = np.diff(inputs.metadata.query_start_loc_host)
+        for group, step in zip(engine.kv.groups.groups, inputs.group_metadata):
+            if group.window is None:
+                assert step.seq_lens_host == inputs.metadata.seq_lens_host
+                continue
+            tables = step.block_tables.numpy()
+            for i, seq_len in enumerate(step.seq_lens_host):
+                assert seq_len <= WINDOW - 1 + queries[i] + BLOCK
+                assert engine.kv.null_block not in tables[i, : -(-seq_len // BLOCK)]
+            cropped += step.seq_lens_host != inputs.metadata.seq_lens_host
+    assert cropped
+
+
+def test_stats_show_the_blocks_of_each_group(case):
+    _, model, prompts, _ = case
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=256, block_size=BLOCK))
+    engine.add_request(prompts[-1], greedy(MAX_NEW))
+    for _ in range(3):
+        engine.step()
+    stats = engine.stats()
+    groups = engine.kv.groups.groups
+    assert stats["kv_num_groups"] == len(groups)
+    used = [stats[f"kv_group_{g}_blocks"] for g in range(len(groups))]
+    assert sum(used) == stats["kv_blocks_total"] - stats["kv_blocks_free"]
+    assert [stats[f"kv_group_{g}_window"] for g in range(len(groups))] == [g.window or 0 for g in groups]
+    run_to_completion(engine)
+
+
+def test_free_window_blocks_false_keeps_every_block_as_before(case):
+    _, model, _, _ = case
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=BLOCK, free_window_blocks=False))
+    assert engine.kv.groups.num_groups == 1 and not engine.kv.groups.frees_blocks
+    assert engine.kv.pool.num_blocks == 64 and engine.cache.kv.shape[0] == model.config.num_hidden_layers
+    assert "kv_num_groups" not in engine.stats()
+
+
+def test_a_model_without_windows_keeps_its_blocks_and_stats():
+    model = build("llama")
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=4))
+    assert engine.kv.groups.num_groups == 1 and not engine.cache.grouped
+    assert engine.kv.pool.num_blocks == 64 and engine.cache.kv.shape[0] == model.config.num_hidden_layers
+    assert engine.cache.num_blocks == 64 and engine.kv.capacity_tokens == 64 * 4
+    assert not any(key.startswith("kv_group") or key == "kv_num_groups" for key in engine.stats())
