@@ -35,8 +35,8 @@ from paged_backend.core.scheduler import Scheduler
 from paged_backend.model import compilation, cuda_graphs
 from paged_backend.model.decode_padding import DecodePadding
 from paged_backend.model.lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec
-from paged_backend.model.model_check import prepare_model, usable_context
-from paged_backend.model.model_loader import check_architecture, model_object
+from paged_backend.model.model_check import prepare_model, temperature_tuning_limit, usable_context
+from paged_backend.model.model_loader import check_architecture, eager_type_reason, model_object
 from paged_backend.model.model_runner import ModelRunner, StepInputs
 from paged_backend.model.model_state import ModelStates
 from paged_backend.model.paged_cache import KVShape, PagedCache
@@ -54,6 +54,17 @@ logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 
 
+def check_step_size(config: EngineConfig, text_config) -> None:
+    """Refuse a step budget larger than the model runs exactly in one packed step (temperature_tuning_limit).
+    A padded decode step holds at most max_num_seqs rows."""
+    limit = temperature_tuning_limit(text_config)
+    if limit is None:
+        return
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        if getattr(config, name) > limit[0]:
+            raise ValueError(f"EngineConfig.{name}={getattr(config, name)}: {limit[1]}")
+
+
 class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer=None, config: EngineConfig | None = None,
                  publish_step: Callable[[StepInputs], None] | None = None) -> None:
@@ -65,6 +76,7 @@ class Engine:
             torch.set_num_threads(self.config.num_threads)
         # Switches the model to the paged attention (or its adapter), probes and self-checks it; a
         # refused model is left as it came.
+        check_step_size(self.config, text_config)
         shape = prepare_model(model, text_config.num_hidden_layers, self.config.self_check)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -158,7 +170,8 @@ class Engine:
         """Compile the runner's forward when the config asks (or, by default, on CUDA); say how long it took."""
         if not compilation.wants_compile(self.config.compile, device):
             return False
-        reason = compilation.eager_reason() or compilation.model_eager_reason(self.model)
+        reason = (compilation.eager_reason() or compilation.model_eager_reason(self.model)
+                  or eager_type_reason(self.model))
         if reason is not None:
             logger.info("compile: %s", reason)
             return False

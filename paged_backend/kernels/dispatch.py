@@ -103,6 +103,8 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed `query [T, H, D]` over the paged cache; returns `[T, H, D]`.
 
@@ -112,6 +114,10 @@ def paged_attention(
     `alibi_slopes` `[H]` fp32 (BLOOM, MPT, Falcon-RW, Baichuan-13B) adds `slope * (key position -
     query position)` to each head's logits, after any soft-capping and before the causal mask.
 
+    `sinks` `[H]` (gpt-oss) is a logit per head that joins each query row's softmax with no value, so it
+    only takes weight from the keys. `chunk_size` (Llama 4's chunked layers) hides every key before the
+    start of the query's chunk, `position - position % chunk_size`.
+
     `new_key`/`new_value` are this step's K/V, already written to the cache: the PyTorch backend
     reads them to skip a gather for sequences with no earlier context; the Triton kernel reads
     everything from the cache in the same launch, so it has no use for them.
@@ -119,11 +125,11 @@ def paged_attention(
     if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
         return triton_modules()[0].paged_attention(
             query, key_cache, value_cache, metadata, scale, sliding_window, softcap, alibi_slopes=alibi_slopes,
-            key_scales=key_scales, value_scales=value_scales,
+            key_scales=key_scales, value_scales=value_scales, sinks=sinks, chunk_size=chunk_size,
         )
     return torch_attention.paged_attention(
         query, key_cache, value_cache, metadata, scale, sliding_window, softcap, new_key, new_value, alibi_slopes,
-        key_scales, value_scales,
+        key_scales, value_scales, sinks, chunk_size,
     )
 
 
@@ -138,6 +144,8 @@ def write_and_attend(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     layer_scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """What a layer does in a step, as one call: write its new `key/value [T, KVH, D]` into its paged cache
     `layer_cache [2 (K, V), KVH, num_slots, D]` (an int8 one with `layer_scales [2, KVH, num_slots]`) at
@@ -147,6 +155,7 @@ def write_and_attend(
         key_scales, value_scales = split_scales(layer_scales)
         write_kv_cache(key, value, layer_cache[0], layer_cache[1], metadata.slot_mapping, key_scales, value_scales)
         return paged_attention(query, layer_cache[0], layer_cache[1], metadata, scale, sliding_window, softcap,
-                               alibi_slopes=alibi_slopes, key_scales=key_scales, value_scales=value_scales)
+                               alibi_slopes=alibi_slopes, key_scales=key_scales, value_scales=value_scales,
+                               sinks=sinks, chunk_size=chunk_size)
     return torch_attention.write_and_attend(query, key, value, layer_cache, metadata, scale, sliding_window,
-                                            softcap, alibi_slopes, layer_scales)
+                                            softcap, alibi_slopes, layer_scales, sinks, chunk_size)

@@ -65,6 +65,8 @@ def write_and_attend(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     layer_scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """write_kv_cache() of this step's `key/value [T, KVH, D]` into one layer's cache `[2 (K, V), KVH,
     num_slots, D]` (an int8 one with its `layer_scales [2, KVH, num_slots]`), then paged_attention() of
@@ -85,7 +87,8 @@ def write_and_attend(
         context = read_context(joint, joint_scales, slots, dtype)
         return context[:heads], context[heads:]
 
-    return attend_sequences(query, read, heads, metadata, scale, sliding_window, softcap, stored, alibi_slopes)
+    return attend_sequences(query, read, heads, metadata, scale, sliding_window, softcap, stored, alibi_slopes,
+                            sinks, chunk_size)
 
 
 def write_one(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor,
@@ -139,15 +142,25 @@ def sequence_slots(metadata: AttentionMetadata, i: int) -> torch.Tensor | slice:
 
 
 def causal_mask(
-    num_queries: int, seq_len: int, sliding_window: int | None, device: torch.device
+    num_queries: int, seq_len: int, sliding_window: int | None, device: torch.device, chunk_size: int | None = None
 ) -> torch.Tensor:
-    """Bool `[n, L]`: key position <= context length + query position (and inside the window)."""
+    """Bool `[n, L]`: key position <= context length + query position (and inside the window, and inside the
+    query's chunk of `chunk_size` positions: Llama 4's chunked attention)."""
     q_pos = torch.arange(seq_len - num_queries, seq_len, device=device)[:, None]
     k_pos = torch.arange(seq_len, device=device)[None, :]
     allowed = k_pos <= q_pos
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
+    if chunk_size is not None:
+        allowed &= k_pos >= q_pos - q_pos % chunk_size
     return allowed
+
+
+def restricts_keys(seq_len: int, sliding_window: int | None, chunk_size: int | None) -> bool:
+    """Whether a window or a chunk hides some earlier key from some query of a sequence of `seq_len`: if not,
+    its attention is plain causal."""
+    return (sliding_window is not None and seq_len > sliding_window) or (
+        chunk_size is not None and seq_len > chunk_size)
 
 
 def alibi_bias(
@@ -170,34 +183,38 @@ def attend_one(
     softcap: float | None,
     alibi_slopes: torch.Tensor | None = None,
     masks: dict | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of `q [H, n, D]` over `k, v [KVH, L, D]` whose last `n` positions are the queries.
-    `masks` memoises a step's masks by shape (and ALiBi slopes), so every layer reuses them."""
+    `masks` memoises a step's masks by shape (and ALiBi slopes), so every layer reuses them. `sinks [H]`
+    (gpt-oss) is a logit per head that joins each row's softmax with no value: it only takes weight away."""
     n, seq_len = q.shape[1], k.shape[1]
     masks = {} if masks is None else masks
     slopes_key = None if alibi_slopes is None else (q.dtype, tuple(alibi_slopes.tolist()))
-    if softcap is not None:
-        allowed = memo(masks, ("causal", n, seq_len, sliding_window), lambda: causal_mask(n, seq_len, sliding_window,
-                                                                                          q.device))
-        return attend_softcapped(q, k, v, scale, allowed, softcap, alibi_slopes)
-    window_matters = sliding_window is not None and seq_len > sliding_window
+
+    def allowed() -> torch.Tensor:
+        return memo(masks, ("causal", n, seq_len, sliding_window, chunk_size),
+                    lambda: causal_mask(n, seq_len, sliding_window, q.device, chunk_size))
+
+    if softcap is not None or sinks is not None:  # SDPA has neither
+        return attend_eager(q, k, v, scale, allowed(), softcap, alibi_slopes, sinks)
+    restricted = restricts_keys(seq_len, sliding_window, chunk_size)
     if alibi_slopes is not None:
-        mask = memo(masks, ("alibi", n, seq_len, sliding_window, slopes_key), lambda: alibi_bias(
-            alibi_slopes.to(q.device), n, seq_len, causal_mask(n, seq_len, sliding_window, q.device), q.dtype))
+        mask = memo(masks, ("alibi", n, seq_len, sliding_window, chunk_size, slopes_key), lambda: alibi_bias(
+            alibi_slopes.to(q.device), n, seq_len, allowed(), q.dtype))
         is_causal = False
-    elif n == 1 and not window_matters:
+    elif n == 1 and not restricted:
         mask, is_causal = None, False
-    elif n == seq_len and not window_matters:
+    elif n == seq_len and not restricted:
         mask, is_causal = None, True
     elif few_rows(q, n):
         group = q.shape[0] // k.shape[0]
-        bias = memo(masks, ("few_rows", n, seq_len, sliding_window, group), lambda: few_rows_bias(
-            causal_mask(n, seq_len, sliding_window, q.device), group))
+        bias = memo(masks, ("few_rows", n, seq_len, sliding_window, chunk_size, group),
+                    lambda: few_rows_bias(allowed(), group))
         return attend_few_rows(q, k, v, bias, scale)
     else:
-        mask = memo(masks, ("causal", n, seq_len, sliding_window), lambda: causal_mask(n, seq_len, sliding_window,
-                                                                                       q.device))
-        is_causal = False
+        mask, is_causal = allowed(), False
     if n == 1 and q.dtype in UPCAST_DECODE_DTYPES and q.device.type == "cpu":
         return sdpa(q.float(), k.float(), v.float(), mask, is_causal, scale).to(q.dtype)
     return sdpa(q, k, v, mask, is_causal, scale)
@@ -261,20 +278,27 @@ def memo(cache: dict, key: tuple, build) -> torch.Tensor:
     return value
 
 
-def attend_softcapped(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor, softcap: float,
-    alibi_slopes: torch.Tensor | None = None,
+def attend_eager(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor, softcap: float | None,
+    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eager attention with tanh logit soft-capping (Gemma 2), which SDPA cannot express."""
+    """Eager attention in fp32, for what SDPA cannot express: tanh logit soft-capping (Gemma 2) and attention
+    sinks (gpt-oss: a logit per head `sinks [H]` appended to each row's scores, its weight dropped after
+    the softmax)."""
     group = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(group, dim=0)
     v = v.repeat_interleave(group, dim=0)
     scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes.to(q.device), q.shape[1], k.shape[1], mask, torch.float32)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    sink = sinks.float().to(q.device)[:, None, None].expand(-1, q.shape[1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(weights, v.float()).to(q.dtype)
 
 
 def paged_attention(
@@ -290,6 +314,8 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed `query [T, H, D]` over the paged cache; returns `[T, H, D]`.
 
@@ -297,6 +323,8 @@ def paged_attention(
     (what `write_kv_cache` returned): a sequence with no earlier context reads them directly and
     skips the gather. `alibi_slopes` `[H]` (optional) adds `slope * (key position - query position)`
     to each head's logits. `key_scales/value_scales [KVH, num_slots]` are given with an int8 cache.
+    `sinks [H]` (optional) joins each head's softmax as a logit with no value; `chunk_size` (optional) hides
+    the keys before the start of the query's chunk (position - position % chunk_size).
     """
     def read(slots: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return (read_context(key_cache, key_scales, slots, dtype),
@@ -304,7 +332,7 @@ def paged_attention(
 
     stored = None if new_key is None else (new_key, new_value)
     return attend_sequences(query, read, key_cache.shape[0], metadata, scale, sliding_window, softcap, stored,
-                            alibi_slopes)
+                            alibi_slopes, sinks, chunk_size)
 
 
 
@@ -318,11 +346,13 @@ def attend_sequences(
     softcap: float | None,
     stored: tuple[torch.Tensor, torch.Tensor] | None,
     alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """paged_attention() with the context read by `read(slots, dtype) -> (K, V) [KVH, L, D]`, and this step's
     K/V as stored (`stored`, optional) for sequences with no earlier context. On CPU, sequences whose rows
     attend in fp32 by matmul (decode rows, few fp32 rows) attend in buckets of similar length
-    (torch_buckets.py); the others one by one."""
+    (torch_buckets.py); the others (and every sequence of a model with soft-capping, ALiBi or sinks) one by one."""
     # Masks depend on the step's shapes (and the ALiBi slopes, the same in every layer of the models that
     # use them), not on the layer, so one set serves the whole forward.
     masks = metadata.derived.setdefault("torch_masks", {})
@@ -336,16 +366,17 @@ def attend_sequences(
             k, v = stored[0][s:e].transpose(0, 1), stored[1][s:e].transpose(0, 1)
         else:
             k, v = read(sequence_slots(metadata, i), torch.float32 if upcast and e - s == 1 else query.dtype)
-        return attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes, masks).transpose(0, 1)
+        return attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes, masks, sinks,
+                          chunk_size).transpose(0, 1)
 
     if metadata.num_seqs == 1:  # one stream: its rows are the output, with no copy into a packed buffer
         return attend_sequence(0).contiguous()
     out = torch.empty_like(query)
     starts = metadata.query_start_loc_host
     rest = range(metadata.num_seqs)
-    if softcap is None and alibi_slopes is None and query.device.type == "cpu":
+    if softcap is None and alibi_slopes is None and sinks is None and query.device.type == "cpu":
         plan = plan_buckets(metadata, kv_heads, query.shape[1] // kv_heads, sliding_window,
-                            most_matmul_rows(query.dtype))
+                            most_matmul_rows(query.dtype), chunk_size)
         for bucket in plan.buckets:
             out.index_copy_(0, bucket.out_rows, attend_bucket(query, read, bucket, scale).to(query.dtype))
         rest = plan.rest

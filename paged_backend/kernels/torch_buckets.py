@@ -13,8 +13,9 @@ n-gram proposals in fp32 went from 80 to 94-100 tokens/s.
 Which sequences go into buckets: those attended in fp32 by a matmul anyway. That is one decode row
 (bf16/fp16 decode rows are upcast, see torch_attention.UPCAST_DECODE_DTYPES), or up to 16 fp32 rows
 (torch_attention.FEW_ROWS, e.g. a request verifying proposed tokens), over an earlier context, with no
-soft-capping or ALiBi. A bucket needs MIN_BUCKET sequences; the rest attend one by one, so a lone
-stream keeps reading its context as a view of the cache. MIN_BUCKET and MAX_PADDING are reasoned
+soft-capping, ALiBi or attention sinks (a chunked layer's chunk joins the window in the mask). A bucket
+needs MIN_BUCKET sequences; the rest attend one by one, so a lone stream keeps reading its context as a
+view of the cache. MIN_BUCKET and MAX_PADDING are reasoned
 choices, not tuned ones.
 """
 
@@ -55,23 +56,24 @@ class BucketPlan:
 
 
 def plan_buckets(metadata: AttentionMetadata, kv_heads: int, group: int, sliding_window: int | None,
-                 most_rows: int) -> BucketPlan:
+                 most_rows: int, chunk_size: int | None = None) -> BucketPlan:
     """The step's buckets of sequences with at most `most_rows` query rows over an earlier context, memoised
-    for every layer of the forward (the same shapes and windows in each)."""
-    key = ("torch_buckets", kv_heads, group, sliding_window, most_rows)
+    for every layer of the forward with the same shapes, window and chunk (`chunk_size`: a key is seen only
+    from the start of its query's chunk)."""
+    key = ("torch_buckets", kv_heads, group, sliding_window, most_rows, chunk_size)
     plan = metadata.derived.get(key)
     if plan is None:
-        plan = metadata.derived[key] = build_plan(metadata, kv_heads, group, sliding_window, most_rows)
+        plan = metadata.derived[key] = build_plan(metadata, kv_heads, group, sliding_window, most_rows, chunk_size)
     return plan
 
 
 def build_plan(metadata: AttentionMetadata, kv_heads: int, group: int, sliding_window: int | None,
-               most_rows: int) -> BucketPlan:
+               most_rows: int, chunk_size: int | None = None) -> BucketPlan:
     starts, lens = metadata.query_start_loc_host, metadata.seq_lens_host
     eligible = [i for i, seq_len in enumerate(lens) if starts[i + 1] - starts[i] <= min(most_rows, seq_len - 1)]
     eligible.sort(key=lens.__getitem__)
     runs = [run for run in split_by_length(eligible, lens) if len(run) >= MIN_BUCKET]
-    buckets = [make_bucket(run, metadata, kv_heads, group, sliding_window) for run in runs]
+    buckets = [make_bucket(run, metadata, kv_heads, group, sliding_window, chunk_size) for run in runs]
     bucketed = {i for bucket in buckets for i in bucket.seqs}
     return BucketPlan(buckets, [i for i in range(len(lens)) if i not in bucketed])
 
@@ -95,7 +97,7 @@ def split_by_length(seqs: list[int], lens: list[int]) -> list[list[int]]:
 
 
 def make_bucket(seqs: list[int], metadata: AttentionMetadata, kv_heads: int, group: int,
-                sliding_window: int | None) -> Bucket:
+                sliding_window: int | None, chunk_size: int | None = None) -> Bucket:
     starts = np.array([metadata.query_start_loc_host[i] for i in seqs])
     counts = np.array([metadata.query_start_loc_host[i + 1] for i in seqs]) - starts
     lens = np.array([metadata.seq_lens_host[i] for i in seqs])
@@ -110,6 +112,8 @@ def make_bucket(seqs: list[int], metadata: AttentionMetadata, kv_heads: int, gro
     allowed = positions <= query_positions[..., None]  # [seqs, n, length]; padding lies past every query
     if sliding_window is not None:
         allowed &= positions > query_positions[..., None] - sliding_window
+    if chunk_size is not None:
+        allowed &= positions >= (query_positions - query_positions % chunk_size)[..., None]
     bias = torch.zeros(allowed.shape).masked_fill_(torch.from_numpy(~allowed), float("-inf"))
     # One KV head's matmul holds its group of query heads, each with the sequence's n rows.
     bias = bias[None, :, None].expand(kv_heads, len(seqs), group, n, length).reshape(-1, group * n, length)

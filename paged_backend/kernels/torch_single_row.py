@@ -60,9 +60,12 @@ def write_and_attend_single_row(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Write the step's `key/value [KVH, D]` into layer `layer` of `step.kv` at `step.slot`, then attend its
-    one `query [H, D]` over the sequence's context there, in fp32; returns `[H, D]`."""
+    one `query [H, D]` over the sequence's context there, in fp32; returns `[H, D]`. `sinks [H]` joins each
+    head's softmax as a logit with no value; `chunk_size` hides the keys before the query's chunk."""
     kv_heads, dim = key.shape
     heads = torch.arange(kv_heads, device=key.device)
     for half, new in enumerate((key, value)):
@@ -73,10 +76,18 @@ def write_and_attend_single_row(
     allowed = positions < step.seq_len
     if sliding_window is not None:
         allowed &= positions > step.seq_len - 1 - sliding_window
+    if chunk_size is not None:
+        query_position = step.seq_len - 1
+        allowed &= positions >= query_position - query_position % chunk_size
     q = query.reshape(kv_heads, -1, dim).float()
     scores = (q[:, :, None, :] * context[0].float()[:, None]).sum(-1) * scale  # [KVH, group, N]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:  # one more logit per head, whose weight is dropped after the softmax
+        sink = sinks.float().view(kv_heads, -1, 1)
+        weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        weights = scores.softmax(-1)
     values = torch.where(allowed[:, None], context[1].float(), 0.0)[:, None]  # [KVH, 1, N, D]
     return (weights[..., None] * values).sum(-2).reshape(-1, dim).to(query.dtype)

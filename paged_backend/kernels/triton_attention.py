@@ -56,20 +56,22 @@ def tanh(x):
 def paged_attention_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, key_scale_ptr, value_scale_ptr,
-    scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, key_scale_ptr, value_scale_ptr, sinks_ptr,
+    scale, softcap, sliding_window, chunk_size, num_seqs, block_size, num_heads, head_dim,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_h, stride_c_slot, stride_bt, stride_s_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KV_INT8: tl.constexpr,
+    USE_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr,
 ):
     attend_query_block(
         out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr, key_scale_ptr, value_scale_ptr,
-        scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, q_ptr, key_scale_ptr, value_scale_ptr, sinks_ptr,
+        scale, softcap, sliding_window, chunk_size, num_seqs, block_size, num_heads, head_dim,
         stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_c_h, stride_c_slot, stride_bt, stride_s_h,
         GROUP, GROUP_PAD, BLOCK_M, TILE_N, HEAD_PAD, NUM_SEGMENTS, USE_SOFTCAP, USE_WINDOW, False, KV_INT8,
+        USE_SINKS, USE_CHUNK,
     )
 
 
@@ -79,20 +81,22 @@ def paged_attention_kernel(
 def paged_attention_alibi_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr, key_scale_ptr, value_scale_ptr,
-    scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr, key_scale_ptr, value_scale_ptr, sinks_ptr,
+    scale, softcap, sliding_window, chunk_size, num_seqs, block_size, num_heads, head_dim,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_h, stride_c_slot, stride_bt, stride_s_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KV_INT8: tl.constexpr,
+    USE_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr,
 ):
     attend_query_block(
         out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr, key_scale_ptr, value_scale_ptr,
-        scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr, key_scale_ptr, value_scale_ptr, sinks_ptr,
+        scale, softcap, sliding_window, chunk_size, num_seqs, block_size, num_heads, head_dim,
         stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_c_h, stride_c_slot, stride_bt, stride_s_h,
         GROUP, GROUP_PAD, BLOCK_M, TILE_N, HEAD_PAD, NUM_SEGMENTS, USE_SOFTCAP, USE_WINDOW, True, KV_INT8,
+        USE_SINKS, USE_CHUNK,
     )
 
 
@@ -100,13 +104,14 @@ def paged_attention_alibi_kernel(
 def attend_query_block(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr, key_scale_ptr, value_scale_ptr,
-    scale, softcap, sliding_window, num_seqs, block_size, num_heads, head_dim,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr, key_scale_ptr, value_scale_ptr, sinks_ptr,
+    scale, softcap, sliding_window, chunk_size, num_seqs, block_size, num_heads, head_dim,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_h, stride_c_slot, stride_bt, stride_s_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, KV_INT8: tl.constexpr,
+    USE_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr,
 ):
     """One program: one query block of one sequence against one KV head (one segment of its keys)."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
@@ -140,8 +145,11 @@ def attend_query_block(
     # Keys this block can see: up to its last query's position, from the start of its window.
     kv_end = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
     first_tile = 0
+    first_q_pos = context_len + local_block * BLOCK_Q  # the block's earliest query sees the earliest keys
     if USE_WINDOW:
-        first_tile = tl.maximum(context_len + local_block * BLOCK_Q - sliding_window + 1, 0) // TILE_N
+        first_tile = tl.maximum(first_q_pos - sliding_window + 1, 0) // TILE_N
+    if USE_CHUNK:
+        first_tile = tl.maximum(first_tile, (first_q_pos - first_q_pos % chunk_size) // TILE_N)
     num_tiles = tl.cdiv(kv_end, TILE_N) - first_tile
     tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
     tile_lo = first_tile + segment * tiles_per_segment
@@ -149,6 +157,12 @@ def attend_query_block(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:
+        # The sink is one more logit with no value: the softmax state starts from it (max = sink, sum = 1),
+        # in the first segment only, so split-KV's merge counts it once.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        m_i = tl.where(segment == 0, sink, m_i)
+        l_i = tl.where(segment == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     head_base = kv_head.to(tl.int64) * stride_c_h
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -178,6 +192,8 @@ def attend_query_block(
         allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        if USE_CHUNK:
+            allowed = allowed & (k_pos[None, :] >= (q_pos - q_pos % chunk_size)[:, None])
         s = tl.where(allowed, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -281,12 +297,16 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed `query [T, H, D]` over caches `[KVH, num_slots, D]`; returns `[T, H, D]`.
 
     The caches may be of a lower precision than the query (read and converted tile by tile), or int8
     with fp32 `key_scales/value_scales [KVH, num_slots]`, one per (head, slot).
     `alibi_slopes` `[H]` fp32 adds `slope * (key position - query position)` to each head's logits.
+    `sinks` `[H]` joins each head's softmax as a logit with no value (gpt-oss); `chunk_size` hides the keys
+    before the start of the query's chunk (Llama 4's chunked layers).
     `config` overrides the tile choice (tests use it to reach every kernel variant on small inputs).
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -321,16 +341,21 @@ def paged_attention(
         check_scales(key_cache, key_scales, value_scales)
     else:
         key_scales = value_scales = key_cache  # unused placeholders
+    if sinks is not None and sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
+    sinks_arg = key_cache if sinks is None else sinks.to(query.device).contiguous()  # a placeholder when unused
     kernel[grid](
         out, query, key_cache, value_cache,
         metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, *parts, *alibi, key_scales, value_scales,
-        scale, softcap or 0.0, sliding_window or 0, metadata.num_seqs, metadata.block_size, num_heads, head_dim,
+        sinks_arg, scale, softcap or 0.0, sliding_window or 0, chunk_size or 1, metadata.num_seqs,
+        metadata.block_size, num_heads, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), metadata.block_tables.stride(0),
         key_scales.stride(0) if kv_int8 else 0,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=config.block_m, TILE_N=config.tile_n,
         HEAD_PAD=head_pad, NUM_SEGMENTS=segments,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None, KV_INT8=kv_int8,
+        USE_SINKS=sinks is not None, USE_CHUNK=chunk_size is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if segments > 1:

@@ -4,9 +4,17 @@ An unmodified HF model calls it with `query [1, H, T, D]`, `key/value [1, KVH, T
 keyword given to `model.forward`; the engine passes its step as `paged_cache=`, and a compiled
 one-token step also as `paged_single_row=`, whose attention is then traced into the graph. Called without one
 (the user runs the model directly), it behaves as transformers' SDPA with its own masks, or as its
-eager attention when the model soft-caps logits (SDPA cannot), so a model switched to it still works
-outside the engine. Called with the engine's start-up probe, it notes that the step reached this
-layer and attends over the probe's own token.
+eager attention when the model soft-caps logits or has attention sinks (SDPA has neither), so a model
+switched to it still works outside the engine.
+
+Beyond plain causal attention it honours what a layer asks for: a sliding window and a soft-cap (given
+as keywords), attention sinks (gpt-oss passes its per-head sink logits as `s_aux`), and chunked attention
+(Llama 4: a layer whose `config.layer_types` entry is "chunked_attention" sees keys only from the start of
+its query's chunk of `config.attention_chunk_size` positions; transformers puts that in the mask alone,
+which the paged path does not read, so the chunk is found from the layer's config here).
+
+Called with the engine's start-up probe, it notes that the step reached this layer and attends over the
+probe's own token.
 """
 
 from __future__ import annotations
@@ -39,44 +47,61 @@ def paged_attention_forward(
     softcap: float | None = None,
     paged_cache: PagedCache | ShapeProbe | None = None,
     paged_single_row: SingleRowStep | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    sinks = s_aux
     if isinstance(paged_cache, ShapeProbe):
         paged_cache.reached(module.layer_idx, "adapter" if hasattr(module, "_paged_original_forward") else "interface",
                             sliding_window)
-        out = attend_one(query[0], key[0], value[0], scale, sliding_window, softcap)
+        out = attend_one(query[0], key[0], value[0], scale, sliding_window, softcap, sinks=sinks)
         return out.transpose(0, 1).unsqueeze(0), None
-    if paged_cache is None:
-        if softcap is not None:
-            return eager_softcapped(module, query, key, value, attention_mask, scale, softcap, dropout), None
+    if paged_cache is None:  # outside the engine: the model's own masks (chunks included) apply
+        if softcap is not None or sinks is not None:
+            return eager_attention(module, query, key, value, attention_mask, scale, softcap, dropout, sinks), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
+    chunk_size = attention_chunk_size(module)
     if paged_single_row is not None:  # a compiled one-token step (torch_single_row.py)
         out = write_and_attend_single_row(query[0, :, 0], key[0, :, 0], value[0, :, 0], module.layer_idx,
-                                          paged_single_row, scale, sliding_window, softcap)
+                                          paged_single_row, scale, sliding_window, softcap, sinks, chunk_size)
         return out[None, None], None
     out = custom_ops.paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                     module.layer_idx, scale, sliding_window, softcap)
+                                     module.layer_idx, scale, sliding_window, softcap, None, sinks, chunk_size)
     return out.unsqueeze(0), None
 
 
-def eager_softcapped(
+def attention_chunk_size(module: torch.nn.Module) -> int | None:
+    """The chunk of a chunked-attention layer (Llama 4: "chunked_attention" in `config.layer_types`), whose
+    queries see keys only from the start of their own chunk of this many positions; None for other layers."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if not layer_types or layer is None or layer_types[layer] != "chunked_attention":
+        return None
+    return config.attention_chunk_size
+
+
+def eager_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scale: float,
-    softcap: float,
+    softcap: float | None,
     dropout: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """transformers' eager attention with tanh soft-capping (Gemma 2's form), for `[B, H, T, D]`
-    inputs and a bool or additive mask (None: causal over the keys' last T positions); `[B, T, H, D]`."""
+    """transformers' eager attention with tanh soft-capping (Gemma 2's form) and/or attention sinks (gpt-oss's:
+    a logit per head `sinks [H]` joins each row's softmax, its weight dropped), for `[B, H, T, D]` inputs and a
+    bool or additive mask (None: causal over the keys' last T positions); `[B, T, H, D]`."""
     key = repeat_kv(key, query.shape[1] // key.shape[1])
     value = repeat_kv(value, query.shape[1] // value.shape[1])
     scores = torch.matmul(query, key.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None:
         q_len, kv_len = query.shape[2], key.shape[2]
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
@@ -85,7 +110,12 @@ def eager_softcapped(
         scores = scores.masked_fill(~attention_mask[..., : key.shape[2]], torch.finfo(scores.dtype).min)
     else:
         scores = scores + attention_mask[..., : key.shape[2]]
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        weights = weights.to(query.dtype)
+    else:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous()
 

@@ -70,21 +70,24 @@ def current_step() -> StepContext:
 
 def paged_attention_impl(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: int,
                          scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                         alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                         alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                         chunk_size: int | None = None) -> torch.Tensor:
     """Write this step's `new_key/new_value [T, KVH, D]` into layer `layer` of the step's paged cache at
-    the step's slot mapping, then attend packed `query [T, H, D]` over each sequence's context there;
+    the step's slot mapping, then attend packed `query [T, H, D]` over each sequence's context there
+    (with the layer's window, soft-cap, ALiBi slopes, attention sinks `[H]` or chunk, where it has them);
     returns `[T, H, D]`."""
     metadata, kv, kv_scales = current_step().layer_step(layer)
     # A contiguous query gives a contiguous output on every backend, as the fake promises.
     return write_and_attend(query.contiguous(), new_key, new_value, kv, metadata, scale, sliding_window, softcap,
-                            alibi_slopes, kv_scales)
+                            alibi_slopes, kv_scales, sinks, chunk_size)
 
 
 paged_attention_op = torch.library.custom_op("paged_backend::paged_attention", paged_attention_impl, mutates_args=())
 
 
 @paged_attention_op.register_fake
-def _(query, new_key, new_value, layer, scale, sliding_window=None, softcap=None, alibi_slopes=None):
+def _(query, new_key, new_value, layer, scale, sliding_window=None, softcap=None, alibi_slopes=None, sinks=None,
+      chunk_size=None):
     return query.new_empty(query.shape)
 
 
@@ -93,6 +96,7 @@ def _(query, new_key, new_value, layer, scale, sliding_window=None, softcap=None
 # layer per step; measured on CPU with SmolLM2 shapes).
 def paged_attention(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: int,
                     scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                    alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                    chunk_size: int | None = None) -> torch.Tensor:
     op = paged_attention_op if torch.compiler.is_compiling() else paged_attention_impl
-    return op(query, new_key, new_value, layer, scale, sliding_window, softcap, alibi_slopes)
+    return op(query, new_key, new_value, layer, scale, sliding_window, softcap, alibi_slopes, sinks, chunk_size)

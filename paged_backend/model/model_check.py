@@ -3,13 +3,18 @@ does, and check a few tokens of paged output against the model's own dense forwa
 
 The probe (`paged_cache.probe_kv_shape`) catches a layer that bypasses the engine's step; the
 self-check catches anything else that makes paged logits differ (a new architecture nobody has
-tested yet), for the price of three small forwards. A model that fails either is put back exactly
+tested yet), for the price of three small forwards. Attention sinks (gpt-oss) take part in every
+row, so the check covers them as it is; a chunked-attention model (Llama 4) runs the check with its
+chunk shrunk to CHECK_CHUNK positions, so both sequences cross a chunk boundary, in prefill and in
+the cached chunk and decode step alike. A model that fails either is put back exactly
 as it came (attention implementation, adapters) and refused with `UnsupportedArchitectureError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 
 import torch
 from transformers import PreTrainedModel
@@ -33,6 +38,9 @@ CHECK_BLOCK_SIZE = 4
 CHECK_TABLES = ((5, 2), (3,))
 CHECK_STEPS = (((0, 5), (0, 3)), ((5, 7), (3, 4)))
 CHECK_LENGTHS = (7, 4)
+# Chunk of a chunked-attention model during the check: sequence A's chunks start at 0, 3 and 6, B's at 0 and
+# 3, so prefill, the cached chunk A[5:7] and the decode B[3] each see a chunk start.
+CHECK_CHUNK = 3
 
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (dtype, device) it passed on
 
@@ -67,7 +75,7 @@ def check_paged_matches_dense(model: PreTrainedModel, shape: KVShape) -> None:
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, vocab, (n,), generator=generator).to(param.device) for n in CHECK_LENGTHS]
-    with torch.inference_mode():
+    with torch.inference_mode(), chunks_crossed(model):
         dense = dense_logits(model, seqs)
         paged = paged_logits(model, shape, seqs, param.dtype, param.device)
     worst = (paged.float() - dense.float()).abs().max().item()
@@ -81,6 +89,23 @@ def check_paged_matches_dense(model: PreTrainedModel, shape: KVShape) -> None:
             "architecture does not run correctly on it and is refused (EngineConfig(self_check=False) skips the check)"
         )
     _checked[model] = (param.dtype, param.device)
+
+
+@contextlib.contextmanager
+def chunks_crossed(model: PreTrainedModel) -> Iterator[None]:
+    """Inside the block, a chunked-attention model (a "chunked_attention" entry in its layer types) has chunks
+    of CHECK_CHUNK positions, so the self-check's short sequences cross chunk boundaries; both the model's own
+    masks and the paged attention read the chunk from the config when they run. Restored on exit."""
+    config = model.config.get_text_config()
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is None or "chunked_attention" not in (getattr(config, "layer_types", None) or ()):
+        yield
+        return
+    config.attention_chunk_size = min(chunk, CHECK_CHUNK)
+    try:
+        yield
+    finally:
+        config.attention_chunk_size = chunk
 
 
 def computing_dtype(model: PreTrainedModel, dtype: torch.dtype) -> torch.dtype:
@@ -141,7 +166,29 @@ def step_inputs(step: tuple[tuple[int, int], ...], seqs: list[torch.Tensor], dev
 
 def usable_context(text_config) -> tuple[int, str] | None:
     """(the longest context the engine runs exactly, why) for a model that has such a limit below its
-    max_position_embeddings, else None. LongRoPE (Phi-3 128k, Phi-3.5) switches every cached key to the
+    max_position_embeddings, else None: LongRoPE's original length, or Llama 4's temperature tuning
+    (temperature_tuning_limit)."""
+    return longrope_limit(text_config) or temperature_tuning_limit(text_config)
+
+
+def temperature_tuning_limit(text_config) -> tuple[int, str] | None:
+    """(the most positions, and the most tokens in one packed step, the engine runs exactly; why) for a Llama 4
+    model with attention temperature tuning on its NoPE layers, else None. Those layers scale each query by
+    `1 + attn_scale * log(1 + floor((position + 1) / floor_scale))`, with the position counted from the cache's
+    length plus the token's index in the forward, not from position_ids: in a packed step that index runs
+    across requests. Below floor_scale - 1 both the true position and the packed index give a scale of exactly
+    1, so within floor_scale - 1 positions, in steps of at most that many tokens, the paged engine is exact."""
+    if not getattr(text_config, "attn_temperature_tuning", False) or 0 not in (
+            getattr(text_config, "no_rope_layers", None) or ()):
+        return None
+    limit = int(text_config.floor_scale) - 1
+    return limit, (f"Llama 4's attention temperature tuning runs on the paged engine up to floor_scale - 1 = {limit} "
+                   "positions and steps of at most that many tokens (it counts positions within one forward, "
+                   "which a packed step shares between requests)")
+
+
+def longrope_limit(text_config) -> tuple[int, str] | None:
+    """LongRoPE's usable context (usable_context). LongRoPE (Phi-3 128k, Phi-3.5) switches every cached key to the
     long rope factors once a sequence passes original_max_position_embeddings, and transformers picks
     the factors from the largest position in a whole forward, so one request's length would change
     another's rotary embedding in a packed step; within the original length both are exact."""

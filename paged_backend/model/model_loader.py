@@ -42,7 +42,11 @@ from paged_backend.model.precision import preferred_dtype
 
 # Each of these has a decoder-only *ForCausalLM whose attention module calls
 # ALL_ATTENTION_FUNCTIONS.get_interface (checked in transformers 5.24's
-# models/<name>/modeling_<name>.py).
+# models/<name>/modeling_<name>.py). What some need beyond plain causal attention, which the paged
+# attention honours: per-layer sliding windows (gemma2, gemma3_text, olmo3, exaone4, gpt_oss), soft-capping
+# (gemma2, gemma3_text), NoPE layers (smollm3, llama4_text, exaone4: the model simply skips the rotary
+# embedding), attention sinks (gpt_oss, passed as `s_aux`), chunked attention (llama4_text, read from
+# `config.layer_types`; its attention temperature tuning caps the context, model_check.temperature_tuning_limit).
 INTERFACE_TYPES: frozenset[str] = frozenset(
     {
         "llama",
@@ -67,6 +71,15 @@ INTERFACE_TYPES: frozenset[str] = frozenset(
         "starcoder2",
         "phi",
         "cohere",
+        "smollm3",
+        "gpt_oss",
+        "llama4_text",
+        "glm4",
+        "olmo3",
+        "exaone4",
+        "ernie4_5",
+        "apertus",
+        "seed_oss",
     }
 )
 
@@ -75,11 +88,31 @@ ADAPTED_TYPES: frozenset[str] = frozenset(ADAPTERS)
 
 SUPPORTED: frozenset[str] = INTERFACE_TYPES | ADAPTED_TYPES
 
+# Supported types whose forward the engine does not compile (they run eagerly even where it compiles by
+# default, on CUDA), with the reason, logged at start-up.
+EAGER_TYPES: dict[str, str] = {
+    "llama4_text": "Llama 4's forward does not compile under the engine's dynamic shapes (inductor fails to lower "
+                   "the reshape of its attention output in steps of more than one token), so it runs eagerly",
+}
+
 # Model types users ask about that are refused, with the reason (an unlisted type gets a generic one).
 UNSUPPORTED_REASONS: dict[str, str] = {
     "t5": "it is an encoder-decoder model; the paged engine runs decoder-only causal LMs",
     "bart": "it is an encoder-decoder model; the paged engine runs decoder-only causal LMs",
     "mamba": "it is a state-space model with no attention K/V to page",
+    "llama4": "it is Llama 4's vision and text checkpoint; load its text model with transformers' "
+              "AutoModelForCausalLM.from_pretrained (a Llama4ForCausalLM, model_type 'llama4_text', which is "
+              "supported) and pass the loaded model",
+    "deepseek_v3": "its multi-head latent attention (a compressed latent cached per token, expanded to K/V "
+                   "inside the layer) is not paged yet",
+    "qwen3_next": "it is a hybrid model whose gated delta-net (linear attention) layers keep a recurrent state per "
+                  "sequence, which the paged engine does not hold yet",
+    "granitemoehybrid": "it is a hybrid model whose Mamba-2 layers keep a recurrent state per sequence, which the "
+                        "paged engine does not hold yet",
+    "falcon_h1": "it is a hybrid model whose Mamba-2 mixers (beside attention in every layer) keep a recurrent "
+                 "state per sequence, which the paged engine does not hold yet",
+    "lfm2": "it is a hybrid model whose short convolution layers keep a state per sequence, which the paged "
+            "engine does not hold yet",
 }
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
@@ -112,6 +145,11 @@ def check_architecture(model_or_config: PreTrainedModel | PretrainedConfig) -> N
         f"Unsupported architecture {name} (model_type={model_type!r}): {reason}. "
         f"Supported model types: {', '.join(sorted(SUPPORTED))}."
     )
+
+
+def eager_type_reason(model: PreTrainedModel) -> str | None:
+    """Why the engine runs `model` eagerly because of its type (EAGER_TYPES), or None."""
+    return EAGER_TYPES.get(getattr(model.config, "model_type", None))
 
 
 def _describe_architecture(model_or_config: object, config: object) -> str:

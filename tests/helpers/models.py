@@ -55,6 +55,29 @@ CONFIGS = {
                                               **_common()),
     "phi": lambda: tf.PhiConfig(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5, **_common()),
     "cohere": lambda: tf.CohereConfig(num_attention_heads=4, num_key_value_heads=2, use_qk_norm=False, **_common()),
+    # Every fourth layer of SmolLM3 has no rotary embedding (NoPE): layer 1 here.
+    "smollm3": lambda: _auto("smollm3", num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0]),
+    # Attention sinks (a learned logit per head that takes part in the softmax), a sliding-window layer
+    # then a full one, and a mixture of experts; the 8-token window is shorter than most prompts.
+    "gpt_oss": lambda: _auto("gpt_oss", num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                             layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+                             num_experts_per_tok=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    # Chunked attention (a key is seen only from the query's own 8-token chunk) on the rotary layer, a
+    # NoPE full-attention layer, mixture-of-experts feed-forward on both.
+    "llama4_text": lambda: _auto("llama4_text", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 attention_chunk_size=8, no_rope_layers=[1, 0], num_local_experts=4,
+                                 num_experts_per_tok=1, intermediate_size_mlp=128),
+    "glm4": lambda: _auto("glm4", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # A sliding-window layer (window 8) then a full one.
+    "olmo3": lambda: _auto("olmo3", num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"]),
+    # A sliding-window layer with rotary positions, then a full-attention layer without (EXAONE 4's hybrid form).
+    "exaone4": lambda: _auto("exaone4", num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                             sliding_window_pattern=2, layer_types=["sliding_attention", "full_attention"]),
+    "ernie4_5": lambda: _auto("ernie4_5", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "apertus": lambda: _auto("apertus", num_attention_heads=4, num_key_value_heads=2,
+                             rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    "seed_oss": lambda: _auto("seed_oss", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     # Its decoder layer drops forward keywords on the way to attention: runs through its adapter.
     "stablelm": lambda: tf.StableLmConfig(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
                                           **_common()),
@@ -64,6 +87,11 @@ CONFIGS = {
 def _common() -> dict:
     return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 max_position_embeddings=512)
+
+
+def _auto(model_type: str, **kwargs) -> tf.PretrainedConfig:
+    """A tiny config of a type without a config class exported at the top level, with in-vocabulary special ids."""
+    return tf.AutoConfig.for_model(model_type, pad_token_id=0, bos_token_id=1, eos_token_id=2, **_common(), **kwargs)
 
 
 def build(arch: str, seed: int = 0) -> tf.PreTrainedModel:

@@ -160,12 +160,13 @@ signature = {name: "*bf16" for name in ("out_ptr", "q_ptr", "key_cache_ptr", "va
 signature.update({name: "*i32" for name in ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr")})
 signature.update({name: "*fp32" for name in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "alibi_ptr",
                                              "key_scale_ptr", "value_scale_ptr")})
-signature.update({name: "i32" for name in ("sliding_window", "num_seqs", "block_size", "num_heads", "head_dim",
+signature.update({"sinks_ptr": "*bf16"})
+signature.update({name: "i32" for name in ("sliding_window", "chunk_size", "num_seqs", "block_size", "num_heads", "head_dim",
                                             "stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h",
                                             "stride_c_slot", "stride_bt", "stride_s_h")})
 signature.update({"scale": "fp32", "softcap": "fp32", "stride_c_h": "i64"})
 constexprs = dict(GROUP=4, GROUP_PAD=4, BLOCK_M=16, TILE_N=32, HEAD_PAD=64, NUM_SEGMENTS=4,
-                  USE_SOFTCAP=False, USE_WINDOW=False, KV_INT8=False)
+                  USE_SOFTCAP=False, USE_WINDOW=False, KV_INT8=False, USE_SINKS=False, USE_CHUNK=False)
 signature.update({name: "constexpr" for name in constexprs})
 positions = {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}
 compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=positions),

@@ -240,15 +240,16 @@ attention = {
     "scale": "fp32", "softcap": "fp32", "sliding_window": "i32", "num_seqs": "i32", "block_size": "i32",
     "num_heads": "i32", "head_dim": "i32", "stride_q_t": "i32", "stride_q_h": "i32", "stride_o_t": "i32",
     "stride_o_h": "i32", "stride_c_h": "i64", "stride_c_slot": "i32", "stride_bt": "i32",
-    "key_scale_ptr": "*fp32", "value_scale_ptr": "*fp32", "stride_s_h": "i32",
+    "key_scale_ptr": "*fp32", "value_scale_ptr": "*fp32", "stride_s_h": "i32", "sinks_ptr": "*bf16",
+    "chunk_size": "i32",
 }
 variants = [
     ("bf16", "bf16", dict(GROUP=4, GROUP_PAD=4, BLOCK_M=16, TILE_N=32, HEAD_PAD=64, NUM_SEGMENTS=4,
-                          USE_SOFTCAP=False, USE_WINDOW=False, KV_INT8=False), 4),
+                          USE_SOFTCAP=False, USE_WINDOW=False, KV_INT8=False, USE_SINKS=True, USE_CHUNK=True), 4),
     ("fp16", "fp16", dict(GROUP=3, GROUP_PAD=4, BLOCK_M=64, TILE_N=64, HEAD_PAD=128, NUM_SEGMENTS=1,
-                          USE_SOFTCAP=True, USE_WINDOW=True, KV_INT8=False), 8),
+                          USE_SOFTCAP=True, USE_WINDOW=True, KV_INT8=False, USE_SINKS=True, USE_CHUNK=False), 8),
     ("bf16", "i8", dict(GROUP=4, GROUP_PAD=4, BLOCK_M=16, TILE_N=32, HEAD_PAD=64, NUM_SEGMENTS=1,
-                        USE_SOFTCAP=False, USE_WINDOW=False, KV_INT8=True), 4),
+                        USE_SOFTCAP=False, USE_WINDOW=False, KV_INT8=True, USE_SINKS=False, USE_CHUNK=True), 4),
 ]
 for dtype, cache_dtype, constexprs, warps in variants:
     pointers = {name: "*" + dtype for name in ("out_ptr", "q_ptr")}

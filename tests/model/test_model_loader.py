@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    AutoConfig,
     AutoTokenizer,
     BloomConfig,
     FalconConfig,
@@ -206,7 +207,13 @@ def test_other_supported_family_loads(tmp_path: Path) -> None:
     [
         (T5Config(vocab_size=128, d_model=32, num_layers=1, num_heads=2), ("t5", "T5Config", "encoder-decoder")),
         (MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1), ("mamba", "MambaForCausalLM", "state-space")),
+        (AutoConfig.for_model("deepseek_v3"), ("deepseek_v3", "DeepseekV3ForCausalLM", "latent attention")),
+        (AutoConfig.for_model("qwen3_next"), ("qwen3_next", "Qwen3NextForCausalLM", "recurrent state")),
+        (AutoConfig.for_model("granitemoehybrid"), ("granitemoehybrid", "Mamba-2", "recurrent state")),
+        (AutoConfig.for_model("falcon_h1"), ("falcon_h1", "Mamba-2", "recurrent state")),
+        (AutoConfig.for_model("lfm2"), ("lfm2", "Lfm2ForCausalLM", "convolution")),
     ],
+    ids=["t5", "mamba", "deepseek_v3", "qwen3_next", "granitemoehybrid", "falcon_h1", "lfm2"],
 )
 def test_check_architecture_rejects_with_reason(config: PretrainedConfig, names: tuple[str, ...]) -> None:
     with pytest.raises(UnsupportedArchitectureError) as info:
@@ -416,18 +423,21 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def test_refused_type_leaves_the_model_exactly_as_it_was() -> None:
-    """A gpt_oss model (its sink attention has no paged kernel) is refused before anything is switched."""
-    from transformers import GptOssConfig, GptOssForCausalLM
+    """A deepseek_v3 model (its latent attention is not paged) is refused before anything is switched."""
+    from transformers import AutoModelForCausalLM
 
     from paged_backend import LLM
 
     torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                           num_local_experts=4, num_experts_per_tok=2)).train()
-    model.eval()
+    config = AutoConfig.for_model("deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=64,
+                                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                  topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config).eval()
     before, implementation = _logits(model), model.config._attn_implementation
-    with pytest.raises(UnsupportedArchitectureError, match="gpt_oss"):
+    with pytest.raises(UnsupportedArchitectureError, match="deepseek_v3.*latent attention"):
         LLM(model, num_kv_blocks=8)
     assert model.config._attn_implementation == implementation
     assert torch.equal(_logits(model), before)
@@ -506,3 +516,60 @@ def test_missing_path_and_folder_without_config_are_refused(tmp_path: Path) -> N
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"empty.*folder without a config.json"):
         load_model(tmp_path / "empty")
+
+
+# --- the self-check covers sinks and chunks; Llama 4's temperature tuning caps the context ------------------
+
+
+def _paged_path_without(monkeypatch: pytest.MonkeyPatch, feature: str) -> None:
+    """Make the paged attention drop attention sinks or chunks, as a kernel that ignored them would."""
+    from paged_backend.model import attention, custom_ops
+
+    if feature == "chunks":
+        monkeypatch.setattr(attention, "attention_chunk_size", lambda module: None)
+    else:
+        op = custom_ops.paged_attention
+        monkeypatch.setattr(custom_ops, "paged_attention", lambda *args: op(*args[:8]))
+
+
+@pytest.mark.parametrize(("name", "feature"), [("gpt_oss", "sinks"), ("llama4_text", "chunks"),
+                                               ("llama4_text_long_chunks", "chunks")])
+def test_self_check_refuses_a_paged_path_that_ignores_sinks_or_chunks(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                                      feature: str) -> None:
+    """A model with sinks or chunked attention passes the self-check, and is refused by it if the paged attention
+    ignored them. The check shrinks the chunk (model_check.CHECK_CHUNK), so a real model's 8192-token chunk is
+    crossed by its short sequences too, and gives the chunk back afterwards."""
+    from helpers.models import CONFIGS, build_from_config
+
+    from paged_backend import Engine, EngineConfig
+
+    base = CONFIGS[name.removesuffix("_long_chunks")]
+
+    def make_config():
+        if not name.endswith("_long_chunks"):
+            return base()
+        return type(base()).from_dict({**base().to_dict(), "attention_chunk_size": 8192})  # a real model's chunk
+
+    Engine(build_from_config(make_config), None, EngineConfig(num_kv_blocks=8))
+    model = build_from_config(make_config)
+    _paged_path_without(monkeypatch, feature)
+    with pytest.raises(UnsupportedArchitectureError, match="logits differ from the model's own forward"):
+        Engine(model, None, EngineConfig(num_kv_blocks=8))
+    assert getattr(model.config, "attention_chunk_size", None) == getattr(make_config(), "attention_chunk_size", None)
+
+
+def test_llama4_temperature_tuning_caps_context_and_step() -> None:
+    """Llama 4's NoPE layers scale queries by position counted within one forward: the engine runs up to
+    floor_scale - 1 positions, in steps of at most that many tokens, and says so."""
+    from helpers.models import CONFIGS, build_from_config
+
+    from paged_backend import Engine, EngineConfig
+
+    model = build_from_config(lambda: CONFIGS["llama4_text"]().__class__.from_dict(
+        {**CONFIGS["llama4_text"]().to_dict(), "floor_scale": 33}))
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=8))
+    assert engine.max_model_len == 32
+    with pytest.raises(ValueError, match="floor_scale - 1 = 32"):
+        engine.add_request(list(range(1, 40)))
+    with pytest.raises(ValueError, match="max_num_batched_tokens=64.*floor_scale - 1 = 32"):
+        Engine(model, None, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=8))
