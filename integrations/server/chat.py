@@ -51,6 +51,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     if plan.reasoning is not None:
         structured = after_thinking(structured, plan.reasoning.start, plan.reasoning.end, plan.opened)
     params = keep_markers(state, plan, to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured))
+    if not params.skip_special_tokens:
+        plan.eos_texts = tuple(state.tokenizer.decode([i], skip_special_tokens=False) for i in state.client.eos_token_ids)
     prompt_ids = check_prompt(state.client, prompt_ids, params, "messages")
     processor = then(bias_processor(state.client, body.logit_bias), thinking_budget(state, body, plan))
     request_id = new_id("chatcmpl")
@@ -109,7 +111,7 @@ def envelope(request_id: str, model: str, kind: str, choices: list[dict[str, Any
 def chat_choice(state: ServerState, body: ChatCompletionRequest, plan: AnswerPlan, index: int,
                 output: RequestOutput) -> dict[str, Any]:
     completion = output.outputs[0]
-    reasoning, content, calls = plan.split(completion.text)
+    reasoning, content, calls = plan.split(plan.text_of(completion, completion.text))
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if plan.reasoning is not None:
         message |= {"reasoning": reasoning, "reasoning_content": reasoning}
@@ -142,7 +144,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, plan: Ans
             yield sse_error(APIError(500, f"generation failed: {output.error}"))
             return
         generated[index] = len(output.outputs[0].token_ids)
-        pieces = streams[index].push(output.delta_text)
+        pieces = streams[index].push(plan.text_of(output.outputs[0], output.delta_text) if output.finished
+                                     else output.delta_text)
         logprobs = stream_logprobs(state, body, output)
         for delta in reasoning_deltas(pieces.reasoning):
             yield chunk(index, delta)

@@ -25,10 +25,21 @@ class AnswerPlan:
     tools: list[dict[str, Any]] | None = None
     forced: bool = False  # a call forced by the grammar (tool_choice required or named)
     parallel: bool = True
+    # The text of the end-of-sequence tokens, when special tokens are kept for the markers' sake: the
+    # engine then decodes the EOS that ended the answer too, which is no part of it.
+    eos_texts: tuple[str, ...] = ()
 
     @property
     def prefix(self) -> str:
         return self.tool_parser.forced_prefix if self.forced and self.tool_parser else ""
+
+    def text_of(self, completion: Any, text: str) -> str:
+        """`text` (the answer, or its last delta) less the EOS that ended it, if it was decoded."""
+        if completion.finish_reason == "stop" and completion.stop_reason is None:
+            for eos in self.eos_texts:
+                if text.endswith(eos):
+                    return text[:-len(eos)]
+        return text
 
     def split(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """(reasoning, content, calls) of a finished answer."""

@@ -97,35 +97,37 @@ def arguments_text(name: str, pairs: list[tuple[str, str]], tools: Tools | None,
 
 
 def typed(function: str, key: str, raw: str, tools: Tools | None) -> Any:
-    """A raw value as its schema type says (a value that does not parse as that type stays text)."""
-    value = raw.removeprefix("\n")
-    value = value.removesuffix("\n")
-    kind = property_type(function, key, tools)
+    """A raw value as its schema says: strings keep their text (less the newline each side the template
+    writes), anything else is read as JSON around its whitespace (a value that does not parse stays text)."""
+    value = raw.removeprefix("\n").removesuffix("\n")
+    kind, enum = property_type(function, key, tools)
+    if kind == "string" and not enum:
+        return value
+    value = value.strip()
     if kind == "string":
         return value
     try:
         if kind == "integer":
-            return int(value.strip())
+            return int(value)
         if kind == "number":
-            number = float(value.strip())
-            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
-        if kind == "boolean" and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
-        if kind in ("object", "array", None) or kind == "boolean":
-            return json.loads(value)
+            number = json.loads(value)
+            return number if isinstance(number, (int, float)) else value
+        if kind == "boolean" and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        return json.loads(value)
     except ValueError:
-        pass
-    return value
+        return value
 
 
-def property_type(function: str, key: str, tools: Tools | None) -> str | None:
+def property_type(function: str, key: str, tools: Tools | None) -> tuple[str | None, bool]:
+    """(the property's schema type, whether it lists an enum); ("string", False) with no schema to go by."""
     for tool in tools or []:
         spec = tool.get("function", {})
         if spec.get("name") == function:
             prop = ((spec.get("parameters") or {}).get("properties") or {}).get(key) or {}
             kind = prop.get("type")
-            return kind if isinstance(kind, str) else None
-    return "string"  # no schema to go by: keep the text
+            return (kind if isinstance(kind, str) else None), "enum" in prop
+    return "string", False
 
 
 def schema_of(tool: dict[str, Any]) -> dict[str, Any]:

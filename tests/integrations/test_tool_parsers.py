@@ -8,7 +8,10 @@ import json
 import random
 
 import pytest
-from paged_backend.integrations.server.tool_calls import ToolCallStreamer, parse_tool_calls
+from paged_backend.integrations.server.tool_calls import (
+    ToolCallStreamer,
+    parse_tool_calls,
+)
 from paged_backend.integrations.structured import forced_tool_spec
 from paged_backend.integrations.tool_parsers import (
     HERMES,
@@ -30,34 +33,34 @@ SF_UNIT = {"location": "San Francisco, CA, USA", "unit": "celsius"}
 # (format, answer as the family's documentation shows it, content, [(name, arguments)])
 EXAMPLES = [
     # Qwen2.5 / Hermes 2 Pro function-calling docs: one block per call, text around them allowed.
-    ("hermes", '<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}'
-               '\n</tool_call>', None, [("get_current_temperature", SF)]),
-    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_current_temperature", "arguments": '
+    ("hermes", ('<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}'
+               '\n</tool_call>'), None, [("get_current_temperature", SF)]),
+    ("hermes", ('Let me check.\n<tool_call>\n{"name": "get_current_temperature", "arguments": '
                '{"location": "San Francisco, CA, USA", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n'
-               '{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}\n</tool_call>',
+               '{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}\n</tool_call>'),
      "Let me check.", [("get_current_temperature", SF_UNIT), ("get_current_temperature", SF)]),
     # Llama 3.1 prompt format (custom tools, JSON): the whole answer is the call, "parameters" not "arguments".
     ("llama3_json", '{"name": "get_current_temperature", "parameters": {"location": "San Francisco, CA, USA"}}',
      None, [("get_current_temperature", SF)]),
-    ("llama3_json", '<|python_tag|>{"name": "get_current_temperature", "parameters": {"location": '
+    ("llama3_json", ('<|python_tag|>{"name": "get_current_temperature", "parameters": {"location": '
                     '"San Francisco, CA, USA", "unit": "celsius"}}; {"name": "get_current_temperature", '
-                    '"parameters": {"location": "San Francisco, CA, USA"}}',
+                    '"parameters": {"location": "San Francisco, CA, USA"}}'),
      None, [("get_current_temperature", SF_UNIT), ("get_current_temperature", SF)]),
     # Mistral 7B Instruct v0.3's model card: an array after [TOOL_CALLS].
-    ("mistral", '[TOOL_CALLS] [{"name": "get_current_temperature", "arguments": {"location": '
-                '"San Francisco, CA, USA", "unit": "celsius"}}]', None, [("get_current_temperature", SF_UNIT)]),
+    ("mistral", ('[TOOL_CALLS] [{"name": "get_current_temperature", "arguments": {"location": '
+                '"San Francisco, CA, USA", "unit": "celsius"}}]'), None, [("get_current_temperature", SF_UNIT)]),
     # Mistral's tokenizer v11 form (Mistral Small 3.2, Magistral): name[ARGS]arguments per call.
-    ("mistral", 'Checking.[TOOL_CALLS]get_current_temperature[ARGS]{"location": "San Francisco, CA, USA"}'
-                '[TOOL_CALLS]get_current_temperature[ARGS]{"location": "San Francisco, CA, USA", "unit": "celsius"}',
+    ("mistral", ('Checking.[TOOL_CALLS]get_current_temperature[ARGS]{"location": "San Francisco, CA, USA"}'
+                '[TOOL_CALLS]get_current_temperature[ARGS]{"location": "San Francisco, CA, USA", "unit": "celsius"}'),
      "Checking.", [("get_current_temperature", SF), ("get_current_temperature", SF_UNIT)]),
     # Qwen3-Coder's chat template: XML parameters, typed by the tool's schema.
-    ("qwen3_coder", "<tool_call>\n<function=get_current_temperature>\n<parameter=location>\nSan Francisco, CA, USA\n"
-                    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    ("qwen3_coder", ("<tool_call>\n<function=get_current_temperature>\n<parameter=location>\nSan Francisco, CA, USA\n"
+                    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
      None, [("get_current_temperature", SF | {"days": 3})]),
-    ("qwen3_coder", "Sure.\n<tool_call>\n<function=get_current_temperature>\n<parameter=location>\nSan Francisco, CA, "
+    ("qwen3_coder", ("Sure.\n<tool_call>\n<function=get_current_temperature>\n<parameter=location>\nSan Francisco, CA, "
                     "USA\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_current_temperature>\n"
                     "<parameter=location>\nSan Francisco, CA, USA\n</parameter>\n<parameter=unit>\ncelsius\n"
-                    "</parameter>\n</function>\n</tool_call>",
+                    "</parameter>\n</function>\n</tool_call>"),
      "Sure.", [("get_current_temperature", SF), ("get_current_temperature", SF_UNIT)]),
 ]
 
@@ -144,7 +147,7 @@ def test_forced_call_grammars_hold_each_format(parser_name: str) -> None:
     assert _is_grammar_accept_string(grammar, text)
     assert not _is_grammar_accept_string(grammar, text.replace("get_current_temperature", "other_tool"))
     assert not _is_grammar_accept_string(grammar, text.replace("2", '"two"').replace(">2<", ">two<"))
-    content, [call] = parse_tool_calls(text, parser, TOOLS, parser.forced_prefix)
+    _, [call] = parse_tool_calls(text, parser, TOOLS, parser.forced_prefix)
     assert call.name == "get_current_temperature" and json.loads(call.arguments)["location"] == "SF"
 
 
