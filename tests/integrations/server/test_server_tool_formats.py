@@ -40,23 +40,23 @@ def template(marker: str) -> str:
 # family: (the marker its template names, an answer calling get_weather twice, content, a malformed answer)
 FAMILIES = {
     "hermes": ("<tool_call>",
-               'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+               ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
                '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}'
-               "\n</tool_call>", "Checking.",
+               "\n</tool_call>"), "Checking.",
                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",}\n</tool_call>'),
     "llama3_json": ("<|python_tag|>",
-                    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
-                    '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}', None,
+                    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}'), None,
                     '{"name": "get_weather", "parameters": {"city": "Paris"}} is what I would call'),
     "mistral": ("[TOOL_CALLS]",
-                'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
-                '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}]', "Checking.",
+                ('Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+                '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}]'), "Checking.",
                 '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"'),
     "qwen3_coder": ("<tool_call><function=",
-                    "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                     "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
                     "<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=unit>\ncelsius\n"
-                    "</parameter>\n</function>\n</tool_call>", "Checking.",
+                    "</parameter>\n</function>\n</tool_call>"), "Checking.",
                     "<tool_call>\n<parameter=city>\nParis\n</parameter>\n</tool_call>"),
 }
 CORPUS = [answer for _, answer, _, _ in FAMILIES.values()] * 3 + [json.dumps(TOOLS)] * 3
