@@ -48,8 +48,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         prompt_ids = render_chat(state.tokenizer, messages, tools, body.add_generation_prompt,
                                  body.chat_template_kwargs)
     plan = answer_plan(state, body, tools, prompt_ids)
-    if plan.reasoning is not None:
-        structured = after_thinking(structured, plan.reasoning.start, plan.reasoning.end, plan.opened)
+    thinker = state.reasoning_parser  # the model thinks whether or not the answer is split (include_reasoning)
+    if thinker is not None:
+        structured = after_thinking(structured, thinker.start, thinker.end, plan.opened)
     params = keep_markers(state, plan, to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured))
     if not params.skip_special_tokens:
         plan.eos_texts = tuple(state.tokenizer.decode([i], skip_special_tokens=False) for i in state.client.eos_token_ids)
@@ -70,10 +71,10 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 
 def answer_plan(state: ServerState, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
                 prompt_ids: list[int]) -> AnswerPlan:
-    reasoning = state.reasoning_parser if body.include_reasoning else None
-    opened = reasoning is not None and reasoning.opens_thinking(prompt_tail(state.tokenizer, prompt_ids))
-    return AnswerPlan(reasoning, opened, state.tool_parser if tools else None, tools, body.forces_tool,
-                      body.parallel_tool_calls)
+    thinker = state.reasoning_parser
+    opened = thinker is not None and thinker.opens_thinking(prompt_tail(state.tokenizer, prompt_ids))
+    return AnswerPlan(thinker if body.include_reasoning else None, opened, state.tool_parser if tools else None,
+                      tools, body.forces_tool, body.parallel_tool_calls)
 
 
 def keep_markers(state: ServerState, plan: AnswerPlan, params: SamplingParams) -> SamplingParams:

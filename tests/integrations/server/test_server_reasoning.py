@@ -187,6 +187,8 @@ def test_a_budget_without_a_reasoning_parser_is_a_400() -> None:
 
 
 def test_reasoning_parser_none_leaves_the_text_alone(qwen3: Served) -> None:
+    unsplit = ask(qwen3, THOUGHT, extra_body={"include_reasoning": False}).choices[0].message
+    assert unsplit.content == THOUGHT and "reasoning" not in unsplit.model_extra
     with serve(tiny_llm(with_template(qwen3.tokenizer, QWEN3_LIKE)), "tiny", reasoning_parser="none",
                wrap=ScriptedClient) as served:
         assert ask(served, THOUGHT).choices[0].message.content == THOUGHT
