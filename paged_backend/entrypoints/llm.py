@@ -19,7 +19,11 @@ from paged_backend.entrypoints.beam_search import (
     beam_search,
 )
 from paged_backend.integrations.chat import render_chat
-from paged_backend.integrations.reasoning import budget_processor, prompt_tail, resolve_reasoning_parser
+from paged_backend.integrations.reasoning import (
+    budget_processor,
+    prompt_tail,
+    resolve_reasoning_parser,
+)
 from paged_backend.model.attention import ATTENTION_NAME, register
 from paged_backend.model.lora import LoRARequest, LoRASpec
 from paged_backend.model.model_loader import gguf_file_of, is_default_model, load_model
