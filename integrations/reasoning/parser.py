@@ -75,6 +75,10 @@ def detect_reasoning_parser(chat_template: Any) -> ReasoningParser | None:
     if not isinstance(chat_template, str):
         return None
     found = {p.start for p in PARSERS.values() if p.start in chat_template and p.end in chat_template}
+    if found == {"<think>"} and "｜Assistant｜" in chat_template:
+        # DeepSeek's templates: some versions open <think> in the prompt, older ones leave the model to
+        # think without writing it; both close it with </think>.
+        return PARSERS["deepseek_r1"]
     if found == {"<think>"}:
         return PARSERS["qwen3"]  # reads from each prompt whether the template opened the thinking
     if found == {"[THINK]"}:

@@ -48,9 +48,10 @@ def create_app(aengine: EngineClient, model_name: str, api_key: str | None = Non
     unload adapters (vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`). `reasoning_parser` and
     `tool_call_parser` name the model's reasoning and tool-call formats ("auto": read from its chat
     template; an unknown name is a ValueError naming the option)."""
+    tokenizer = getattr(aengine, "tokenizer", None)  # None: no chat template to read the formats from
     state = ServerState(aengine, model_name, ServerMetrics(aengine), api_key, max_seqs_per_request,
-                        resolve_reasoning_parser(reasoning_parser, aengine.tokenizer),
-                        resolve_tool_parser(tool_call_parser, aengine.tokenizer))
+                        resolve_reasoning_parser(reasoning_parser, tokenizer),
+                        resolve_tool_parser(tool_call_parser, tokenizer))
     app = FastAPI(title="paged-backend", docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..hermes import CallDelta
+from ..hermes import CallDelta, new_call_id
 from ..reasoning import ReasoningParser, ReasoningStream, reasoning_tokens
 from ..tool_parsers import ToolParser
 from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
@@ -108,8 +108,6 @@ class AnswerStream:
 
 def call_piece(delta: CallDelta) -> dict[str, Any]:
     """OpenAI's shape of a streamed call piece: the first carries the call's id, type and name."""
-    from ..hermes import new_call_id
-
     if delta.name is None:
         return {"index": delta.index, "function": {"arguments": delta.arguments}}
     return {"index": delta.index, "id": new_call_id(), "type": "function",

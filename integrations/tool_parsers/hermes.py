@@ -3,6 +3,7 @@ per call, possibly between text (the primitives live in integrations/hermes.py).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ..hermes import BLOCK, CLOSE, OPEN, partial_open
@@ -46,13 +47,8 @@ class HermesParser(ToolParser):
             TagsWithSeparatorFormat,
         )
 
-        tags = [TagFormat(begin=f'{OPEN}\n{{"name": {dumps(tool)}, "arguments": ',
+        tags = [TagFormat(begin=f'{OPEN}\n{{"name": {json.dumps(tool["function"]["name"])}, "arguments": ',
                           content=GrammarFormat(grammar=arguments_grammar(tool["function"])), end=f"}}\n{CLOSE}")
                 for tool in tools]
         return TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=single)
 
-
-def dumps(tool: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(tool["function"]["name"])

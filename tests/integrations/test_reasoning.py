@@ -62,6 +62,7 @@ def test_the_prompt_says_whether_the_thinking_is_open() -> None:
 def test_detection_and_names() -> None:
     assert detect_reasoning_parser("{{ '<think>' }}x{{ '</think>' }}") is QWEN3
     assert detect_reasoning_parser("[THINK] ... [/THINK]") is MISTRAL
+    assert detect_reasoning_parser("{{ '<｜Assistant｜>' }}{{ c.split('</think>')[-1] }}<think>") is R1
     assert detect_reasoning_parser("{{ messages }}") is None
     assert detect_reasoning_parser("<think></think>[THINK][/THINK]") is None  # two formats: not unambiguous
     with pytest.raises(ValueError, match="reasoning_parser='nope'.*known: \\['deepseek_r1', 'mistral', 'qwen3'\\]"):
