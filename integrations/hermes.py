@@ -1,10 +1,9 @@
 """Hermes/Qwen-style tool calls, as models trained that way write them:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, possibly several, possibly between text.
 
-Shared by the server and the LangChain adapter, which differ only in what they do with a block that
-is not a valid call (the server keeps the whole answer as text; LangChain reports an invalid call).
-`CallStream` lets both stream each call's name and arguments as the model writes them, and
-`content_so_far` release the text before the calls.
+The primitives behind the Hermes format of `tool_parsers/` (which the server and LangChain use):
+the tags, block splitting, `CallStream.arguments_so_far` (a name-first call's argument text as it is
+written, which every JSON format's streaming shares), `content_so_far` and `new_call_id`.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ import functools
 import json
 from typing import Any
 
-from paged_backend.sampling.structured_outputs import StructuredOutputsParams, reason_of
+from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
-from .hermes import CLOSE, OPEN
+from .tool_parsers import get_tool_parser
 
 JSON_INSTRUCTION = "Answer with a single JSON object and nothing else."
 
@@ -31,16 +31,19 @@ def response_format_spec(response_format: dict[str, Any] | None) -> StructuredOu
     return None
 
 
-def forced_tool_spec(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool = True) -> StructuredOutputsParams | None:
-    """A grammar for the calls `tool_choice` forces, in the Hermes form the chat templates teach: with
-    required/any, one or more calls of any bound tool (one when `parallel` is off); with a named tool,
-    one call of it. None when the model may answer freely."""
+def forced_tool_spec(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool = True,
+                     parser: Any = None) -> StructuredOutputsParams | None:
+    """A grammar for the calls `tool_choice` forces, in the format of `parser` (a `ToolParser`; Hermes,
+    the form the tool policy teaches, by default): with required/any, one or more calls of any bound
+    tool (one when `parallel` is off); with a named tool, one call of it. None when the model may
+    answer freely."""
     name = chosen_tool_name(tools, tool_choice)
     if name is None:
         return None
     chosen = [t for t in tools if name in ("", t["function"]["name"])]
-    return StructuredOutputsParams(grammar=tool_call_grammar(json.dumps(chosen, sort_keys=True),
-                                                             single=bool(name) or not parallel))
+    # Key order kept: the grammar writes an object's properties in the order its schema lists them.
+    return StructuredOutputsParams(grammar=tool_call_grammar(json.dumps(chosen), single=bool(name) or not parallel,
+                                                             parser_name=getattr(parser, "name", "hermes")))
 
 
 def chosen_tool_name(tools: list[dict[str, Any]], tool_choice: Any) -> str | None:
@@ -58,36 +61,40 @@ def chosen_tool_name(tools: list[dict[str, Any]], tool_choice: Any) -> str | Non
 
 
 @functools.lru_cache(maxsize=128)
-def tool_call_grammar(tools_json: str, single: bool = False) -> str:
-    """EBNF of `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks, one per line, for
-    these tools: at least one, and exactly one when `single`."""
+def tool_call_grammar(tools_json: str, single: bool = False, parser_name: str = "hermes") -> str:
+    """EBNF of the calls of these tools in the named format (for Hermes: `<tool_call>\\n{"name": ...,
+    "arguments": {...}}\\n</tool_call>` blocks, one per line): at least one, and exactly one when `single`."""
     import xgrammar
-    from xgrammar.structural_tag import (
-        GrammarFormat,
-        StructuralTag,
-        TagFormat,
-        TagsWithSeparatorFormat,
-    )
+    from xgrammar.structural_tag import StructuralTag
 
-    tags = [TagFormat(begin=f'{OPEN}\n{{"name": {json.dumps(tool["function"]["name"])}, "arguments": ',
-                      content=GrammarFormat(grammar=arguments_grammar(tool["function"])), end=f"}}\n{CLOSE}")
-            for tool in json.loads(tools_json)]
-    calls = TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=single)
+    calls = get_tool_parser(parser_name).forced_format(json.loads(tools_json), single)
     return str(xgrammar.Grammar.from_structural_tag(StructuralTag(format=calls)))
 
 
-def arguments_grammar(function: dict[str, Any]) -> str:
-    """The EBNF of one tool's arguments object. Compact JSON: a small model given free whitespace may
-    spend its tokens on it."""
+def after_thinking(spec: StructuredOutputsParams | None, start: str, end: str,
+                   opened: bool) -> StructuredOutputsParams | None:
+    """`spec` with the model's thinking allowed before it: the answer's grammar starts after the end
+    marker (an opened thinking must close; otherwise a thinking block is optional), so structured
+    outputs and forced calls hold the answer only."""
+    if spec is None:
+        return None
     import xgrammar
+    from xgrammar.structural_tag import (
+        AnyTextFormat,
+        GrammarFormat,
+        OptionalFormat,
+        SequenceFormat,
+        StructuralTag,
+        TagFormat,
+    )
 
-    parameters = function.get("parameters") or {}
-    schema = {"type": "object", **parameters} if isinstance(parameters, dict) else parameters
-    try:
-        return str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
-    except RuntimeError as exc:
-        raise ValueError(f"the parameters of tool {function['name']!r} are not a schema the grammar can follow: "
-                         f"{reason_of(exc)}") from None
+    from paged_backend.sampling.structured_outputs import build_grammar
+
+    thinking = TagFormat(begin="" if opened else start, content=AnyTextFormat(), end=end)
+    answer = GrammarFormat(grammar=str(build_grammar(spec.key)))
+    elements = [thinking if opened else OptionalFormat(content=thinking), answer]
+    return StructuredOutputsParams(grammar=str(xgrammar.Grammar.from_structural_tag(
+        StructuralTag(format=SequenceFormat(elements=elements)))))
 
 
 def add_json_instruction(messages: list[dict[str, Any]], schema: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ the engine's continuous batch, so concurrent `ainvoke`s and a `batch` share forw
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,9 +43,29 @@ from pydantic import ConfigDict
 from paged_backend import SamplingParams
 
 from ..chat import render_chat
-from ..hermes import OPEN, CallStream
 from ..logprobs import chat_logprobs
-from ..structured import add_json_instruction, forced_tool_spec, response_format_spec
+from ..reasoning import (
+    AUTO,
+    ReasoningParser,
+    ReasoningStream,
+    budget_processor,
+    reasoning_tokens,
+    resolve_reasoning_parser,
+)
+from ..structured import (
+    add_json_instruction,
+    after_thinking,
+    chosen_tool_name,
+    forced_tool_spec,
+    response_format_spec,
+)
+from ..tool_parsers import (
+    HERMES,
+    ToolCallStream,
+    ToolParser,
+    keeps_special_tokens,
+    resolve_tool_parser,
+)
 from .completion import Completion
 from .messages import to_chat_dicts
 from .options import PagedOptions, merge_stops
@@ -52,7 +73,7 @@ from .submit import astream_outputs, run_batch, stream_outputs
 from .tool_calls import (
     ContentStreamer,
     ParsedResponse,
-    parse_hermes,
+    parse_calls,
     parse_with_tokenizer,
     tool_call_chunk,
 )
@@ -65,6 +86,19 @@ class PreparedCall:
     params: SamplingParams  # with the grammar of a forced call or a JSON answer, if any
     timeout: float | None
     lora: Any = None  # the LoRA adapter the call answers with (None: the base model)
+    reasoning: ReasoningParser | None = None  # None: the answer is not split into thinking and content
+    opened: bool = False  # the prompt left the thinking open
+    tool_parser: ToolParser = HERMES
+    own_parser: bool = False  # the tokenizer's response_template parses calls (no format named)
+    prefix: str = ""  # what a forced call's grammar leaves out of the text
+    processor: Any = None  # the logits processor of thinking_token_budget
+    eos_texts: tuple[str, ...] = ()  # decoded EOS to drop, when special tokens are kept for the markers
+
+
+@dataclass(slots=True)
+class StreamState:
+    thinking: ReasoningStream | None
+    content: ContentStreamer | None
 
 
 class ChatPaged(PagedOptions, BaseChatModel):
@@ -80,6 +114,16 @@ class ChatPaged(PagedOptions, BaseChatModel):
     """A Jinja chat template to use instead of the tokenizer's (e.g. HERMES_TOOL_TEMPLATE)."""
     logprobs: bool = False
     top_logprobs: int | None = None
+    reasoning_parser: str | None = AUTO
+    """How the model writes its thinking ("auto": the chat template's markers, when they name one
+    format; None or "none": never split). The thinking goes to additional_kwargs["reasoning_content"]
+    (so `content_blocks` starts with a reasoning block)."""
+    tool_call_parser: str | None = AUTO
+    """The format the model writes tool calls in ("auto": the template's, else Hermes)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template, e.g. {"enable_thinking": False}."""
+    thinking_token_budget: int | None = None
+    """Past this many thinking tokens the end marker is forced and the answer follows."""
 
     @property
     def _llm_type(self) -> str:
@@ -172,30 +216,32 @@ class ChatPaged(PagedOptions, BaseChatModel):
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         # BaseChatModel fires on_llm_new_token for each chunk itself.
         call = self.prepare(messages, stop, kwargs, streaming=True)
-        streamer = self.content_streamer(call)
-        for output in stream_outputs(self.async_engine, self.encode(call), call.params, call.timeout, call.lora):
-            yield from self.to_chunks(call, Completion.of(output), streamer)
+        state = self.stream_state(call)
+        for output in stream_outputs(self.async_engine, self.encode(call), call.params, call.timeout, call.lora,
+                                     call.processor):
+            yield from self.to_chunks(call, Completion.of(output), state)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         call = self.prepare(messages, stop, kwargs, streaming=True)
-        streamer = self.content_streamer(call)
+        state = self.stream_state(call)
         async for output in astream_outputs(self.async_engine, self.encode(call), call.params, call.timeout,
-                                             call.lora):
-            for chunk in self.to_chunks(call, Completion.of(output), streamer):
+                                             call.lora, call.processor):
+            for chunk in self.to_chunks(call, Completion.of(output), state):
                 yield chunk
 
     def complete_all(self, call: PreparedCall) -> list[Completion]:
         """Every sample (n of them) of one request, to the end."""
-        for _, output in run_batch(self.async_engine, [self.encode(call)], call.params, call.timeout, call.lora):
+        for _, output in run_batch(self.async_engine, [self.encode(call)], call.params, call.timeout, call.lora,
+                                   call.processor):
             if output.finished:
                 return [Completion.of(output, i) for i in range(len(output.outputs))]
         raise AssertionError("the engine ended a request without a finished output")
 
     async def acomplete_all(self, call: PreparedCall) -> list[Completion]:
         async for output in astream_outputs(self.async_engine, self.encode(call), call.params, call.timeout,
-                                             call.lora):
+                                             call.lora, call.processor):
             if output.finished:
                 return [Completion.of(output, i) for i in range(len(output.outputs))]
         raise AssertionError("the engine ended a request without a finished output")
@@ -219,6 +265,8 @@ class ChatPaged(PagedOptions, BaseChatModel):
         tool_choice = kwargs.pop("tool_choice", None)
         parallel_tool_calls = kwargs.pop("parallel_tool_calls", False)
         response_format = kwargs.pop("response_format", None)
+        template_kwargs = {**(self.chat_template_kwargs or {}), **(kwargs.pop("chat_template_kwargs", None) or {})}
+        budget = kwargs.pop("thinking_token_budget", self.thinking_token_budget)
         timeout = self.call_timeout(kwargs)
         lora = self.call_lora(kwargs)
         conversation = to_chat_dicts(messages)
@@ -228,8 +276,14 @@ class ChatPaged(PagedOptions, BaseChatModel):
             schema = (response_format.get("json_schema") or {}).get("schema")
             conversation = add_json_instruction(conversation, schema if isinstance(schema, dict) else None)
         shown_tools = tools if tool_choice != "none" else []
-        prompt_text = self.render(conversation, shown_tools)
-        shape = forced_tool_spec(shown_tools, tool_choice, parallel_tool_calls) or response_format_spec(response_format)
+        prompt_text = self.render(conversation, shown_tools, template_kwargs)
+        reasoning = resolve_reasoning_parser(self.reasoning_parser, self.tokenizer_)
+        opened = reasoning is not None and reasoning.opens_thinking(prompt_text[-200:])
+        tool_parser = resolve_tool_parser(self.tool_call_parser, self.tokenizer_)
+        shape = (forced_tool_spec(shown_tools, tool_choice, parallel_tool_calls, tool_parser)
+                 or response_format_spec(response_format))
+        if shape is not None and reasoning is not None:
+            shape = after_thinking(shape, reasoning.start, reasoning.end, opened)
         if shape is not None:
             if kwargs.get("structured_outputs", self.structured_outputs) is not None:
                 raise ValueError("structured_outputs cannot be combined with a forced tool call or a response_format")
@@ -237,50 +291,90 @@ class ChatPaged(PagedOptions, BaseChatModel):
         params = self.sampling_params(stop, kwargs, logprobs=self.top_logprobs or 0 if self.logprobs else None)
         if params.num_samples > 1 and streaming:
             raise NotImplementedError("n > 1 or best_of > 1 with streaming")
-        return PreparedCall(prompt_text=prompt_text, tools=shown_tools, params=params, timeout=timeout, lora=lora)
+        call = PreparedCall(prompt_text=prompt_text, tools=shown_tools, params=params, timeout=timeout, lora=lora,
+                            reasoning=reasoning, opened=opened, tool_parser=tool_parser,
+                            own_parser=self.tool_call_parser in (None, AUTO)
+                            and getattr(self.tokenizer_, "response_template", None) is not None)
+        if chosen_tool_name(shown_tools, tool_choice) is not None:
+            call.prefix = tool_parser.forced_prefix
+        self.keep_markers(call)
+        if budget is not None:
+            if reasoning is None:
+                raise ValueError("thinking_token_budget needs a reasoning model: set reasoning_parser")
+            call.processor = budget_processor(self.tokenizer_, reasoning, budget, opened)
+        return call
 
-    def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+    def keep_markers(self, call: PreparedCall) -> None:
+        """Markers the parsers read must survive decoding: keep special tokens when one of them is special."""
+        markers = (call.reasoning.markers if call.reasoning else ()) + (call.tool_parser.markers if call.tools else ())
+        if markers and call.params.skip_special_tokens and keeps_special_tokens(self.tokenizer_, markers):
+            call.params = dataclasses.replace(call.params, skip_special_tokens=False)
+            call.eos_texts = tuple(self.tokenizer_.decode([i], skip_special_tokens=False)
+                                   for i in self.async_engine.eos_token_ids)
+
+    def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]],
+               template_kwargs: dict[str, Any] | None = None) -> str:
         """Through the shared renderer and its tool policy: tools the template cannot render are
         described Hermes style in the system turn (integrations/chat.py)."""
         return render_chat(self.tokenizer_, conversation, tools or None, chat_template=self.chat_template,
-                           tokenize=False)
+                           template_kwargs=template_kwargs, tokenize=False)
 
     # ------------------------------------------------------------------ outputs
 
     def parse(self, call: PreparedCall, text: str) -> ParsedResponse:
+        """The thinking first, then the calls of the answer alone."""
+        reasoning, text = call.reasoning.split(text, call.opened) if call.reasoning else (None, text)
         if not call.tools:
-            return ParsedResponse(content=text)
-        if getattr(self.tokenizer_, "response_template", None) is not None:
-            return parse_with_tokenizer(self.tokenizer_, text, call.prompt_text, call.tools)
-        return parse_hermes(text)
+            parsed = ParsedResponse(content=text)
+        elif call.own_parser:
+            parsed = parse_with_tokenizer(self.tokenizer_, text, call.prompt_text, call.tools)
+        else:
+            parsed = parse_calls(text, call.tool_parser, call.tools, call.prefix)
+        parsed.reasoning = reasoning
+        return parsed
 
-    def content_streamer(self, call: PreparedCall) -> ContentStreamer | None:
-        """With tools, only certain content streams, and each Hermes call's name and arguments as they
-        are written; what is left comes parsed in the last chunk."""
+    def stream_state(self, call: PreparedCall) -> StreamState:
+        """With a reasoning parser, the thinking streams apart; with tools, only certain content streams,
+        and each call's name and arguments as they are written; what is left comes parsed in the last chunk."""
+        thinking = ReasoningStream(call.reasoning, call.opened) if call.reasoning else None
         if not call.tools:
-            return None
-        if getattr(self.tokenizer_, "response_template", None) is None:
-            return ContentStreamer(calls=CallStream())
-        return ContentStreamer(OPEN)  # transformers' parser runs on the whole text: hold everything back
+            return StreamState(thinking, None)
+        if call.own_parser:  # transformers' parser runs on the whole text: hold everything back
+            return StreamState(thinking, ContentStreamer(hold=True))
+        calls = ToolCallStream(call.tool_parser, call.tools, call.prefix)
+        return StreamState(thinking, ContentStreamer(call.tool_parser, calls, prefix=call.prefix))
 
-    def to_chunks(self, call: PreparedCall, done: Completion, streamer: ContentStreamer | None) -> Iterator[ChatGenerationChunk]:
-        delta = done.delta if streamer is None else streamer.feed(done.delta)
-        if done.finish_reason is None:
+    def to_chunks(self, call: PreparedCall, done: Completion, state: StreamState) -> Iterator[ChatGenerationChunk]:
+        finished = done.finish_reason is not None
+        delta, reasoning = done.without_eos(done.delta, call.eos_texts) if finished else done.delta, ""
+        if state.thinking is not None:
+            split = state.thinking.push(delta)
+            if finished:
+                tail = state.thinking.finish()
+                split.reasoning, split.content = split.reasoning + tail.reasoning, split.content + tail.content
+            reasoning, delta = split.reasoning, split.content
+        streamer = state.content
+        delta = delta if streamer is None else streamer.feed(delta)
+        extra = {"reasoning_content": reasoning} if reasoning else {}
+        if not finished:
             calls = streamer.call_chunks() if streamer is not None else []
-            if delta or calls:
-                yield ChatGenerationChunk(message=AIMessageChunk(content=delta, tool_call_chunks=calls))
+            if delta or calls or reasoning:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=delta, tool_call_chunks=calls,
+                                                                 additional_kwargs=extra))
             return
         if streamer is None:
-            yield self.to_final_chunk(call, done, content=delta, calls=[])
+            yield self.to_final_chunk(call, done, content=delta, calls=[], extra=extra)
             return
-        parsed = self.parse(call, done.text)
-        calls = streamer.final_call_chunks(done.text) if streamer.calls is not None else self.call_chunks(parsed)
-        yield self.to_final_chunk(call, done, content=delta + streamer.finish(parsed.content), calls=calls)
+        parsed = self.parse(call, done.without_eos(done.text, call.eos_texts))
+        calls = streamer.final_call_chunks(parsed) if streamer.calls is not None else self.call_chunks(parsed)
+        yield self.to_final_chunk(call, done, content=delta + streamer.finish(parsed.content), calls=calls,
+                                  extra=extra)
 
     def to_final_chunk(self, call: PreparedCall, done: Completion, content: str,
-                       calls: list[dict[str, Any]]) -> ChatGenerationChunk:
-        message = AIMessageChunk(content=content, usage_metadata=done.usage, response_metadata=self.response_metadata(done),
-                                 chunk_position="last", tool_call_chunks=calls)
+                       calls: list[dict[str, Any]], extra: dict[str, Any]) -> ChatGenerationChunk:
+        message = AIMessageChunk(content=content, usage_metadata=self.usage(call, done), additional_kwargs=extra,
+                                 response_metadata=self.response_metadata(done), chunk_position="last",
+                                 tool_call_chunks=calls)
         return ChatGenerationChunk(message=message)
 
     @staticmethod
@@ -291,12 +385,20 @@ class ChatPaged(PagedOptions, BaseChatModel):
         """One ChatGeneration per sample (n > 1 gives several)."""
         generations = []
         for done in dones:
-            parsed = self.parse(call, done.text)
-            message = AIMessage(content=parsed.content, tool_calls=parsed.tool_calls,
-                                invalid_tool_calls=parsed.invalid_tool_calls, usage_metadata=done.usage,
+            parsed = self.parse(call, done.without_eos(done.text, call.eos_texts))
+            extra = {"reasoning_content": parsed.reasoning} if parsed.reasoning is not None else {}
+            message = AIMessage(content=parsed.content, tool_calls=parsed.tool_calls, additional_kwargs=extra,
+                                invalid_tool_calls=parsed.invalid_tool_calls, usage_metadata=self.usage(call, done),
                                 response_metadata=self.response_metadata(done))
             generations.append(ChatGeneration(message=message))
         return ChatResult(generations=generations, llm_output={"model_name": self.resolved_model_name})
+
+    def usage(self, call: PreparedCall, done: Completion) -> dict[str, Any]:
+        """The sample's usage; a reasoning model's counts its thinking tokens too."""
+        if call.reasoning is None:
+            return done.usage
+        thought = reasoning_tokens(self.tokenizer_, call.reasoning, done.token_ids, call.opened)
+        return {**done.usage, "output_token_details": {"reasoning": thought}}
 
     def response_metadata(self, done: Completion) -> dict[str, Any]:
         metadata = {"model_name": self.resolved_model_name, "finish_reason": done.finish_reason,

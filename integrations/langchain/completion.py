@@ -18,13 +18,24 @@ class Completion:
     usage: dict[str, Any]
     token_ids: list[int]
     logprobs: list | None
+    stop_reason: int | str | None = None
 
     @classmethod
     def of(cls, output: RequestOutput, index: int = 0) -> Completion:
         completion = output.outputs[index]
         return cls(text=completion.text, delta=output.delta_text,
                    finish_reason=completion.finish_reason if output.finished else None,
-                   usage=usage(output, completion), token_ids=completion.token_ids, logprobs=completion.logprobs)
+                   usage=usage(output, completion), token_ids=completion.token_ids, logprobs=completion.logprobs,
+                   stop_reason=completion.stop_reason)
+
+    def without_eos(self, text: str, eos_texts: tuple[str, ...]) -> str:
+        """`text` (all of it, or the last delta) less the decoded EOS that ended it: special tokens are kept
+        (for a marker's sake) only when a format needs them, and then the engine decodes the EOS too."""
+        if self.finish_reason == "stop" and self.stop_reason is None:
+            for eos in eos_texts:
+                if text.endswith(eos):
+                    return text[:-len(eos)]
+        return text
 
 
 def usage(output: RequestOutput, completion: CompletionOutput) -> dict[str, Any]:

@@ -14,23 +14,26 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 from paged_backend import RequestOutput, SamplingParams
+from paged_backend.core.request import LogitsProcessor
 from paged_backend.entrypoints.engine_client import EngineClient, Prompt
 from paged_backend.model.lora import LoRASpec
 
 
 def stream_outputs(client: EngineClient, prompt: Prompt, params: SamplingParams,
-                   timeout: float | None, lora: LoRASpec | None = None) -> Iterator[RequestOutput]:
+                   timeout: float | None, lora: LoRASpec | None = None,
+                   logits_processor: LogitsProcessor | None = None) -> Iterator[RequestOutput]:
     """Yield one request's outputs as they change (blocking); the last has finished=True."""
-    for _, output in run_batch(client, [prompt], params, timeout, lora):
+    for _, output in run_batch(client, [prompt], params, timeout, lora, logits_processor):
         yield output
 
 
 def run_batch(client: EngineClient, prompts: Sequence[Prompt], params: SamplingParams,
-              timeout: float | None, lora: LoRASpec | None = None) -> Iterator[tuple[int, RequestOutput]]:
+              timeout: float | None, lora: LoRASpec | None = None,
+              logits_processor: LogitsProcessor | None = None) -> Iterator[tuple[int, RequestOutput]]:
     """Queue every prompt before waiting on any; yield (prompt index, output) as outputs arrive."""
     validate_all(client, prompts, params, lora)
     outputs: queue.SimpleQueue[tuple[int, RequestOutput]] = queue.SimpleQueue()
-    ids = [client.submit(p, params, None, lambda o, i=i: outputs.put((i, o)), lora=lora)
+    ids = [client.submit(p, params, None, lambda o, i=i: outputs.put((i, o)), logits_processor, lora=lora)
            for i, p in enumerate(prompts)]
     deadline = make_deadline(timeout)
     pending = set(range(len(ids)))
@@ -47,12 +50,13 @@ def run_batch(client: EngineClient, prompts: Sequence[Prompt], params: SamplingP
 
 
 async def astream_outputs(client: EngineClient, prompt: Prompt, params: SamplingParams,
-                          timeout: float | None, lora: LoRASpec | None = None) -> AsyncIterator[RequestOutput]:
+                          timeout: float | None, lora: LoRASpec | None = None,
+                          logits_processor: LogitsProcessor | None = None) -> AsyncIterator[RequestOutput]:
     """The same as `stream_outputs`, awaiting on the caller's event loop."""
     loop = asyncio.get_running_loop()
     outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
     request_id = client.submit(prompt, params, None, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
-                                lora=lora)
+                                logits_processor, lora=lora)
     deadline = make_deadline(timeout)
     finished = False
     try:

@@ -1,7 +1,9 @@
 """Tool calls: rendering tools for the chat template, choosing the forced tool, parsing calls back.
 
-Models trained Hermes/Qwen style answer with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
-A tokenizer that ships a `response_template` is parsed with transformers' own parser instead.
+Calls are parsed in the model's format (`integrations/tool_parsers/`: Hermes/Qwen
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` unless the template or `tool_call_parser`
+names another). A tokenizer that ships a `response_template` is parsed with transformers' own parser
+instead, unless a format is named.
 """
 
 from __future__ import annotations
@@ -10,14 +12,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..hermes import (
-    CallStream,
-    HermesCall,
+from ..hermes import new_call_id
+from ..tool_parsers import (
+    HERMES,
+    ParsedCall,
+    ToolCallStream,
+    ToolParser,
     content_so_far,
-    new_call_id,
-    parse_call,
-    split_calls,
 )
+from ..tool_parsers.json_calls import parse_object
 
 # ChatML with tools rendered Hermes/Qwen style, for models whose own template ignores tools.
 # Without tools it renders what SmolLM2's template renders.
@@ -64,15 +67,24 @@ class ParsedResponse:
     content: str
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # LangChain ToolCall dicts
     invalid_tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str | None = None  # the thinking of a reasoning model, split off before the calls
+
+
+def parse_calls(text: str, parser: ToolParser = HERMES, tools: list[dict[str, Any]] | None = None,
+                prefix: str = "") -> ParsedResponse:
+    """Split the calls out of the text in `parser`'s format; an unfinished last call counts (max_tokens
+    cut it) and a call that does not parse is an invalid one. `prefix`: what a forced call's grammar
+    left out of the text."""
+    parsed = parser.parse(prefix + text, tools)
+    result = ParsedResponse(content=parsed.content if parsed.calls else text)
+    for call in parsed.calls:
+        add_call(result, call)
+    return result
 
 
 def parse_hermes(text: str) -> ParsedResponse:
     """Split `<tool_call>` blocks out of the text; an unclosed last block counts (max_tokens cut it)."""
-    content, calls = split_calls(text)
-    result = ParsedResponse(content=content)
-    for call in calls:
-        add_call(result, call)
-    return result
+    return parse_calls(text)
 
 
 def parse_with_tokenizer(tokenizer: Any, text: str, prompt_text: str, tools: list[dict[str, Any]]) -> ParsedResponse:
@@ -81,12 +93,12 @@ def parse_with_tokenizer(tokenizer: Any, text: str, prompt_text: str, tools: lis
     result = ParsedResponse(content=(message.get("content") or "").strip())
     for call in message.get("tool_calls") or []:
         function = call.get("function", call)
-        add_call(result, parse_call(json.dumps({"name": function.get("name"),
-                                                "arguments": function.get("arguments", {})})))
+        add_call(result, parse_object(json.dumps({"name": function.get("name"),
+                                                  "arguments": function.get("arguments", {})})))
     return result
 
 
-def add_call(result: ParsedResponse, call: HermesCall) -> None:
+def add_call(result: ParsedResponse, call: ParsedCall) -> None:
     """A valid call as a LangChain ToolCall; anything else as an InvalidToolCall keeping the raw text."""
     call_id = new_call_id()
     if call.valid:
@@ -97,18 +109,26 @@ def add_call(result: ParsedResponse, call: HermesCall) -> None:
 
 
 class ContentStreamer:
-    """Releases streamed text that is certainly content: never a tool-call block, nor the start of
-    one, nor whitespace that parsing would strip. With `calls`, each call's name and arguments stream
-    too, as LangChain tool-call chunks; the rest comes from the final parse."""
+    """Releases streamed text that is certainly content: never a tool call, nor the start of one, nor
+    whitespace that parsing would strip. With `calls`, each call's name and arguments stream too, as
+    LangChain tool-call chunks; the rest comes from the final parse. With `hold` everything waits for
+    the final parse (transformers' parser reads the whole text)."""
 
-    def __init__(self, text: str = "", calls: CallStream | None = None) -> None:
-        self.text = text
+    def __init__(self, parser: ToolParser = HERMES, calls: ToolCallStream | None = None, hold: bool = False,
+                 prefix: str = "") -> None:
+        self.parser = parser
+        self.text = prefix  # a forced call's prefix (`ToolParser.forced_prefix`) is never content
         self.released = ""
         self.calls = calls
+        self.hold = hold
 
     def feed(self, delta: str) -> str:
         self.text += delta
-        visible = content_so_far(self.text).strip()  # grows monotonically until a tag appears
+        if self.calls is not None:
+            self.calls.text += delta
+        if self.hold:
+            return ""
+        visible = content_so_far(self.parser, self.text).strip()  # grows monotonically until a call begins
         new = visible[len(self.released):]
         self.released = visible
         return new
@@ -118,16 +138,13 @@ class ContentStreamer:
         if self.calls is None:
             return []
         return [{"type": "tool_call_chunk", "name": d.name, "args": d.arguments, "index": d.index,
-                 "id": new_call_id() if d.name is not None else None} for d in self.calls.update(self.text)]
+                 "id": new_call_id() if d.name is not None else None} for d in self.calls.deltas()]
 
-    def final_call_chunks(self, text: str) -> list[dict[str, Any]]:
-        """The calls' last pieces: the rest of those that streamed, and whole the blocks after them."""
+    def final_call_chunks(self, parsed: ParsedResponse) -> list[dict[str, Any]]:
+        """The calls' last pieces: the rest of those that streamed, and whole the calls after them."""
         chunks = self.call_chunks()
-        streamed = self.calls.streamed if self.calls is not None else 0
-        later = ParsedResponse(content="")
-        for call in split_calls(text)[1][streamed:]:
-            add_call(later, call)
-        for index, call in enumerate(later.tool_calls + later.invalid_tool_calls, start=streamed):
+        streamed = self.calls.calls.streamed if self.calls is not None else 0
+        for index, call in enumerate((parsed.tool_calls + parsed.invalid_tool_calls)[streamed:], start=streamed):
             chunks.append(tool_call_chunk(call, index))
         return chunks
 

@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from paged_backend.entrypoints.engine_client import EngineClient
 
+from ..reasoning import resolve_reasoning_parser
+from ..tool_parsers import AUTO, resolve_tool_parser
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, JSONErrors, install_error_handlers
@@ -37,13 +39,19 @@ from .tokenization import (
 
 def create_app(aengine: EngineClient, model_name: str, api_key: str | None = None,
                max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
-               allow_runtime_lora_updating: bool = False) -> FastAPI:
+               allow_runtime_lora_updating: bool = False, reasoning_parser: str | None = AUTO,
+               tool_call_parser: str | None = AUTO) -> FastAPI:
     """The app for `aengine` (any `EngineClient`); `model_name` is what clients must send as `model` (or the name of one of the
     engine's LoRA adapters); with `api_key` set, every /v1, /generate and tokenizer request needs
     `Authorization: Bearer <api_key>`; a request that would start more than `max_seqs_per_request`
     sequences (prompts x choices) is a 400. With `allow_runtime_lora_updating`, clients may load and
-    unload adapters (vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`)."""
-    state = ServerState(aengine, model_name, ServerMetrics(aengine), api_key, max_seqs_per_request)
+    unload adapters (vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`). `reasoning_parser` and
+    `tool_call_parser` name the model's reasoning and tool-call formats ("auto": read from its chat
+    template; an unknown name is a ValueError naming the option)."""
+    tokenizer = getattr(aengine, "tokenizer", None)  # None: no chat template to read the formats from
+    state = ServerState(aengine, model_name, ServerMetrics(aengine), api_key, max_seqs_per_request,
+                        resolve_reasoning_parser(reasoning_parser, tokenizer),
+                        resolve_tool_parser(tool_call_parser, tokenizer))
     app = FastAPI(title="paged-backend", docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)

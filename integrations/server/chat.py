@@ -1,7 +1,9 @@
-"""POST /v1/chat/completions: messages through the chat template, answers with optional tool calls."""
+"""POST /v1/chat/completions: messages through the chat template, answers with optional reasoning
+(`message.reasoning`, also as `reasoning_content`) and tool calls in the served model's format."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,20 +11,27 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from paged_backend import RequestOutput
+from paged_backend import RequestOutput, SamplingParams
 
-from ..hermes import CallDelta, CallStream, new_call_id
 from ..logprobs import chat_logprobs, positions
-from ..structured import add_json_instruction
+from ..reasoning import budget_processor, prompt_tail
+from ..structured import add_json_instruction, after_thinking
+from ..tool_parsers import keeps_special_tokens
+from .chat_answer import AnswerPlan, AnswerStream
 from .chat_template import render_chat
-from .errors import APIError, request_field
+from .errors import APIError, bad_request, request_field
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import ChatCompletionRequest
 from .responses import DONE, sse, sse_error, usage
-from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices
+from .sampling import (
+    bias_processor,
+    check_prompt,
+    then,
+    to_sampling_params,
+    with_choices,
+)
 from .state import ServerState
 from .structured import structured_spec
-from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, http_request: Request):
@@ -30,7 +39,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     lora = state.check_model(body.model)
     state.check_sequences(1, body.n, "n")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.uses_tools else None
-    structured = structured_spec(body, tools)
+    structured = structured_spec(body, tools, state.tool_parser)
     messages = body.messages
     if body.wants_json and not body.forces_tool:
         schema = (body.json_schema or {}).get("schema")
@@ -38,18 +47,58 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     with request_field("messages"):
         prompt_ids = render_chat(state.tokenizer, messages, tools, body.add_generation_prompt,
                                  body.chat_template_kwargs)
-    params = to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured)
+    plan = answer_plan(state, body, tools, prompt_ids)
+    thinker = state.reasoning_parser  # the model thinks whether or not the answer is split (include_reasoning)
+    if thinker is not None:
+        structured = after_thinking(structured, thinker.start, thinker.end, plan.opened)
+    params = keep_markers(state, plan, to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured))
+    if not params.skip_special_tokens:
+        plan.eos_texts = tuple(state.tokenizer.decode([i], skip_special_tokens=False) for i in state.client.eos_token_ids)
     prompt_ids = check_prompt(state.client, prompt_ids, params, "messages")
+    processor = then(bias_processor(state.client, body.logit_bias), thinking_budget(state, body, plan))
     request_id = new_id("chatcmpl")
-    jobs = [Job(0, prompt_ids, with_choices(params, body.n), bias_processor(state.client, body.logit_bias), lora)]
+    jobs = [Job(0, prompt_ids, with_choices(params, body.n), processor, lora)]
     if body.stream:
-        events = stream_chat(state, body, jobs, len(prompt_ids), request_id)
+        events = stream_chat(state, body, plan, jobs, len(prompt_ids), request_id)
         return StreamingResponse(events, media_type="text/event-stream")
     finals = await collect_finals(http_request, state.client, jobs, request_id, state.metrics)
-    choices = [chat_choice(state, body, i, finals[i]) for i in range(body.n)]
+    choices = [chat_choice(state, body, plan, i, finals[i]) for i in range(body.n)]
     completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals.values())
+    thought = sum(plan.reasoning_tokens(state.tokenizer, out.outputs[0].token_ids) for out in finals.values())
     response = envelope(request_id, body.model, "chat.completion", choices)
-    return JSONResponse(response | {"usage": usage(len(prompt_ids), completion_tokens)})
+    return JSONResponse(response | {"usage": chat_usage(plan, len(prompt_ids), completion_tokens, thought)})
+
+
+def answer_plan(state: ServerState, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                prompt_ids: list[int]) -> AnswerPlan:
+    thinker = state.reasoning_parser
+    opened = thinker is not None and thinker.opens_thinking(prompt_tail(state.tokenizer, prompt_ids))
+    return AnswerPlan(thinker if body.include_reasoning else None, opened, state.tool_parser if tools else None,
+                      tools, body.forces_tool, body.parallel_tool_calls)
+
+
+def keep_markers(state: ServerState, plan: AnswerPlan, params: SamplingParams) -> SamplingParams:
+    """Markers the parsers read must survive decoding: keep special tokens when one of them is special."""
+    markers = (plan.reasoning.markers if plan.reasoning else ()) + (plan.tool_parser.markers if plan.tool_parser else ())
+    if markers and params.skip_special_tokens and keeps_special_tokens(state.tokenizer, markers):
+        return dataclasses.replace(params, skip_special_tokens=False)
+    return params
+
+
+def thinking_budget(state: ServerState, body: ChatCompletionRequest, plan: AnswerPlan):
+    if body.thinking_token_budget is None:
+        return None
+    if state.reasoning_parser is None:
+        raise bad_request("thinking_token_budget needs a reasoning model: this server runs no reasoning parser "
+                          "(--reasoning-parser)", "thinking_token_budget")
+    return budget_processor(state.tokenizer, state.reasoning_parser, body.thinking_token_budget, plan.opened)
+
+
+def chat_usage(plan: AnswerPlan, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
+    counted = usage(prompt_tokens, completion_tokens)
+    if plan.reasoning is not None:
+        counted["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counted
 
 
 def logprobs_wanted(body: ChatCompletionRequest) -> int | None:
@@ -60,10 +109,13 @@ def envelope(request_id: str, model: str, kind: str, choices: list[dict[str, Any
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
 
 
-def chat_choice(state: ServerState, body: ChatCompletionRequest, index: int, output: RequestOutput) -> dict[str, Any]:
+def chat_choice(state: ServerState, body: ChatCompletionRequest, plan: AnswerPlan, index: int,
+                output: RequestOutput) -> dict[str, Any]:
     completion = output.outputs[0]
-    content, calls = split_answer(body, completion.text)
+    reasoning, content, calls = plan.split(plan.text_of(completion, completion.text))
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if plan.reasoning is not None:
+        message |= {"reasoning": reasoning, "reasoning_content": reasoning}
     if calls:
         message["tool_calls"] = [call.to_openai() for call in calls]
     logprobs = chat_logprobs(state.tokenizer, positions(completion), body.top_logprobs or 0) if body.logprobs else None
@@ -72,16 +124,10 @@ def chat_choice(state: ServerState, body: ChatCompletionRequest, index: int, out
             "stop_reason": completion.stop_reason}
 
 
-def split_answer(body: ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolCall]]:
-    if not body.uses_tools:
-        return text, []
-    content, calls = parse_tool_calls(text)
-    return content, calls if body.parallel_tool_calls else calls[:1]
-
-
-async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: list[Job], prompt_tokens: int,
-                      request_id: str) -> AsyncIterator[str]:
+async def stream_chat(state: ServerState, body: ChatCompletionRequest, plan: AnswerPlan, jobs: list[Job],
+                      prompt_tokens: int, request_id: str) -> AsyncIterator[str]:
     generated = [0] * body.n
+    thought = [0] * body.n
 
     def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None,
               logprobs: dict[str, Any] | None = None) -> str:
@@ -91,9 +137,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: lis
             event["usage"] = usage(prompt_tokens, sum(generated))
         return sse(event)
 
-    streamers = [ToolCallStreamer() if body.uses_tools else None for _ in range(body.n)]
-    # A forced call is held to the grammar, so it is a call from its first token: stream it as it comes.
-    call_streams = [CallStream() if body.forces_tool else None for _ in range(body.n)]
+    streams = [plan.stream() for _ in range(body.n)]
     for index in range(body.n):
         yield chunk(index, {"role": "assistant", "content": ""})
     async for index, output in merge_streams(state.client, jobs, request_id, state.metrics):
@@ -101,22 +145,27 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: lis
             yield sse_error(APIError(500, f"generation failed: {output.error}"))
             return
         generated[index] = len(output.outputs[0].token_ids)
-        streamer = streamers[index]
-        text = streamer.push(output.delta_text) if streamer else output.delta_text
+        pieces = streams[index].push(plan.text_of(output.outputs[0], output.delta_text) if output.finished
+                                     else output.delta_text)
         logprobs = stream_logprobs(state, body, output)
-        if text or logprobs:
-            yield chunk(index, {"content": text}, logprobs=logprobs)
-        if call_streams[index] is not None and not output.finished:
-            deltas = call_streams[index].update(streamer.text)
-            if deltas:
-                yield chunk(index, {"tool_calls": [call_delta(d) for d in deltas]})
+        for delta in reasoning_deltas(pieces.reasoning):
+            yield chunk(index, delta)
+        if pieces.content or logprobs:
+            yield chunk(index, {"content": pieces.content}, logprobs=logprobs)
+        if pieces.calls and not output.finished:
+            yield chunk(index, {"tool_calls": pieces.calls})
         if output.finished:
-            for event in final_chunks(body, index, output, streamer, chunk, call_streams[index]):
+            thought[index] = plan.reasoning_tokens(state.tokenizer, output.outputs[0].token_ids)
+            for event in final_chunks(index, output, streams[index], pieces.calls, chunk):
                 yield event
     if body.include_usage:
         yield sse(envelope(request_id, body.model, "chat.completion.chunk", [])
-                  | {"usage": usage(prompt_tokens, sum(generated))})
+                  | {"usage": chat_usage(plan, prompt_tokens, sum(generated), sum(thought))})
     yield DONE
+
+
+def reasoning_deltas(text: str) -> list[dict[str, Any]]:
+    return [{"reasoning": text, "reasoning_content": text}] if text else []
 
 
 def stream_logprobs(state: ServerState, body: ChatCompletionRequest, output: RequestOutput) -> dict[str, Any] | None:
@@ -126,33 +175,17 @@ def stream_logprobs(state: ServerState, body: ChatCompletionRequest, output: Req
     return chat_logprobs(state.tokenizer, pairs, body.top_logprobs or 0)
 
 
-def final_chunks(body: ChatCompletionRequest, index: int, output: RequestOutput, streamer: ToolCallStreamer | None,
-                 chunk, call_stream: CallStream | None) -> list[str]:
-    """The tail of one choice: any held-back content, the tool calls (or, for calls that streamed,
-    their last pieces), then the finish reason."""
-    events = []
-    finish_reason = output.outputs[0].finish_reason
-    if streamer is not None:
-        rest, calls = streamer.finish()
-        calls = calls if body.parallel_tool_calls else calls[:1]
-        if call_stream is not None and call_stream.streamed:
-            deltas = [call_delta(d) for d in call_stream.update(streamer.text)]
-            rest = ""  # the held-back text was the calls, already sent as such
-        else:
-            deltas = [dict(call.to_openai(), index=k) for k, call in enumerate(calls)]
-        if rest:
-            events.append(chunk(index, {"content": rest}))
-        if deltas:
-            events.append(chunk(index, {"tool_calls": deltas}))
-        if calls:
-            finish_reason = "tool_calls"
+def final_chunks(index: int, output: RequestOutput, stream: AnswerStream, pending_calls: list[dict[str, Any]],
+                 chunk) -> list[str]:
+    """The tail of one choice: any held-back reasoning and content, the tool calls (or, for calls that
+    streamed, their last pieces), then the finish reason."""
+    pieces = stream.finish()
+    events = [chunk(index, delta) for delta in reasoning_deltas(pieces.reasoning)]
+    if pieces.content:
+        events.append(chunk(index, {"content": pieces.content}))
+    calls = pending_calls + pieces.calls
+    if calls:
+        events.append(chunk(index, {"tool_calls": calls}))
+    finish_reason = "tool_calls" if pieces.called else output.outputs[0].finish_reason
     events.append(chunk(index, {}, finish_reason))
     return events
-
-
-def call_delta(delta: CallDelta) -> dict[str, Any]:
-    """OpenAI's shape of a streamed call piece: the first carries the call's id, type and name."""
-    if delta.name is None:
-        return {"index": delta.index, "function": {"arguments": delta.arguments}}
-    return {"index": delta.index, "id": new_call_id(), "type": "function",
-            "function": {"name": delta.name, "arguments": delta.arguments}}

@@ -27,6 +27,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
                         help="the most sequences (prompts x n or best_of) one request may start; more is a 400 "
                         f"(default {DEFAULT_MAX_SEQS_PER_REQUEST})")
+    add_parser_flags(parser)
     engine = parser.add_argument_group("engine")
     add_quantization_flag(engine)
     add_engine_flags(engine, [name for name in ENGINE_FIELDS if name not in LORA_FIELDS])
@@ -38,6 +39,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter (they read server-side paths)")
     engine.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="shard the model over N processes (spawned here; rank 0 serves HTTP)")
+
+
+def add_parser_flags(parser: argparse.ArgumentParser) -> None:
+    """The model's reasoning and tool-call formats (docs/reasoning.md, docs/tool-calling.md)."""
+    from paged_backend.integrations.reasoning import AUTO, NONE, reasoning_parser_names
+    from paged_backend.integrations.tool_parsers import tool_parser_names
+
+    group = parser.add_argument_group("reasoning and tool calls")
+    group.add_argument("--reasoning-parser", default=AUTO, choices=[AUTO, NONE, *reasoning_parser_names()],
+                       help="split the model's thinking into `reasoning` (default auto: the chat template's "
+                       "markers, when they name one format; none: never)")
+    group.add_argument("--tool-call-parser", default=AUTO, choices=[AUTO, *tool_parser_names()],
+                       help="the format the model writes tool calls in (default auto: the chat template's, "
+                       "else hermes)")
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -74,7 +89,8 @@ def run_serve(args: argparse.Namespace) -> None:
     aengine = AsyncEngine(llm.engine)
     name = args.served_model_name or args.model or DEFAULT_MODEL
     try:
-        app = create_app(aengine, name, args.api_key, args.max_seqs_per_request, args.allow_runtime_lora_updating)
+        app = create_app(aengine, name, args.api_key, args.max_seqs_per_request, args.allow_runtime_lora_updating,
+                         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
         uvicorn.run(app, host=args.host, port=args.port)
     finally:
         aengine.shutdown()

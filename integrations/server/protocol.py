@@ -197,6 +197,9 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    # Reasoning models (docs/reasoning.md): the thinking's token budget, and whether to split it out.
+    thinking_token_budget: int | None = Field(None, ge=0)
+    include_reasoning: bool = True
 
     neutral_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = NEUTRAL_FIELDS | CHAT_NEUTRAL_FIELDS
 

@@ -7,6 +7,8 @@ from typing import Any
 
 from paged_backend.entrypoints.engine_client import EngineClient
 
+from ..reasoning import ReasoningParser
+from ..tool_parsers import HERMES, ToolParser
 from .errors import APIError
 from .metrics import ServerMetrics
 
@@ -23,6 +25,8 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    reasoning_parser: ReasoningParser | None = None  # None: answers are not split into reasoning and content
+    tool_parser: ToolParser = HERMES  # the format tool calls are parsed (and forced) in
 
     @property
     def tokenizer(self) -> Any:

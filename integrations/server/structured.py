@@ -18,14 +18,16 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 
-def structured_spec(body: SamplingFields, tools: list[dict[str, Any]] | None = None) -> StructuredOutputsParams | None:
-    """The request's one structured-output spec, or None; 400 for two of them or a malformed one."""
+def structured_spec(body: SamplingFields, tools: list[dict[str, Any]] | None = None,
+                    tool_parser: Any = None) -> StructuredOutputsParams | None:
+    """The request's one structured-output spec, or None; 400 for two of them or a malformed one. A forced
+    call is written in `tool_parser`'s format (Hermes when None)."""
     if isinstance(body, ChatCompletionRequest) and body.forces_tool:
         try:
             chosen_tool_name(tools or [], body.tool_choice)
         except ValueError as exc:
             raise bad_request(str(exc), "tool_choice") from None
-    asked = [(field, spec) for field, spec in specs_of(body, tools) if spec is not None]
+    asked = [(field, spec) for field, spec in specs_of(body, tools, tool_parser) if spec is not None]
     if len(asked) > 1:
         raise bad_request(f"give at most one structured output; got {[field for field, _ in asked]}", asked[1][0])
     if not asked:
@@ -37,7 +39,7 @@ def structured_spec(body: SamplingFields, tools: list[dict[str, Any]] | None = N
         raise bad_request(str(exc), field) from None
 
 
-def specs_of(body: SamplingFields, tools: list[dict[str, Any]] | None):
+def specs_of(body: SamplingFields, tools: list[dict[str, Any]] | None, tool_parser: Any = None):
     """(field, a callable building its spec) for each field the request set (None where unset)."""
     yield "structured_outputs", (None if body.structured_outputs is None
                                  else lambda: StructuredOutputsParams.of(body.structured_outputs))
@@ -46,6 +48,6 @@ def specs_of(body: SamplingFields, tools: list[dict[str, Any]] | None):
         yield field, None if value is None else (lambda kind=kind, value=value: StructuredOutputsParams.of({kind: value}))
     if isinstance(body, ChatCompletionRequest):
         if body.forces_tool:
-            yield "tools", lambda: forced_tool_spec(tools or [], body.tool_choice, body.parallel_tool_calls)
+            yield "tools", lambda: forced_tool_spec(tools or [], body.tool_choice, body.parallel_tool_calls, tool_parser)
         if body.wants_json:
             yield "response_format", lambda: response_format_spec(body.response_format.model_dump())

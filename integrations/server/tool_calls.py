@@ -1,17 +1,19 @@
-"""Hermes-style tool calls: the model writes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+"""Tool calls in chat answers, in whichever format the served model writes (`integrations/tool_parsers/`).
 
-`parse_tool_calls` splits a finished answer into content and calls. `ToolCallStreamer` lets a stream
-send content as it comes while holding back anything from the first `<tool_call>` on, so a client
-never sees half a call as text; the calls are parsed when the answer is complete.
+`parse_tool_calls` splits a finished answer into content and calls: any call that does not parse
+leaves the whole answer as content, so nothing is lost and a malformed call is never an error.
+`ToolCallStreamer` lets a stream send content as it comes while holding back anything from where
+the calls begin, so a client never sees half a call as text; the calls are parsed when the answer is
+complete (or, for a call forced by the grammar, streamed as written: `ToolCallStream.deltas`).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..hermes import BLOCK, OPEN, HermesCall, content_so_far, new_call_id, split_calls
+from ..hermes import new_call_id
+from ..tool_parsers import HERMES, ParsedAnswer, ParsedCall, ToolCallStream, ToolParser
 
 
 @dataclass(slots=True)
@@ -24,43 +26,44 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls). Text with no well-formed call is all content, so nothing is lost."""
-    if OPEN not in text:
-        return text, []
-    content, calls = split_calls(text)
-    if not calls or not all(call.valid for call in calls):
-        return text, []
-    return content or None, [to_tool_call(call) for call in calls]
+def parse_tool_calls(text: str, parser: ToolParser = HERMES, tools: list[dict[str, Any]] | None = None,
+                     prefix: str = "") -> tuple[str | None, list[ToolCall]]:
+    """(content, calls). Text with no well-formed call is all content. `prefix`: what a forced call's
+    grammar left out of the text (`ToolParser.forced_prefix`)."""
+    return calls_of(parser.parse(prefix + text, tools), text)
 
 
-def to_tool_call(call: HermesCall) -> ToolCall:
-    return ToolCall(call.name, json.dumps(call.arguments, ensure_ascii=False), new_call_id())
+def calls_of(parsed: ParsedAnswer, text: str) -> tuple[str | None, list[ToolCall]]:
+    if not parsed.all_valid:
+        return text, []
+    return parsed.content or None, [to_tool_call(call) for call in parsed.calls]
+
+
+def to_tool_call(call: ParsedCall) -> ToolCall:
+    return ToolCall(call.name, call.arguments_json, new_call_id())
 
 
 class ToolCallStreamer:
     """Feeds streamed text; `push` returns the content that is safe to send now."""
 
-    def __init__(self) -> None:
-        self.text = ""
-        self.sent = 0
-        self.in_call = False
+    def __init__(self, parser: ToolParser = HERMES, tools: list[dict[str, Any]] | None = None,
+                 prefix: str = "") -> None:
+        self.stream = ToolCallStream(parser, tools, prefix)
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
 
     def push(self, delta: str) -> str:
-        self.text += delta
-        if self.in_call:
-            return ""
-        self.in_call = OPEN in self.text
-        return self.release(len(content_so_far(self.text)))
+        return self.stream.push(delta)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet sent, calls) once the answer is complete."""
-        _, calls = parse_tool_calls(self.text)
-        if calls:  # the content before the first call is already sent; what is left is text between calls
-            return BLOCK.sub("", self.text[self.sent:]).strip(), calls
-        return self.release(len(self.text)), []
-
-    def release(self, end: int) -> str:
-        piece = self.text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return piece
+        parsed = self.stream.finish()
+        if parsed.all_valid:  # the content before the first call is sent; what is left is text between calls
+            sent = self.stream.text[:self.stream.sent]
+            rest = parsed.content[len(sent.strip()):] if parsed.content.startswith(sent.strip()) else ""
+            return rest.strip(), [to_tool_call(call) for call in parsed.calls]
+        rest = self.stream.unsent()
+        self.stream.sent = len(self.stream.text)
+        return rest, []

@@ -26,6 +26,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    reasoning: str | None = None  # a reasoning model's thinking, split off `text` by LLM.chat's reasoning parser
 
     def finished(self) -> bool:
         return self.finish_reason is not None

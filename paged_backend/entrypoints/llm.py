@@ -19,6 +19,11 @@ from paged_backend.entrypoints.beam_search import (
     beam_search,
 )
 from paged_backend.integrations.chat import render_chat
+from paged_backend.integrations.reasoning import (
+    budget_processor,
+    prompt_tail,
+    resolve_reasoning_parser,
+)
 from paged_backend.model.attention import ATTENTION_NAME, register
 from paged_backend.model.lora import LoRARequest, LoRASpec
 from paged_backend.model.model_loader import gguf_file_of, is_default_model, load_model
@@ -43,10 +48,12 @@ class LLM:
     place; quantization.py; int4 takes a GGUF source's own Q4_1 tensors, the default model's included); it
     compiles where the engine's `compile` setting says, as without quantization. The default `"auto"` runs
     the default model as int4 on CPU unless `dtype=torch.float32` is named, and quantizes nothing else; None
-    never quantizes."""
+    never quantizes. `reasoning_parser` (a name, "auto" for the chat template's markers, or None) makes
+    `chat` split a reasoning model's thinking into each completion's `reasoning` (docs/reasoning.md)."""
 
     def __init__(self, model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1,
-                 quantization: str | None = AUTO, **engine_config: Any) -> None:
+                 quantization: str | None = AUTO, reasoning_parser: str | None = None,
+                 **engine_config: Any) -> None:
         # Workers run the target's forwards only: proposals (a draft model's too) reach them inside rank 0's
         # step inputs, so they get no speculative_config (nor a loaded draft to unpickle).
         worker_config = {k: v for k, v in engine_config.items() if k != "speculative_config"}
@@ -71,6 +78,7 @@ class LLM:
             if self.tp_group is not None and not self.tp_group.launched_by_torchrun:
                 self.tp_group.abandon()
             raise
+        self.reasoning = resolve_reasoning_parser(reasoning_parser, self.engine.tokenizer)
         if not self.is_leader:
             self.serve_as_worker()
 
@@ -170,18 +178,36 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        thinking_token_budget: int | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation (OpenAI-shaped messages) through the chat template and generate.
         `tools` (OpenAI function tools) follow the shared tool policy (integrations/chat.py): rendered
         by a template that supports tools, else described Hermes style in the system turn; past
-        assistant `tool_calls` and `tool` results are rendered the same way."""
+        assistant `tool_calls` and `tool` results are rendered the same way. With a reasoning parser,
+        each completion's thinking is in `reasoning` and its `text` is the answer alone;
+        `thinking_token_budget` closes the thinking past that many tokens."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs or {})
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        opened = [self.reasoning is not None and self.reasoning.opens_thinking(prompt_tail(self.tokenizer, p))
+                  for p in prompts]
+        processors = self.budget_processors(thinking_token_budget, opened)
+        outputs = self.run(prompts, normalise_params(sampling_params, len(prompts)), use_tqdm, None, processors)
+        if self.reasoning is not None:
+            for output, open_ in zip(outputs, opened):
+                for completion in output.outputs:
+                    completion.reasoning, completion.text = self.reasoning.split(completion.text, open_)
+        return outputs
+
+    def budget_processors(self, budget: int | None, opened: list[bool]) -> list[Any] | None:
+        if budget is None:
+            return None
+        if self.reasoning is None:
+            raise ValueError("thinking_token_budget needs a reasoning model: pass LLM(..., reasoning_parser=...)")
+        return [budget_processor(self.tokenizer, self.reasoning, budget, open_) for open_ in opened]
 
     def render_chat(self, conversation: Conversation, add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None, extra: dict[str, Any]) -> list[int]:
@@ -189,9 +215,10 @@ class LLM:
                            template_kwargs=extra)
 
     def run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
-            loras: list[LoRASpec | None] | None = None) -> list[RequestOutput]:
+            loras: list[LoRASpec | None] | None = None, processors: list[Any] | None = None) -> list[RequestOutput]:
         engine = self.engine
         loras = loras or [None] * len(prompts)
+        processors = processors or [None] * len(prompts)
         token_ids = []
         for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
             try:
@@ -200,8 +227,8 @@ class LLM:
                 engine.resolve_lora(lora)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
-        ids = [engine.add_request(prompt, p, stream=False, prompt_token_ids=ids, lora=lora)
-               for prompt, p, ids, lora in zip(prompts, params, token_ids, loras)]
+        ids = [engine.add_request(prompt, p, stream=False, prompt_token_ids=ids, lora=lora, logits_processor=proc)
+               for prompt, p, ids, lora, proc in zip(prompts, params, token_ids, loras, processors)]
         index = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         with tqdm(total=len(ids), disable=not use_tqdm, desc="Generating", unit="req") as bar:

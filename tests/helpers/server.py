@@ -53,16 +53,19 @@ class Served:
     url: str
     aengine: AsyncEngine
     tokenizer: object
+    app_client: object = None  # what the app holds: the engine client, or `wrap` of it
 
     def client(self, key: str = KEY, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kwargs)
 
 
 @contextlib.contextmanager
-def serve(llm: LLM, name: str, api_key: str | None = None, **app_options) -> Iterator[Served]:
-    """Run the app for `llm` under uvicorn in a thread, on a free port of 127.0.0.1."""
+def serve(llm: LLM, name: str, api_key: str | None = None, wrap=None, **app_options) -> Iterator[Served]:
+    """Run the app for `llm` under uvicorn in a thread, on a free port of 127.0.0.1; `wrap` (a function of
+    the client) gives the client the app holds (a scripted one, say)."""
     aengine = AsyncEngine(llm.engine)
-    server = uvicorn.Server(uvicorn.Config(create_app(aengine, name, api_key, **app_options), log_level="warning"))
+    client = wrap(aengine) if wrap is not None else aengine
+    server = uvicorn.Server(uvicorn.Config(create_app(client, name, api_key, **app_options), log_level="warning"))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -71,7 +74,7 @@ def serve(llm: LLM, name: str, api_key: str | None = None, **app_options) -> Ite
     while not server.started and time.time() < deadline:
         time.sleep(0.02)
     try:
-        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", aengine, llm.tokenizer)
+        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", aengine, llm.tokenizer, client)
     finally:
         server.should_exit = True
         thread.join(timeout=10)

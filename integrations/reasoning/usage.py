@@ -1,0 +1,25 @@
+"""How many of an answer's tokens were thinking: OpenAI's `completion_tokens_details.reasoning_tokens`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .budget import find, marker_ids
+from .parser import ReasoningParser
+
+
+def reasoning_tokens(tokenizer: Any, parser: ReasoningParser, token_ids: Sequence[int], opened: bool) -> int:
+    """The tokens from the start of the thinking through its end marker (all of them while it is
+    unclosed); 0 for an answer that never thought. Markers are found by their token ids, as the
+    model wrote them."""
+    ids = list(token_ids)
+    begin = 0
+    if not opened:
+        at = find(ids, marker_ids(tokenizer, parser.start)) if ids else -1
+        if at < 0:
+            return 0
+        begin = at + len(marker_ids(tokenizer, parser.start))
+    end_ids = marker_ids(tokenizer, parser.end)
+    at = find(ids, end_ids, begin) if ids else -1
+    return len(ids) if at < 0 else at + len(end_ids)
