@@ -24,6 +24,8 @@ from .protocol import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from .response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from .responses_api import add_responses_routes
 from .state import DEFAULT_MAX_SEQS_PER_REQUEST, ServerState
 from .tokenization import (
     DetokenizeRequest,
@@ -37,12 +39,14 @@ from .tokenization import (
 
 def create_app(aengine: EngineClient, model_name: str, api_key: str | None = None,
                max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
-               allow_runtime_lora_updating: bool = False) -> FastAPI:
+               allow_runtime_lora_updating: bool = False,
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """The app for `aengine` (any `EngineClient`); `model_name` is what clients must send as `model` (or the name of one of the
     engine's LoRA adapters); with `api_key` set, every /v1, /generate and tokenizer request needs
     `Authorization: Bearer <api_key>`; a request that would start more than `max_seqs_per_request`
     sequences (prompts x choices) is a 400. With `allow_runtime_lora_updating`, clients may load and
-    unload adapters (vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`)."""
+    unload adapters (vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`). `/v1/responses` keeps the
+    last `max_stored_responses` responses for `previous_response_id` (response_store.py)."""
     state = ServerState(aengine, model_name, ServerMetrics(aengine), api_key, max_seqs_per_request)
     app = FastAPI(title="paged-backend", docs_url=None, redoc_url=None)
     app.state.server = state
@@ -50,6 +54,7 @@ def create_app(aengine: EngineClient, model_name: str, api_key: str | None = Non
     app.add_middleware(JSONErrors)  # inside the counter, so the 500s it writes are counted
     app.add_middleware(HTTPStatusCounter, metrics=state.metrics)
     add_routes(app, state)
+    add_responses_routes(app, state, [Depends(require_key(state))], ResponseStore(max_stored_responses))
     if allow_runtime_lora_updating:
         add_lora_routes(app, state)
     return app
