@@ -14,6 +14,7 @@ from paged_backend.entrypoints.engine_client import EngineClient
 
 from .chat import create_chat_completion
 from .completions import create_completion
+from .embeddings import add_embeddings_routes
 from .errors import APIError, JSONErrors, install_error_handlers
 from .legacy import generate
 from .metrics import ServerMetrics
@@ -55,6 +56,7 @@ def create_app(aengine: EngineClient, model_name: str, api_key: str | None = Non
     app.add_middleware(HTTPStatusCounter, metrics=state.metrics)
     add_routes(app, state)
     add_responses_routes(app, state, [Depends(require_key(state))], ResponseStore(max_stored_responses))
+    add_embeddings_routes(app, state, [Depends(require_key(state))])
     if allow_runtime_lora_updating:
         add_lora_routes(app, state)
     return app

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from paged_backend.core.pooling import PoolingRows, pooling_rows
 from paged_backend.core.request import Request
 from paged_backend.core.scheduler import ScheduledBatch
 from paged_backend.kernels import AttentionMetadata
@@ -40,6 +41,8 @@ class StepInputs(NamedTuple):
     # A padded decode step (decode_padding.py): the first `real_rows` logits rows are its own, the rest
     # padding's. None: not padded.
     real_rows: int | None = None
+    # The rows the step's pooling requests take from the final hidden states (None: no pooling request).
+    pooling: PoolingRows | None = None
 
 
 class ModelRunner:
@@ -61,7 +64,8 @@ class ModelRunner:
         carrying proposed tokens), then those of `inputs.prompt_spans`.
         The caller holds `torch.inference_mode()` over this and the sampling that follows."""
         inputs = self.prepare_inputs(batch)
-        size = self.padding.size_for(inputs) if self.padding is not None else None
+        # A step with pooling requests runs unpadded and eagerly (forward_pooling): a captured graph has no hook.
+        size = self.padding.size_for(inputs) if self.padding is not None and inputs.pooling is None else None
         if size is not None:  # before publishing: every tensor-parallel rank runs the same padded step
             inputs = self.padding.pad(inputs, size)
         if self.publish is not None:
@@ -71,6 +75,8 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         with (custom_ops.step_context(inputs.metadata, self.cache.kv, self.cache.kv_scales),
               lora.step_context(inputs.lora)):
+            if inputs.pooling is not None:
+                return self.forward_pooling(inputs)
             logits = self.graphs.replay(inputs) if self.graphs is not None and inputs.real_rows is not None else None
             if logits is None:
                 # Eager only: the compiled forward has its own matmul choices.
@@ -80,13 +86,32 @@ class ModelRunner:
                                             inputs.metadata)
         return logits if inputs.real_rows is None else logits[: inputs.real_rows]
 
+    def forward_pooling(self, inputs: StepInputs) -> torch.Tensor:
+        """The step eagerly, whatever `compile` says (a compiled graph would not run a hook added now), with
+        the decoder's final hidden states handed to the pooling requests (`PoolingRows.reduce`)."""
+        captured: list[torch.Tensor] = []
+
+        def keep(_module, _args, output) -> None:
+            captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+        handle = self.model.get_decoder().register_forward_hook(keep)
+        try:
+            with small_step_linear(inputs.input_ids.shape[-1], self.device):
+                logits = self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata,
+                                        eager=True)
+        finally:
+            handle.remove()
+        inputs.pooling.reduce(captured[-1][0])
+        return logits
+
     def run_model(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
-                  metadata: AttentionMetadata) -> torch.Tensor:
-        """The packed forward `[1, T]` -> the logits rows `logits_indices`, inside a step context for `metadata`."""
+                  metadata: AttentionMetadata, eager: bool = False) -> torch.Tensor:
+        """The packed forward `[1, T]` -> the logits rows `logits_indices`, inside a step context for `metadata`;
+        `eager` runs the model itself even when a compiled forward exists."""
         extra = {}
-        if self.single_row and input_ids.shape[-1] == 1:
+        if self.single_row and not eager and input_ids.shape[-1] == 1:
             extra["paged_single_row"] = single_row_step(metadata, self.cache.kv)
-        out = self.forward_model(
+        out = (self.model if eager else self.forward_model)(
             input_ids=input_ids,
             position_ids=position_ids,
             cache=self.cache,
@@ -137,7 +162,7 @@ class ModelRunner:
              for r, s, e, d in zip(requests, starts, ends, spec.tolist())]
         )
         positions, query_start_loc, metadata = self.pack(self.block_table_array(requests), starts, counts)
-        sampling = [i for i, r in enumerate(requests) if ends[i] - spec[i] == r.num_tokens]
+        sampling = [i for i, r in enumerate(requests) if ends[i] - spec[i] == r.num_tokens and r.pooling is None]
         logits_rows = self.sampling_rows(query_start_loc[1:][sampling] - 1, spec[sampling])
         spans, span_rows = self.prompt_spans(requests, starts, ends - spec, query_start_loc)
         if spans:
@@ -152,6 +177,7 @@ class ModelRunner:
             metadata=metadata,
             prompt_spans=tuple(spans),
             lora=self.lora_step(requests, counts),
+            pooling=pooling_rows(requests, starts, ends, query_start_loc, self.to_device),
         )
 
     def pack(self, block_tables: np.ndarray, starts: np.ndarray, counts: np.ndarray
