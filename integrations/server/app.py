@@ -17,6 +17,7 @@ from .completions import create_completion
 from .embeddings import add_embeddings_routes
 from .errors import APIError, JSONErrors, install_error_handlers
 from .legacy import generate
+from .messages import add_messages_routes
 from .metrics import ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -57,6 +58,7 @@ def create_app(aengine: EngineClient, model_name: str, api_key: str | None = Non
     add_routes(app, state)
     add_responses_routes(app, state, [Depends(require_key(state))], ResponseStore(max_stored_responses))
     add_embeddings_routes(app, state, [Depends(require_key(state))])
+    add_messages_routes(app, state)  # Anthropic's clients send the key as x-api-key: checked there
     if allow_runtime_lora_updating:
         add_lora_routes(app, state)
     return app

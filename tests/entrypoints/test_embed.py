@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from helpers.engine import assert_all_blocks_free, greedy, hf_greedy, mixed_prompts, run_to_completion
+from helpers.engine import (
+    assert_all_blocks_free,
+    greedy,
+    hf_greedy,
+    mixed_prompts,
+    run_to_completion,
+)
 from helpers.models import CONFIGS, build, build_from_config
 
 from paged_backend import LLM, Engine, EngineConfig

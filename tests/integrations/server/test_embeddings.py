@@ -10,7 +10,13 @@ import httpx
 import openai
 import pytest
 import torch
-from helpers.server import Served, build_chat_tokenizer, serve, tiny_llama, wait_all_blocks_free
+from helpers.server import (
+    Served,
+    build_chat_tokenizer,
+    serve,
+    tiny_llama,
+    wait_all_blocks_free,
+)
 from paged_backend.integrations.server.embeddings import decode
 
 from paged_backend import LLM
