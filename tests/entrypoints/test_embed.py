@@ -128,3 +128,48 @@ def test_decoder_hidden_states_are_what_hf_reports_last() -> None:
         assert torch.equal(model.get_decoder()(ids).last_hidden_state,
                            model(ids, output_hidden_states=True).hidden_states[-1])
     assert isinstance(model.get_decoder(), tf.LlamaModel)
+
+
+def test_a_compiled_engine_pools_eagerly_and_keeps_generating_compiled() -> None:
+    reference, prompts = build("llama"), mixed_prompts(4)
+    expected = [hf_embedding(reference, p, "mean") for p in prompts[:2]]
+    tokens = [hf_greedy(reference, p, 6) for p in prompts[2:]]
+    engine = Engine(build("llama"), config=EngineConfig(num_kv_blocks=32, compile=True))
+    assert engine.compiled
+    for i, prompt in enumerate(prompts):
+        if i < 2:
+            engine.add_pooling_request(prompt, PoolingParams(pooling="mean"), request_id=str(i))
+        else:
+            engine.add_request(prompt, greedy(6), request_id=str(i))
+    finals = run_to_completion(engine)
+    for i, want in enumerate(expected):
+        torch.testing.assert_close(finals[str(i)].embedding, want, atol=2e-5, rtol=1e-4)
+    assert [finals[str(i)].outputs[0].token_ids for i in (2, 3)] == tokens
+    assert engine.runner.forward_model is not engine.model  # pooling left the compiled forward in place
+
+
+async def test_async_engine_embeds_concurrently_and_a_cancelled_call_frees_its_blocks() -> None:
+    import asyncio
+
+    from paged_backend import AsyncEngine
+
+    reference, prompts = build("llama"), mixed_prompts(6)
+    aengine = AsyncEngine(Engine(build("llama"), config=EngineConfig(num_kv_blocks=32)))
+    try:
+        outputs = await asyncio.gather(*(aengine.embed(p) for p in prompts))
+        for output, prompt in zip(outputs, prompts):
+            torch.testing.assert_close(output.embedding, hf_embedding(reference, prompt), atol=2e-5, rtol=1e-4)
+        with pytest.raises(ValueError, match="the input is empty"):
+            await aengine.embed([])
+        task = asyncio.ensure_future(aengine.embed([1] * 200, request_id="gone"))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if not aengine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.05)
+        assert_all_blocks_free(aengine.engine)
+    finally:
+        aengine.shutdown()
