@@ -36,8 +36,8 @@ def test_responses_plain_and_streamed_give_the_same_answer(real: Served) -> None
 
 def test_messages_plain_and_streamed_give_the_same_answer(real: Served) -> None:
     client = anthropic.Anthropic(base_url=real.url, api_key="unused", max_retries=0)
-    args = dict(model="smollm2", max_tokens=16, messages=[{"role": "user", "content": QUESTION}],
-                extra_body={"temperature": 0})
+    args = {"model": "smollm2", "max_tokens": 16, "messages": [{"role": "user", "content": QUESTION}],
+            "extra_body": {"temperature": 0}}
     whole = client.messages.create(**args)
     assert "Paris" in whole.content[0].text and whole.stop_reason == "end_turn"
     with client.messages.stream(**args) as stream:
