@@ -56,7 +56,8 @@ def create_app(aengine: EngineClient, model_name: str, api_key: str | None = Non
     app.add_middleware(JSONErrors)  # inside the counter, so the 500s it writes are counted
     app.add_middleware(HTTPStatusCounter, metrics=state.metrics)
     add_routes(app, state)
-    add_responses_routes(app, state, [Depends(require_key(state))], ResponseStore(max_stored_responses))
+    app.state.responses = ResponseStore(max_stored_responses)
+    add_responses_routes(app, state, [Depends(require_key(state))], app.state.responses)
     add_embeddings_routes(app, state, [Depends(require_key(state))])
     add_messages_routes(app, state)  # Anthropic's clients send the key as x-api-key: checked there
     if allow_runtime_lora_updating:

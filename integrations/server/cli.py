@@ -11,6 +11,7 @@ from paged_backend.integrations.options.flags import (
     engine_options,
 )
 
+from .response_store import DEFAULT_MAX_STORED_RESPONSES
 from .state import DEFAULT_MAX_SEQS_PER_REQUEST
 
 # EngineConfig fields whose flags sit with the LoRA options below.
@@ -27,6 +28,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
                         help="the most sequences (prompts x n or best_of) one request may start; more is a 400 "
                         f"(default {DEFAULT_MAX_SEQS_PER_REQUEST})")
+    parser.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
+                        help="how many /v1/responses answers to keep for previous_response_id (least recently used "
+                        f"forgotten first; 0 keeps none; default {DEFAULT_MAX_STORED_RESPONSES})")
     engine = parser.add_argument_group("engine")
     add_quantization_flag(engine)
     add_engine_flags(engine, [name for name in ENGINE_FIELDS if name not in LORA_FIELDS])
@@ -74,7 +78,8 @@ def run_serve(args: argparse.Namespace) -> None:
     aengine = AsyncEngine(llm.engine)
     name = args.served_model_name or args.model or DEFAULT_MODEL
     try:
-        app = create_app(aengine, name, args.api_key, args.max_seqs_per_request, args.allow_runtime_lora_updating)
+        app = create_app(aengine, name, args.api_key, args.max_seqs_per_request, args.allow_runtime_lora_updating,
+                         args.max_stored_responses)
         uvicorn.run(app, host=args.host, port=args.port)
     finally:
         aengine.shutdown()

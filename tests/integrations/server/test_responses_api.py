@@ -168,6 +168,40 @@ def test_unsupported_or_bad_fields_are_400_naming_the_field(tiny: Served, kwargs
     wait_all_blocks_free(tiny.aengine)
 
 
+def test_the_serve_command_sizes_the_store(monkeypatch) -> None:
+    import argparse
+
+    import uvicorn
+    from paged_backend.integrations.server import cli
+
+    import paged_backend
+
+    parser = argparse.ArgumentParser()
+    cli.add_serve_arguments(parser)
+    assert parser.parse_args([]).max_stored_responses == 1024
+    served = {}
+
+    class FakeLLM:
+        def __init__(self, *args, **kwargs) -> None:
+            self.engine = None
+
+        def close(self) -> None:
+            pass
+
+    class FakeAsyncEngine:
+        def __init__(self, engine) -> None:
+            pass
+
+        def shutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(paged_backend, "LLM", FakeLLM)
+    monkeypatch.setattr(paged_backend, "AsyncEngine", FakeAsyncEngine)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.setdefault("app", app))
+    cli.run_serve(parser.parse_args(["--max-stored-responses", "7"]))
+    assert served["app"].state.responses.max_responses == 7
+
+
 def test_response_store_is_bounded_least_recently_used_first() -> None:
     store = ResponseStore(max_responses=2)
     for name in ("a", "b"):
