@@ -425,29 +425,18 @@ async def stream_response(state: ServerState, store: ResponseStore, turn: Turn, 
         for text in piece_events(event, piece, output, calls):
             yield text
         if piece.content:
-            if message is None:
-                message = OpenMessage(new_item_id("msg"), len(output))
-                output.append(message_item(message.item_id, "", "in_progress"))
-                for text in open_message(event, message):
-                    yield text
-            message.text += piece.content
-            yield event("response.output_text.delta", item_id=message.item_id, output_index=message.output_index,
-                        content_index=0, delta=piece.content, logprobs=[])
+            message, events = add_text(event, output, message, piece.content)
+            for text in events:
+                yield text
         if out.finished:
             final = out
     rest, answer = reader.finish()
-    status = item_status(final)
-    if message is None and (rest.content or not answer.tool_calls):
-        message = OpenMessage(new_item_id("msg"), len(output))
-        output.append(message_item(message.item_id, "", "in_progress"))
-        for text in open_message(event, message):
+    if rest.content or (message is None and not answer.tool_calls):  # an empty answer is an empty message
+        message, events = add_text(event, output, message, rest.content)
+        for text in events:
             yield text
-    if rest.content:
-        message.text += rest.content
-        yield event("response.output_text.delta", item_id=message.item_id, output_index=message.output_index,
-                    content_index=0, delta=rest.content, logprobs=[])
     if message is not None:
-        for text in close_message(event, message, output, status):
+        for text in close_message(event, message, output, item_status(final)):
             yield text
     for text in piece_events(event, AnswerDelta(calls=rest.calls), output, calls):
         yield text
@@ -458,6 +447,21 @@ async def stream_response(state: ServerState, store: ResponseStore, turn: Turn, 
     remember(store, turn, response, Answer(answer.reasoning, message.text if message else None, answer.tool_calls))
     yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
                 response=response)
+
+
+def add_text(event: EventWriter, output: list[dict[str, Any]], message: OpenMessage | None,
+             text: str) -> tuple[OpenMessage, list[str]]:
+    """Stream `text` into the message item, opening it first when this is the answer's first text."""
+    events = []
+    if message is None:
+        message = OpenMessage(new_item_id("msg"), len(output))
+        output.append(message_item(message.item_id, "", "in_progress"))
+        events += open_message(event, message)
+    if text:
+        message.text += text
+        events.append(event("response.output_text.delta", item_id=message.item_id,
+                            output_index=message.output_index, content_index=0, delta=text, logprobs=[]))
+    return message, events
 
 
 def open_message(event: EventWriter, message: OpenMessage) -> list[str]:
