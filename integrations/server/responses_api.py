@@ -150,7 +150,7 @@ async def create_response(state: ServerState, store: ResponseStore, body: Respon
     with request_field("input"):
         turn.prompt_ids = render_chat(state.tokenizer, messages, turn.tools if turn.uses_tools else None)
     params = to_sampling_params(body, body.max_output_tokens, None, structured_spec(turn))
-    turn.prompt_ids = check_prompt(state.client, turn.prompt_ids, params, "messages")
+    turn.prompt_ids = check_length(state, turn.prompt_ids, params)
     jobs = [Job(0, turn.prompt_ids, params, None, lora)]
     if body.stream:
         return StreamingResponse(stream_response(state, store, turn, jobs), media_type="text/event-stream")
@@ -161,6 +161,16 @@ async def create_response(state: ServerState, store: ResponseStore, body: Respon
     response = response_object(turn, output, final)
     remember(store, turn, response, answer)
     return JSONResponse(response)
+
+
+def check_length(state: ServerState, prompt_ids: list[int], params) -> list[int]:
+    """The chat route's context check, its refusal naming `input` (this API's field for the conversation)."""
+    try:
+        return check_prompt(state.client, prompt_ids, params, "messages")
+    except APIError as exc:
+        if exc.param == "messages":
+            exc.param = "input"
+        raise
 
 
 # ------------------------------------------------------------------ the request as a conversation

@@ -157,6 +157,7 @@ def test_stored_responses_are_read_deleted_and_evicted(tiny: Served) -> None:
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "Say hello. " * 400}, "input"),
     ({"temperature": 3.0}, "temperature"),
     ({"no_such_field": 1}, "no_such_field"),
 ])
