@@ -7,6 +7,7 @@ from paged_backend.core.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from paged_backend.core.pooling import PoolingParams
 from paged_backend.engine import Engine
 from paged_backend.entrypoints.async_engine import AsyncEngine
 from paged_backend.entrypoints.beam_search import (
@@ -40,6 +41,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "PagedTextGenerationPipeline",
+    "PoolingParams",
     "SamplingParams",
     "StructuredOutputsParams",
     "UnsupportedArchitectureError",

@@ -7,6 +7,7 @@ ValueError at `add_request`; a failure inside a step ends only the requests of t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -27,6 +28,12 @@ from paged_backend.core.outputs import (
     Logprob,
     RequestMetrics,
     RequestOutput,
+)
+from paged_backend.core.pooling import (
+    PoolingParams,
+    check_pooling,
+    embedding_of,
+    matryoshka_dimensions,
 )
 from paged_backend.core.request import LogitsProcessor, Request, RequestStatus
 from paged_backend.core.request_checks import check_request, tokenize_prompt
@@ -127,6 +134,8 @@ class Engine:
         self.num_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
         self.grammars: Grammars | None = None  # built with the first structured-outputs request
         self.compiling: list[Request] = []  # structured requests whose grammar is not compiled yet
+        self.hidden_size = text_config.hidden_size  # an embedding's size
+        self.embedding_sizes = matryoshka_dimensions(model.config)  # sizes it may be truncated to, if any
 
     def cache_groups(self, shape: KVShape, device: torch.device, pad: bool,
                      draft: DraftProposer | None) -> CacheGroups:
@@ -304,6 +313,48 @@ class Engine:
         self.requests[request_id] = group
         return request_id
 
+    # ---------------------------------------------------------------- pooling (embeddings)
+
+    def add_pooling_request(self, prompt: Prompt, pooling: PoolingParams | None = None, request_id: str | None = None,
+                            prompt_token_ids: list[int] | None = None) -> str:
+        """Queue a prompt whose final hidden states become an embedding (core/pooling.py); its finished
+        output carries it in `embedding`. ValueError, leaving the engine untouched, if it is invalid."""
+        pooling = pooling or PoolingParams()
+        request_id = request_id if request_id is not None else str(next(self.ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            text, token_ids = self.tokenize(prompt)
+        else:
+            text, token_ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
+        self.validate_pooling(token_ids, pooling)
+        group = RequestGroup(request_id)
+        # Never sampled: max_tokens=1 only keeps speculation's allowance (max_tokens - outputs - 1) at zero.
+        request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
+                          params=SamplingParams(max_tokens=1), max_tokens=1, stop_ids=frozenset(),
+                          metrics=RequestMetrics(arrival_time=time.time()), stream=False,
+                          model_state=self.model_states.current(), group=group, pooling=pooling)
+        self.scheduler.add(request)
+        self.requests[request_id] = group
+        return request_id
+
+    def validate_pooling(self, token_ids: list[int], pooling: PoolingParams) -> None:
+        check_pooling(token_ids, pooling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                      hidden_size=self.hidden_size, embedding_sizes=self.embedding_sizes,
+                      context_note=self.context_note)
+
+    def finish_pooled(self, requests: list[Request]) -> list[RequestOutput]:
+        """Finish the pooling requests whose whole prompt is computed: their embedding, their blocks freed."""
+        outputs = []
+        for request in requests:
+            if request.num_computed_tokens < request.num_tokens or request.is_finished:
+                continue
+            embedding = embedding_of(request)
+            request.pooled = None
+            self.finish(request, "stop")
+            outputs.append(dataclasses.replace(self.make_output(request, [request], []), embedding=embedding))
+        return outputs
+
     # ---------------------------------------------------------------- LoRA adapters
 
     def add_lora(self, name: str, source, adapter_name: str | None = None) -> None:
@@ -461,12 +512,15 @@ class Engine:
                 n -= len(request.spec_token_ids) - (len(kept_of[request]) - 1)
                 request.spec_token_ids = []
             request.num_computed_tokens += n
-            self.kv.cache_full_blocks(request)
+            if request.pooling is None:  # a pooling request leaves no KV behind
+                self.kv.cache_full_blocks(request)
         if batch.drafts:
             self.speculator.draft.settle()
         self.num_computed_tokens += sum(batch.num_new_tokens)
         self.record_utilisation()
         outputs.extend(self.append_tokens(sampling_requests, sampled, kept, rows))
+        if inputs.pooling is not None:
+            outputs.extend(self.finish_pooled(inputs.pooling.requests))
         if self.speculator:
             for request in sampling_requests:
                 if not request.is_finished:  # the next step allocates the room its own proposals need

@@ -20,6 +20,7 @@ import ray
 from ray.actor import ActorHandle
 
 from paged_backend import LLM, AsyncEngine, RequestOutput, SamplingParams
+from paged_backend.core.pooling import PoolingParams
 from paged_backend.core.request import LogitsProcessor
 
 from .replica_loras import ReplicaAdapters, ShippedLoRA
@@ -46,6 +47,8 @@ class ReplicaInfo:
     eos_token_ids: frozenset[int] = frozenset()
     context_note: str = ""  # why the context is shorter than the model's positions, when it is
     enable_lora: bool = False  # whether requests may name LoRA adapters
+    hidden_size: int = 0  # an embedding's size
+    embedding_sizes: tuple[int, ...] | None = None  # the sizes an embedding may be truncated to, if any
 
 
 class EngineReplica:
@@ -61,7 +64,8 @@ class EngineReplica:
         engine = self.llm.engine
         return ReplicaInfo(engine.max_model_len, engine.vocab_size, engine.config.block_size,
                            engine.config.max_num_seqs, engine.tokenizer, socket.gethostname(), os.getpid(),
-                           str(engine.device), engine.eos_token_ids, engine.context_note, engine.config.enable_lora)
+                           str(engine.device), engine.eos_token_ids, engine.context_note, engine.config.enable_lora,
+                           engine.hidden_size, engine.embedding_sizes)
 
     @ray.method(num_returns="streaming", _generator_backpressure_num_objects=STREAM_WINDOW)
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
@@ -79,6 +83,9 @@ class EngineReplica:
         async for output in self.aengine.generate(prompt, params, request_id, logits_processor, name):
             final = output
         return final
+
+    async def embed(self, prompt: Prompt, pooling: PoolingParams, request_id: str) -> RequestOutput:
+        return await self.aengine.embed(prompt, pooling, request_id)
 
     async def add_lora(self, lora: ShippedLoRA, source: Any) -> None:
         """Register an adapter (its source already read from the object store by Ray), off the event loop."""

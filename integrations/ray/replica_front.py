@@ -16,6 +16,7 @@ import ray
 from ray.actor import ActorHandle
 
 from paged_backend import SamplingParams
+from paged_backend.core.pooling import PoolingParams, check_pooling
 from paged_backend.core.request_checks import check_request, tokenize_prompt
 
 from .replica import Prompt, ReplicaInfo
@@ -35,6 +36,8 @@ class ReplicaFront:
         self.vocab_size = first.vocab_size
         self.eos_token_ids = first.eos_token_ids
         self.context_note = first.context_note
+        self.hidden_size = first.hidden_size
+        self.embedding_sizes = first.embedding_sizes
         self.replicas = replicas
         self.router = router
 
@@ -45,6 +48,11 @@ class ReplicaFront:
         has_tokenizer = self.tokenizer is not None
         check_request(token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                       has_tokenizer=has_tokenizer, can_constrain=has_tokenizer, context_note=self.context_note)
+
+    def validate_pooling(self, token_ids: list[int], pooling: PoolingParams) -> None:
+        check_pooling(token_ids, pooling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                      hidden_size=self.hidden_size, embedding_sizes=self.embedding_sizes,
+                      context_note=self.context_note)
 
     def stats(self) -> dict[str, Any]:
         """The live replicas' stats summed (ratios weighted by blocks), plus each replica's own."""

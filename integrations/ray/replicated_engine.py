@@ -31,6 +31,7 @@ from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from paged_backend import RequestOutput, SamplingParams
 from paged_backend.core.outputs import failed_output
+from paged_backend.core.pooling import PoolingParams
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.entrypoints.engine_client import Sink
 from paged_backend.model.lora import LoRASpec
@@ -175,6 +176,55 @@ class ReplicatedAsyncEngine:
             return output
 
         return list(await asyncio.gather(*(run_one(*job) for job in zip(prompts, params, loras))))
+
+    async def embed(self, prompt: Prompt, pooling: PoolingParams | None = None,
+                    request_id: str | None = None) -> RequestOutput:
+        """The prompt's embedding from one replica (not retried elsewhere: pooling is cheap to ask again)."""
+        pooling = pooling or PoolingParams()
+        text, token_ids = self.tokenize(prompt)
+        self.front.validate_pooling(token_ids, pooling)
+        request_id = request_id if request_id is not None else f"{self.id_prefix}-{next(self.ids)}"
+        try:
+            index = await self.choose(token_ids, [], None)
+        except NoLiveReplicaError as exc:
+            return failed_output(request_id, text, token_ids, str(exc))
+        self.inflight[request_id] = index
+        finished = False
+        try:
+            output = await self.replicas[index].embed.remote(prompt, pooling, request_id)
+            finished = True
+            return output
+        except (RayActorError, RayTaskError) as exc:
+            finished = True
+            return failed_output(request_id, text, token_ids, f"replica {index} failed: {first_line(exc)}")
+        finally:
+            if not finished:  # cancelled: free its blocks on the replica
+                self.replicas[index].abort.remote(request_id)
+            self.router.release(index)
+            self.inflight.pop(request_id, None)
+
+    def submit_pooling(self, prompt: Prompt, pooling: PoolingParams | None, request_id: str | None,
+                       sink: Sink) -> str:
+        """Validate here (ValueError), then embed on the client's thread; `abort` stops it."""
+        pooling = pooling or PoolingParams()
+        text, token_ids = self.tokenize(prompt)
+        self.front.validate_pooling(token_ids, pooling)
+        request_id = request_id if request_id is not None else f"{self.id_prefix}-{next(self.ids)}"
+
+        async def feed() -> None:
+            try:
+                sink(await self.embed(prompt, pooling, request_id))
+            except asyncio.CancelledError:
+                sink(failed_output(request_id, text, token_ids, None))
+                raise
+
+        task = asyncio.run_coroutine_threadsafe(feed(), self.loop().loop)
+        self.submitted[request_id] = task
+        task.add_done_callback(lambda _: self.submitted.pop(request_id, None))
+        return request_id
+
+    def validate_pooling(self, token_ids: list[int], pooling: PoolingParams) -> None:
+        self.front.validate_pooling(token_ids, pooling)
 
     def abort(self, request_id: str) -> None:
         task = self.submitted.get(request_id)

@@ -16,8 +16,10 @@ from ..reasoning import resolve_reasoning_parser
 from ..tool_parsers import AUTO, resolve_tool_parser
 from .chat import create_chat_completion
 from .completions import create_completion
+from .embeddings import add_embeddings_routes
 from .errors import APIError, JSONErrors, install_error_handlers
 from .legacy import generate
+from .messages import add_messages_routes
 from .metrics import ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -26,6 +28,8 @@ from .protocol import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from .response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from .responses_api import add_responses_routes
 from .state import DEFAULT_MAX_SEQS_PER_REQUEST, ServerState
 from .tokenization import (
     DetokenizeRequest,
@@ -39,14 +43,16 @@ from .tokenization import (
 
 def create_app(aengine: EngineClient, model_name: str, api_key: str | None = None,
                max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
-               allow_runtime_lora_updating: bool = False, reasoning_parser: str | None = AUTO,
+               allow_runtime_lora_updating: bool = False,
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, reasoning_parser: str | None = AUTO,
                tool_call_parser: str | None = AUTO) -> FastAPI:
     """The app for `aengine` (any `EngineClient`); `model_name` is what clients must send as `model` (or the name of one of the
     engine's LoRA adapters); with `api_key` set, every /v1, /generate and tokenizer request needs
     `Authorization: Bearer <api_key>`; a request that would start more than `max_seqs_per_request`
     sequences (prompts x choices) is a 400. With `allow_runtime_lora_updating`, clients may load and
-    unload adapters (vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`). `reasoning_parser` and
-    `tool_call_parser` name the model's reasoning and tool-call formats ("auto": read from its chat
+    unload adapters (vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`). `/v1/responses` keeps the
+    last `max_stored_responses` responses for `previous_response_id` (response_store.py). `reasoning_parser`
+    and `tool_call_parser` name the model's reasoning and tool-call formats ("auto": read from its chat
     template; an unknown name is a ValueError naming the option)."""
     tokenizer = getattr(aengine, "tokenizer", None)  # None: no chat template to read the formats from
     state = ServerState(aengine, model_name, ServerMetrics(aengine), api_key, max_seqs_per_request,
@@ -58,6 +64,10 @@ def create_app(aengine: EngineClient, model_name: str, api_key: str | None = Non
     app.add_middleware(JSONErrors)  # inside the counter, so the 500s it writes are counted
     app.add_middleware(HTTPStatusCounter, metrics=state.metrics)
     add_routes(app, state)
+    app.state.responses = ResponseStore(max_stored_responses)
+    add_responses_routes(app, state, [Depends(require_key(state))], app.state.responses)
+    add_embeddings_routes(app, state, [Depends(require_key(state))])
+    add_messages_routes(app, state)  # Anthropic's clients send the key as x-api-key: checked there
     if allow_runtime_lora_updating:
         add_lora_routes(app, state)
     return app

@@ -11,6 +11,7 @@ from paged_backend.integrations.options.flags import (
     engine_options,
 )
 
+from .response_store import DEFAULT_MAX_STORED_RESPONSES
 from .state import DEFAULT_MAX_SEQS_PER_REQUEST
 
 # EngineConfig fields whose flags sit with the LoRA options below.
@@ -28,6 +29,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the most sequences (prompts x n or best_of) one request may start; more is a 400 "
                         f"(default {DEFAULT_MAX_SEQS_PER_REQUEST})")
     add_parser_flags(parser)
+    parser.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
+                        help="how many /v1/responses answers to keep for previous_response_id (least recently used "
+                        f"forgotten first; 0 keeps none; default {DEFAULT_MAX_STORED_RESPONSES})")
     engine = parser.add_argument_group("engine")
     add_quantization_flag(engine)
     add_engine_flags(engine, [name for name in ENGINE_FIELDS if name not in LORA_FIELDS])
@@ -90,7 +94,8 @@ def run_serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model or DEFAULT_MODEL
     try:
         app = create_app(aengine, name, args.api_key, args.max_seqs_per_request, args.allow_runtime_lora_updating,
-                         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+                         max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser,
+                         tool_call_parser=args.tool_call_parser)
         uvicorn.run(app, host=args.host, port=args.port)
     finally:
         aengine.shutdown()

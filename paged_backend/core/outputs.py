@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -62,6 +66,8 @@ class RequestOutput:
     # every sample and no delta.
     delta_text: str = field(default="", repr=False)
     delta_token_ids: list[int] = field(default_factory=list, repr=False)
+    # A pooling request's embedding (core/pooling.py): fp32 on the CPU, set on its finished output.
+    embedding: torch.Tensor | None = field(default=None, repr=False)
 
 
 def failed_output(request_id: str, prompt: str | None, prompt_token_ids: list[int], error: str | None,

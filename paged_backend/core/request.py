@@ -14,6 +14,7 @@ from paged_backend.core.request_group import RequestGroup
 from paged_backend.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from paged_backend.core.pooling import PoolingParams
     from paged_backend.model.lora import LoRAAdapter
     from paged_backend.sampling.detokenizer import IncrementalDetokenizer
     from paged_backend.sampling.grammar import GrammarState
@@ -80,6 +81,9 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, entry per later prompt token]
     num_cached_tokens: int = 0
     error: str | None = None
+    # A pooling request (core/pooling.py): its prompt's final hidden states become an embedding; nothing is sampled.
+    pooling: PoolingParams | None = None
+    pooled: torch.Tensor | None = None  # while it runs: the sum (mean) or the last row of its hidden states so far
 
     def __post_init__(self) -> None:
         if self.group is None:

@@ -148,7 +148,7 @@ class Scheduler:
 
     def admit(self, request: Request, budget: int) -> bool:
         """Take the request's cached prefix and blocks for its first chunk; False (nothing held) if full."""
-        if request.num_computed_tokens == 0:
+        if request.num_computed_tokens == 0 and request.pooling is None:  # pooling needs every position's hidden state
             hit = self.kv.acquire_cached_prefix(request)
             if request.metrics.first_scheduled_time is None:
                 request.num_cached_tokens = hit

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from paged_backend.core.outputs import RequestOutput, failed_output
+from paged_backend.core.pooling import PoolingParams
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.engine import Engine, Prompt
 from paged_backend.entrypoints.engine_client import Sink
@@ -100,6 +101,37 @@ class AsyncEngine:
         self.wakeup.set()
         return request_id
 
+    async def embed(self, prompt: Prompt, pooling: PoolingParams | None = None,
+                    request_id: str | None = None) -> RequestOutput:
+        """The prompt's finished output with its `embedding`; cancelling the call aborts the request."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[RequestOutput] = loop.create_future()
+
+        def settle(output: RequestOutput) -> None:
+            if not done.done():
+                done.set_result(output)
+
+        request_id = self.submit_pooling(prompt, pooling, request_id, lambda o: loop.call_soon_threadsafe(settle, o))
+        try:
+            return await done
+        finally:
+            if not done.done():
+                self.abort(request_id)
+
+    def submit_pooling(self, prompt: Prompt, pooling: PoolingParams | None, request_id: str | None,
+                       sink: Sink) -> str:
+        """Validate in the caller's thread (a bad request raises here), then queue it for the engine."""
+        pooling = pooling or PoolingParams()
+        text, token_ids = self.tokenize(prompt)
+        self.engine.validate_pooling(token_ids, pooling)
+        request_id = request_id if request_id is not None else f"async-{next(self.ids)}"
+        self.commands.put(("pool", (request_id, text if text is not None else token_ids, token_ids, pooling, sink)))
+        self.wakeup.set()
+        return request_id
+
+    def validate_pooling(self, token_ids: list[int], pooling: PoolingParams) -> None:
+        self.engine.validate_pooling(token_ids, pooling)
+
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
         self.wakeup.set()
@@ -168,6 +200,8 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self.add(*arg)
+            elif kind == "pool":
+                self.add_pooling(*arg)
             elif kind == "stats":
                 self.answer_stats(arg)
             else:
@@ -184,6 +218,16 @@ class AsyncEngine:
         try:
             self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=token_ids,
                                     logits_processor=logits_processor, lora=adapter)
+        except ValueError as exc:  # e.g. a duplicate id: the caller gets a finished output with the error
+            logger.warning("request %s refused: %s", request_id, exc)
+            sink(failed_output(request_id, prompt if isinstance(prompt, str) else None, token_ids, str(exc)))
+            return
+        self.sinks[request_id] = sink
+
+    def add_pooling(self, request_id: str, prompt: Prompt, token_ids: list[int], pooling: PoolingParams,
+                    sink: Sink) -> None:
+        try:
+            self.engine.add_pooling_request(prompt, pooling, request_id=request_id, prompt_token_ids=token_ids)
         except ValueError as exc:  # e.g. a duplicate id: the caller gets a finished output with the error
             logger.warning("request %s refused: %s", request_id, exc)
             sink(failed_output(request_id, prompt if isinstance(prompt, str) else None, token_ids, str(exc)))

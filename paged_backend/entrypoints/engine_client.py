@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from paged_backend.core.outputs import RequestOutput
+from paged_backend.core.pooling import PoolingParams
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.model.lora import LoRASpec
 from paged_backend.sampling.sampling_params import SamplingParams
@@ -56,6 +57,24 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None:
         """Stop the request; its blocks are freed at the engine's next step. Unknown ids are ignored."""
+        ...
+
+    # ------------------------------------------------------------ embeddings (pooling requests)
+
+    async def embed(self, prompt: Prompt, pooling: PoolingParams | None = None,
+                    request_id: str | None = None) -> RequestOutput:
+        """The prompt's finished output, its `embedding` set (core/pooling.py); cancelling aborts it. An
+        invalid request raises ValueError before anything runs."""
+        ...
+
+    def submit_pooling(self, prompt: Prompt, pooling: PoolingParams | None, request_id: str | None,
+                       sink: Sink) -> str:
+        """Validate (ValueError here), queue the pooling request and return its id; its one finished
+        output is handed to `sink` on a thread of the client's."""
+        ...
+
+    def validate_pooling(self, token_ids: list[int], pooling: PoolingParams) -> None:
+        """Raise ValueError (naming what is wrong) for a pooling request the engine would refuse."""
         ...
 
     # ------------------------------------------------------------ checks, without running anything

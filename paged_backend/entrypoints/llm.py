@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from paged_backend.config import EngineConfig
 from paged_backend.core.outputs import RequestOutput
+from paged_backend.core.pooling import PoolingParams
 from paged_backend.engine import Engine, Prompt
 from paged_backend.entrypoints.beam_search import (
     BeamSearchOutput,
@@ -151,6 +152,24 @@ class LLM:
         params = normalise_params(sampling_params, len(prompts))
         return self.run(prompts, params, use_tqdm, normalise_loras(lora, len(prompts)))
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """Embed every prompt (text or token ids) at once: its final hidden states pooled (the last token's by
+        default, or their mean) and L2-normalised, in `output.embedding` (fp32, CPU); outputs in input order.
+        The prompts run through the engine's own steps, batched like prefills, and keep no KV afterwards.
+        Every prompt is validated before any is queued (ValueError naming its index)."""
+        engine, pooling = self.engine, pooling or PoolingParams()
+        prompts = normalise_prompts(prompts)
+        token_ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                token_ids.append(engine.tokenize(prompt)[1])
+                engine.validate_pooling(token_ids[-1], pooling)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        ids = [engine.add_pooling_request(prompt, pooling, prompt_token_ids=ids) for prompt, ids in zip(prompts, token_ids)]
+        return self.collect(ids, use_tqdm, "Embedding")
+
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     lora: LoRASpec | None = None) -> list[BeamSearchOutput]:
         """Beam search per prompt, with transformers' scoring and stopping rules; sequences best first.
@@ -229,9 +248,14 @@ class LLM:
                 raise ValueError(f"prompt {i}: {exc}") from None
         ids = [engine.add_request(prompt, p, stream=False, prompt_token_ids=ids, lora=lora, logits_processor=proc)
                for prompt, p, ids, lora, proc in zip(prompts, params, token_ids, loras, processors)]
+        return self.collect(ids, use_tqdm, "Generating")
+
+    def collect(self, ids: list[str], use_tqdm: bool, label: str) -> list[RequestOutput]:
+        """Step the engine until every request in `ids` has finished; their final outputs in that order."""
+        engine = self.engine
         index = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="Generating", unit="req") as bar:
+        with tqdm(total=len(ids), disable=not use_tqdm, desc=label, unit="req") as bar:
             remaining = len(ids)
             while remaining:
                 for output in engine.step():

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from paged_backend.core.pooling import PoolingRows, pooling_rows
 from paged_backend.core.request import Request
 from paged_backend.core.scheduler import ScheduledBatch
 from paged_backend.kernels import AttentionMetadata
@@ -44,6 +45,8 @@ class StepInputs(NamedTuple):
     real_rows: int | None = None
     # A cache of layer groups (kv_cache_groups.py): the metadata of each group, `metadata` the first's. None: one.
     group_metadata: tuple[AttentionMetadata, ...] | None = None
+    # The rows the step's pooling requests take from the final hidden states (None: no pooling request).
+    pooling: PoolingRows | None = None
 
 
 class ModelRunner:
@@ -66,7 +69,8 @@ class ModelRunner:
         carrying proposed tokens), then those of `inputs.prompt_spans`.
         The caller holds `torch.inference_mode()` over this and the sampling that follows."""
         inputs = self.prepare_inputs(batch)
-        size = self.padding.size_for(inputs) if self.padding is not None else None
+        # A step with pooling requests runs unpadded and eagerly (forward_pooling): a captured graph has no hook.
+        size = self.padding.size_for(inputs) if self.padding is not None and inputs.pooling is None else None
         if size is not None:  # before publishing: every tensor-parallel rank runs the same padded step
             inputs = self.padding.pad(inputs, size)
         if self.publish is not None:
@@ -78,6 +82,8 @@ class ModelRunner:
         with (custom_ops.step_context(inputs.metadata, self.cache.kv, self.cache.kv_scales, inputs.group_metadata,
                                       groups),
               lora.step_context(inputs.lora)):
+            if inputs.pooling is not None:
+                return self.forward_pooling(inputs)
             logits = self.graphs.replay(inputs) if self.graphs is not None and inputs.real_rows is not None else None
             if logits is None:
                 # Eager only: the compiled forward has its own matmul choices.
@@ -87,13 +93,33 @@ class ModelRunner:
                                             inputs.metadata)
         return logits if inputs.real_rows is None else logits[: inputs.real_rows]
 
+    def forward_pooling(self, inputs: StepInputs) -> torch.Tensor:
+        """The step eagerly, whatever `compile` says (a compiled graph would not run a hook added now), with
+        the decoder's final hidden states handed to the pooling requests (`PoolingRows.reduce`)."""
+        captured: list[torch.Tensor] = []
+
+        def keep(_module, _args, output) -> None:
+            captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+        handle = self.model.get_decoder().register_forward_hook(keep)
+        try:
+            with small_step_linear(inputs.input_ids.shape[-1], self.device):
+                logits = self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata,
+                                        eager=True)
+        finally:
+            handle.remove()
+        inputs.pooling.reduce(captured[-1][0])
+        return logits
+
     def run_model(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
-                  metadata: AttentionMetadata) -> torch.Tensor:
-        """The packed forward `[1, T]` -> the logits rows `logits_indices`, inside a step context for `metadata`."""
+                  metadata: AttentionMetadata, eager: bool = False) -> torch.Tensor:
+        """The packed forward `[1, T]` -> the logits rows `logits_indices`, inside a step context for `metadata`;
+        `eager` runs the model itself even when a compiled forward exists."""
         extra = {}
-        if self.single_row and input_ids.shape[-1] == 1:
+        if self.single_row and not eager and input_ids.shape[-1] == 1:
             extra["paged_single_row"] = single_row_step(metadata, self.cache.kv)
-        logits = self.forward_model(
+        forward = partial(compilation.logits_of, self.model) if eager else self.forward_model
+        logits = forward(
             input_ids=input_ids,
             position_ids=position_ids,
             cache=self.cache,
@@ -156,7 +182,7 @@ class ModelRunner:
         )
         tables = self.block_table_array(requests)
         positions, query_start_loc, metadata = self.pack(tables, starts, counts)
-        sampling = [i for i, r in enumerate(requests) if ends[i] - spec[i] == r.num_tokens]
+        sampling = [i for i, r in enumerate(requests) if ends[i] - spec[i] == r.num_tokens and r.pooling is None]
         logits_rows = self.sampling_rows(query_start_loc[1:][sampling] - 1, spec[sampling])
         spans, span_rows = self.prompt_spans(requests, starts, ends - spec, query_start_loc)
         if spans:
@@ -173,6 +199,7 @@ class ModelRunner:
             lora=self.lora_step(requests, counts),
             group_metadata=(self.group_metadata(requests, tables, positions, starts, counts, metadata)
                             if self.cache.grouped else None),
+            pooling=pooling_rows(requests, starts, ends, query_start_loc, self.to_device),
         )
 
     def group_metadata(self, requests: list[Request], first_tables: np.ndarray, positions: np.ndarray,

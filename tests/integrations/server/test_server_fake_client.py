@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from paged_backend.integrations.server import create_app
 from paged_backend.integrations.server.metrics import group_metrics
@@ -83,6 +84,21 @@ class FakeClient:
         for output in self.stream(prompt, params, request_id, logits_processor, lora):
             sink(output)
         return request_id
+
+    async def embed(self, prompt, pooling=None, request_id=None) -> RequestOutput:
+        """An embedding of the prompt's length and first token, in the pooling request's output shape."""
+        _, ids = self.tokenize(prompt)
+        self.validate_pooling(ids, pooling)
+        self.requests.append((ids, pooling, None))
+        return RequestOutput(request_id, None, ids, [CompletionOutput(0, "", [], finish_reason="stop")], True,
+                             RequestMetrics(arrival_time=0.0), embedding=torch.tensor([len(ids), ids[0]], dtype=torch.float32))
+
+    def submit_pooling(self, prompt, pooling, request_id, sink) -> str:
+        raise AssertionError("the server awaits embed")
+
+    def validate_pooling(self, token_ids, pooling) -> None:
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the input has {len(token_ids)} tokens; this engine's context length is 64")
 
     def abort(self, request_id: str) -> None:
         pass
@@ -236,3 +252,13 @@ def test_metrics_show_the_blocks_of_each_layer_group_of_a_window_model():
     assert [(s.labels, s.value) for s in family.samples] == [
         ({"group": "0", "window": "0"}, 7.0), ({"group": "1", "window": "32"}, 3.0)]
     assert list(group_metrics({"kv_blocks_free": 4})) == []  # a model without windows: one group, no family
+
+
+def test_embeddings_come_from_the_client():
+    fake = FakeClient()
+    http = serve(fake)
+    reply = http.post("/v1/embeddings", json={"model": MODEL, "input": ["ab", "xyz"], "encoding_format": "float"})
+    assert [d["embedding"] for d in reply.json()["data"]] == [[2.0, 97.0], [3.0, 120.0]]
+    assert reply.json()["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    too_long = http.post("/v1/embeddings", json={"model": MODEL, "input": "x" * 65})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input"

@@ -1,0 +1,535 @@
+"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}.
+
+A request becomes a chat conversation (`previous_response_id`'s stored conversation, `instructions` as
+the system turn, `input` as text or items: messages, function calls and their outputs), rendered by the
+chat template exactly as /v1/chat/completions renders it; function tools and `tool_choice` use the chat
+route's tool policy and grammar, `text.format` its structured outputs. The answer is read through
+`answer.py` into output items (a message, function calls), returned whole or streamed as the SDK's
+events (`response.created` ... `response.completed`). Built-in tools (web search, file search, ...) and
+other features this server cannot run are refused with a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field
+
+from paged_backend import RequestOutput
+
+from ..hermes import new_call_id
+from ..structured import (
+    add_json_instruction,
+    chosen_tool_name,
+    forced_tool_spec,
+    response_format_spec,
+)
+from .answer import Answer, AnswerDelta, AnswerStream, split_answer
+from .chat_template import render_chat
+from .errors import APIError, bad_request, not_supported, request_field
+from .fanout import Job, collect_finals, merge_streams
+from .protocol import STRICT, OpenAISamplingOptions, Tool
+from .response_store import ResponseStore
+from .sampling import check_prompt, to_sampling_params
+from .state import ServerState
+from .tool_calls import ToolCall
+
+# Fields OpenAI defines that this server takes only at the value that changes nothing: (accepted, why).
+NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "background": ((None, False), "responses are answered while the request waits"),
+    "conversation": ((None,), "use previous_response_id to continue a conversation"),
+    "prompt": ((None,), "no stored prompt templates"),
+    "reasoning": ((None,), "no reasoning options for this model"),
+    "include": ((None, []), "no extra output data to include"),
+    "max_tool_calls": ((None,), "tool calls are limited by parallel_tool_calls"),
+    "top_logprobs": ((None, 0), "no logprobs on this route; /v1/chat/completions returns them"),
+    "truncation": ((None, "disabled"), "a conversation longer than the context is refused, not truncated"),
+    "service_tier": ((None, "auto", "default"), "one service tier"),
+    "stream_options": ((None, {}, {"include_obfuscation": False}), "stream events are never obfuscated"),
+}
+CONTENT_TEXT = frozenset({"input_text", "output_text", "text", "refusal"})
+
+
+class ResponsesRequest(OpenAISamplingOptions):
+    """The Responses API's create body; the OPENAI table's sampling options (temperature, top_p, and vLLM's
+    extras such as top_k and seed) are inherited."""
+
+    model_config = STRICT
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None  # the caller's own bookkeeping: they change no output
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    truncation: str | None = None
+    service_tier: str | None = None
+    stream_options: dict[str, Any] | None = None
+
+    neutral: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = NEUTRAL
+
+    def check_supported(self) -> None:
+        for name, (accepted, why) in self.neutral.items():
+            if getattr(self, name) not in accepted:
+                raise not_supported(name, why)
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+@dataclass(slots=True)
+class Turn:
+    """One request, translated: what the engine runs and what the response echoes."""
+
+    body: ResponsesRequest
+    response_id: str
+    created_at: int
+    conversation: list[dict[str, Any]]  # without instructions: what the store keeps
+    tools: list[dict[str, Any]] | None  # chat-shaped, for the renderer and the tool grammar
+    tool_choice: Any  # chat-shaped
+    text_format: dict[str, Any]
+    prompt_ids: list[int] = field(default_factory=list)
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_tool(self) -> bool:
+        return self.uses_tools and chosen_tool_name(self.tools, self.tool_choice) is not None
+
+
+def add_responses_routes(app: FastAPI, state: ServerState, authorised: list[Depends], store: ResponseStore) -> None:
+    @app.post("/v1/responses", dependencies=authorised)
+    async def create(body: ResponsesRequest, request: Request):
+        return await create_response(state, store, body, request)
+
+    @app.get("/v1/responses/{response_id}", dependencies=authorised)
+    async def retrieve(response_id: str) -> JSONResponse:
+        entry = store.get(response_id)
+        if entry is None:
+            raise APIError(404, f"No response found with id '{response_id}'.", "response_id", "not_found")
+        return JSONResponse(entry.response)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=authorised)
+    async def delete(response_id: str) -> JSONResponse:
+        if not store.delete(response_id):
+            raise APIError(404, f"No response found with id '{response_id}'.", "response_id", "not_found")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def create_response(state: ServerState, store: ResponseStore, body: ResponsesRequest, http_request: Request):
+    body.check_supported()
+    lora = state.check_model(body.model)
+    turn = translate(body, store)
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + turn.conversation
+    schema = turn.text_format.get("schema")
+    if turn.text_format["type"] != "text":
+        messages = add_json_instruction(messages, schema if isinstance(schema, dict) else None)
+    with request_field("input"):
+        turn.prompt_ids = render_chat(state.tokenizer, messages, turn.tools if turn.uses_tools else None)
+    params = to_sampling_params(body, body.max_output_tokens, None, structured_spec(turn))
+    turn.prompt_ids = check_length(state, turn.prompt_ids, params)
+    jobs = [Job(0, turn.prompt_ids, params, None, lora)]
+    if body.stream:
+        return StreamingResponse(stream_response(state, store, turn, jobs), media_type="text/event-stream")
+    finals = await collect_finals(http_request, state.client, jobs, turn.response_id, state.metrics)
+    final = finals[0]
+    answer = split_answer(final.outputs[0].text, turn.uses_tools, body.parallel_tool_calls)
+    output = output_items(answer, item_status(final))
+    response = response_object(turn, output, final)
+    remember(store, turn, response, answer)
+    return JSONResponse(response)
+
+
+def check_length(state: ServerState, prompt_ids: list[int], params) -> list[int]:
+    """The chat route's context check, its refusal naming `input` (this API's field for the conversation)."""
+    try:
+        return check_prompt(state.client, prompt_ids, params, "messages")
+    except APIError as exc:
+        if exc.param == "messages":
+            exc.param = "input"
+        raise
+
+
+# ------------------------------------------------------------------ the request as a conversation
+
+
+def translate(body: ResponsesRequest, store: ResponseStore) -> Turn:
+    earlier: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        entry = store.get(body.previous_response_id)
+        if entry is None:
+            raise APIError(400, f"Previous response with id '{body.previous_response_id}' not found (it never "
+                           "existed, was stored with store=false, or was evicted from this server's store).",
+                           "previous_response_id", "previous_response_not_found")
+        earlier = entry.conversation
+    tools = chat_tools(body.tools)
+    return Turn(body=body, response_id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()),
+                conversation=earlier + input_messages(body.input), tools=tools,
+                tool_choice=chat_tool_choice(body.tool_choice, tools), text_format=text_format(body.text))
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as chat messages: text is one user turn; function calls join the assistant turn before them."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise bad_request("input must not be empty", "input")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(message_of(item, i))
+        elif kind == "function_call":
+            add_call(messages, item, i)
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": required(item, "call_id", i),
+                             "content": text_of(item.get("output"), f"input.{i}.output")})
+        elif kind == "reasoning":
+            continue  # an earlier turn's thinking: chat templates leave it out of later prompts too
+        else:
+            raise not_supported(f"input.{i}.type", f"item type {kind!r}; this server takes messages, "
+                                "function_call and function_call_output items")
+    return messages
+
+
+def message_of(item: dict[str, Any], index: int) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise bad_request(f"input[{index}].role must be user, assistant, system or developer, got {role!r}",
+                          f"input.{index}.role")
+    return {"role": role, "content": text_of(item.get("content"), f"input.{index}.content")}
+
+
+def text_of(content: Any, where: str) -> str:
+    """A string, or content parts of text (input_text, output_text): other parts are refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of content parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in CONTENT_TEXT:
+            raise not_supported(f"{where}.{j}", f"content part of type {kind!r}: this is a text-only model")
+        texts.append(str(part.get("text", part.get("refusal", ""))))
+    return "".join(texts)
+
+
+def add_call(messages: list[dict[str, Any]], item: dict[str, Any], index: int) -> None:
+    arguments = item.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        raise bad_request(f"input[{index}].arguments must be a JSON string", f"input.{index}.arguments")
+    call = {"id": required(item, "call_id", index), "type": "function",
+            "function": {"name": required(item, "name", index), "arguments": arguments}}
+    if messages and messages[-1]["role"] == "assistant":
+        messages[-1].setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def required(item: dict[str, Any], key: str, index: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"input[{index}].{key} must be a non-empty string", f"input.{index}.{key}")
+    return value
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Function tools in the chat shape; built-in tools are refused naming the tool."""
+    if not tools:
+        return None
+    converted = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind != "function":
+            raise not_supported(f"tools.{i}.type", f"built-in tool {kind!r}: only function tools run on this server")
+        spec = {key: value for key, value in tool.items() if key != "type"}
+        with request_field(f"tools.{i}"):
+            converted.append(Tool.model_validate({"type": "function", "function": spec}).model_dump(exclude_none=True))
+    return converted
+
+
+def chat_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None) -> Any:
+    if choice is None or choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise bad_request("tool_choice 'required' needs tools", "tool_choice")
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+        try:
+            chosen_tool_name(tools or [], choice)
+        except ValueError as exc:
+            raise bad_request(str(exc), "tool_choice") from None
+        return choice
+    raise not_supported("tool_choice", f"{choice!r}: give 'none', 'auto', 'required' or "
+                        "{'type': 'function', 'name': ...}")
+
+
+def text_format(text: dict[str, Any] | None) -> dict[str, Any]:
+    """`text.format`: {"type": "text"} (the default), json_object, or json_schema with its `schema`."""
+    text = text or {}
+    unknown = set(text) - {"format", "verbosity"}
+    if unknown:
+        first = min(unknown)
+        raise bad_request(f"unrecognized request argument supplied: text.{first}", f"text.{first}")
+    if text.get("verbosity") not in (None, "medium"):
+        raise not_supported("text.verbosity", "only 'medium'")
+    fmt = text.get("format") or {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad_request("text.format.type must be text, json_object or json_schema", "text.format")
+    return fmt
+
+
+def structured_spec(turn: Turn):
+    """The engine's grammar: a forced tool call, or the json format; both at once is a 400."""
+    fmt, body = turn.text_format, turn.body
+    forced = turn.forces_tool
+    if forced and fmt["type"] != "text":
+        raise bad_request("text.format asks for JSON while tool_choice forces a tool call; give one", "text.format")
+    if forced:
+        with request_field("tools"):
+            return forced_tool_spec(turn.tools, turn.tool_choice, body.parallel_tool_calls)
+    if fmt["type"] == "text":
+        return None
+    wire = {"type": fmt["type"]}
+    if fmt["type"] == "json_schema":
+        wire["json_schema"] = {"schema": fmt.get("schema")}
+    with request_field("text.format"):
+        return response_format_spec(wire)
+
+
+# ------------------------------------------------------------------ the answer as a response
+
+
+def item_status(final: RequestOutput) -> str:
+    return "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+
+
+def output_items(answer: Answer, status: str, call_ids: list[str] | None = None) -> list[dict[str, Any]]:
+    items = []
+    if answer.content or not answer.tool_calls:
+        items.append(message_item(new_item_id("msg"), answer.content or "", status))
+    for k, call in enumerate(answer.tool_calls):
+        items.append(call_item(new_item_id("fc"), call, "completed", (call_ids or [])[k:k + 1]))
+    return items
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [output_text(text)] if status != "in_progress" else []}
+
+
+def output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call: ToolCall, status: str, call_id: list[str] = ()) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id[0] if call_id else call.id,
+            "name": call.name, "arguments": call.arguments, "status": status}
+
+
+def response_object(turn: Turn, output: list[dict[str, Any]], final: RequestOutput | None,
+                    status: str | None = None) -> dict[str, Any]:
+    body = turn.body
+    if status is None:
+        status = "completed" if final is None or final.outputs[0].finish_reason != "length" else "incomplete"
+    return {
+        "id": turn.response_id, "object": "response", "created_at": turn.created_at, "status": status,
+        "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
+        "model": body.model, "output": output, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+        "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
+        "tools": body.tools or [], "text": {"format": turn.text_format}, "store": body.store,
+        "metadata": body.metadata or {}, "user": body.user, "reasoning": None, "truncation": "disabled",
+        "usage": None if final is None else response_usage(final),
+    }
+
+
+def response_usage(final: RequestOutput) -> dict[str, Any]:
+    prompt, generated = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+            "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + generated}
+
+
+def remember(store: ResponseStore, turn: Turn, response: dict[str, Any], answer: Answer) -> None:
+    """Keep the response and its conversation, its own answer included, for a later previous_response_id."""
+    if not turn.body.store:
+        return
+    calls = [item for item in response["output"] if item["type"] == "function_call"]
+    reply: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if calls:
+        reply["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                                "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    store.put(response, turn.conversation + [reply])
+
+
+# ------------------------------------------------------------------ streaming
+
+
+class EventWriter:
+    """Numbers the stream's events and frames them as SSE (`event:` and `data:` lines, as OpenAI sends)."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields: Any) -> str:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+@dataclass(slots=True)
+class OpenMessage:
+    """The message item being streamed: its place in `output` and its text so far."""
+
+    item_id: str
+    output_index: int
+    text: str = ""
+
+
+async def stream_response(state: ServerState, store: ResponseStore, turn: Turn, jobs: list[Job]) -> AsyncIterator[str]:
+    event = EventWriter()
+    body = turn.body
+    yield event("response.created", response=response_object(turn, [], None, "in_progress"))
+    yield event("response.in_progress", response=response_object(turn, [], None, "in_progress"))
+    reader = AnswerStream(turn.uses_tools, turn.forces_tool, body.parallel_tool_calls)
+    output: list[dict[str, Any]] = []
+    message: OpenMessage | None = None
+    calls: dict[int, dict[str, Any]] = {}  # forced calls streaming: call index -> its open item
+    final: RequestOutput | None = None
+    async for _, out in merge_streams(state.client, jobs, turn.response_id, state.metrics):
+        if out.error:
+            yield event("error", code="server_error", message=f"generation failed: {out.error}", param=None)
+            return
+        piece = reader.push(out.delta_text)
+        for text in piece_events(event, piece, output, calls):
+            yield text
+        if piece.content:
+            message, events = add_text(event, output, message, piece.content)
+            for text in events:
+                yield text
+        if out.finished:
+            final = out
+    rest, answer = reader.finish()
+    if rest.content or (message is None and not answer.tool_calls):  # an empty answer is an empty message
+        message, events = add_text(event, output, message, rest.content)
+        for text in events:
+            yield text
+    if message is not None:
+        for text in close_message(event, message, output, item_status(final)):
+            yield text
+    for text in piece_events(event, AnswerDelta(calls=rest.calls), output, calls):
+        yield text
+    for k, call in enumerate(answer.tool_calls):
+        for text in close_call(event, k, call, output, calls):
+            yield text
+    response = response_object(turn, output, final)
+    remember(store, turn, response, Answer(answer.reasoning, message.text if message else None, answer.tool_calls))
+    yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
+                response=response)
+
+
+def add_text(event: EventWriter, output: list[dict[str, Any]], message: OpenMessage | None,
+             text: str) -> tuple[OpenMessage, list[str]]:
+    """Stream `text` into the message item, opening it first when this is the answer's first text."""
+    events = []
+    if message is None:
+        message = OpenMessage(new_item_id("msg"), len(output))
+        output.append(message_item(message.item_id, "", "in_progress"))
+        events += open_message(event, message)
+    if text:
+        message.text += text
+        events.append(event("response.output_text.delta", item_id=message.item_id,
+                            output_index=message.output_index, content_index=0, delta=text, logprobs=[]))
+    return message, events
+
+
+def open_message(event: EventWriter, message: OpenMessage) -> list[str]:
+    return [event("response.output_item.added", output_index=message.output_index,
+                  item=message_item(message.item_id, "", "in_progress")),
+            event("response.content_part.added", item_id=message.item_id, output_index=message.output_index,
+                  content_index=0, part=output_text(""))]
+
+
+def close_message(event: EventWriter, message: OpenMessage, output: list[dict[str, Any]], status: str) -> list[str]:
+    item = message_item(message.item_id, message.text, status)
+    output[message.output_index] = item
+    return [event("response.output_text.done", item_id=message.item_id, output_index=message.output_index,
+                  content_index=0, text=message.text, logprobs=[]),
+            event("response.content_part.done", item_id=message.item_id, output_index=message.output_index,
+                  content_index=0, part=output_text(message.text)),
+            event("response.output_item.done", output_index=message.output_index, item=item)]
+
+
+def piece_events(event: EventWriter, piece: AnswerDelta, output: list[dict[str, Any]],
+                 calls: dict[int, dict[str, Any]]) -> list[str]:
+    """A forced call's pieces: its item opens with its name, then its arguments stream."""
+    events = []
+    for delta in piece.calls:
+        if delta.name is not None and delta.index not in calls:
+            item = {"id": new_item_id("fc"), "type": "function_call", "call_id": new_call_id(), "name": delta.name,
+                    "arguments": "", "status": "in_progress"}
+            calls[delta.index] = item | {"output_index": len(output), "streamed": ""}
+            output.append(item)
+            events.append(event("response.output_item.added", output_index=len(output) - 1, item=item))
+        if delta.arguments:
+            open_item = calls[delta.index]
+            open_item["streamed"] += delta.arguments
+            events.append(event("response.function_call_arguments.delta", item_id=open_item["id"],
+                                output_index=open_item["output_index"], delta=delta.arguments))
+    return events
+
+
+def close_call(event: EventWriter, index: int, call: ToolCall, output: list[dict[str, Any]],
+               calls: dict[int, dict[str, Any]]) -> list[str]:
+    """A call's last events: a call that streamed closes (under the id it streamed with); one that did not
+    is sent whole."""
+    events = []
+    if index in calls:  # its arguments as they streamed (valid JSON: the grammar held them), not re-serialised
+        item_id, output_index, call_id = calls[index]["id"], calls[index]["output_index"], calls[index]["call_id"]
+        call = ToolCall(call.name, calls[index]["streamed"], call_id)
+    else:
+        item_id, output_index, call_id = new_item_id("fc"), len(output), call.id
+        output.append({})
+        events.append(event("response.output_item.added", output_index=output_index,
+                            item=call_item(item_id, ToolCall(call.name, "", call_id), "in_progress")))
+        events.append(event("response.function_call_arguments.delta", item_id=item_id, output_index=output_index,
+                            delta=call.arguments))
+    item = call_item(item_id, call, "completed", [call_id])
+    output[output_index] = item
+    events.append(event("response.function_call_arguments.done", item_id=item_id, output_index=output_index,
+                        name=call.name, arguments=call.arguments))
+    events.append(event("response.output_item.done", output_index=output_index, item=item))
+    return events
+
+
