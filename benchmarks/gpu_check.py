@@ -2,7 +2,8 @@
 
 Sections (each prints PASS/FAIL or its figures; the exit code is 1 if any check failed):
 
-- kernel_tests: tests/kernels/test_kernels.py compiled on the GPU (bf16 included).
+- kernel_tests: tests/kernels/ on the GPU: the Triton kernels compiled (bf16 included), sinks, chunks and
+  window blocks among them.
 - greedy: engine output equals HF `generate(do_sample=False)` on CUDA, tiny models of several
   architectures in fp32 with chunked prefill, plus the default model when it is installed.
 - micro: the Triton attention kernel against torch SDPA on the same data already gathered into
@@ -162,7 +163,7 @@ def add_tests_to_path() -> None:
 
 
 def run_kernel_tests(sizes: Sizes, device: torch.device, dry_run: bool) -> dict[str, Any]:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_kernels.py")]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "kernels")]
     if dry_run:  # the CPU suite runs on its own in CI; here only show what the GPU run does
         return {"ok": True, "skipped": "dry run", "command": " ".join(command)}
     start = time.perf_counter()
