@@ -296,7 +296,11 @@ def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor 
     # Module float attributes (norm epsilons, attention scales) would be symbolic: torch traced each graph,
     # failed to turn them into tensors, and traced it again with them as constants, 17 of 66 s of the
     # default model's start-up. Constants from the start trace each graph once.
-    with (torch.inference_mode(), fx_config.patch(backed_size_oblivious=True),
+    # Size-oblivious tracing keeps 0 and 1 kept rows in the graphs of their step length. It is measured on CPU;
+    # on CUDA (torch 2.11, H200) inductor then failed to lower views of [rows, hidden] ("CantSplit"), and torch's
+    # own specialisation of 0 and 1, as before it, lowers there.
+    oblivious = kv.device.type == "cpu"
+    with (torch.inference_mode(), fx_config.patch(backed_size_oblivious=oblivious),
           torch._dynamo.config.patch(specialize_float=True)):
         for tokens, rows in tqdm(shapes, desc=progress, unit="graph", disable=progress is None):
             ids = torch.zeros(1, tokens, dtype=torch.long, device=device)

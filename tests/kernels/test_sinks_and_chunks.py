@@ -9,7 +9,8 @@ from __future__ import annotations
 import helpers.triton_interpret  # noqa: F401,E402  (must precede every Triton kernel import)
 import pytest
 import torch
-from helpers.kernels import DEVICE, DTYPES, TOLERANCE, Batch, make_batch
+from helpers.kernels import DEVICE, DTYPES, Batch, make_batch
+from helpers.tolerances import tolerance
 from paged_backend.kernels import AttentionMetadata, dispatch, torch_attention, torch_buckets, triton_attention
 from paged_backend.kernels.torch_single_row import single_row_step, write_and_attend_single_row
 from paged_backend.kernels.triton_attention import LaunchConfig
@@ -130,8 +131,7 @@ def check_triton(batch: Batch, config: LaunchConfig | None = None, **options) ->
                                            batch.value_cache.float().cpu(), cpu_metadata(batch.metadata), SCALE,
                                            **cpu_options)
     assert torch.isfinite(got).all()
-    tol = TOLERANCE[batch.query.dtype]
-    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float().cpu(), want, **tolerance(batch.query.dtype, "kernel"))
 
 
 # Decode, chunked prefill, a prefix hit and a fresh prompt, small enough for the interpreter.
