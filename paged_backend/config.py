@@ -34,8 +34,8 @@ class EngineConfig:
     # At start-up, run a few tokens through chunked prefill and decode and refuse the model if its paged
     # logits differ from its own dense forward (the guard for architectures nobody has tested yet).
     self_check: bool = True
-    # Compile the model forward at start-up: True, False, or None (compile unless PAGED_BACKEND_COMPILE=0 or, on
-    # CPU, no C++ compiler is installed). Compiled graphs are kept on disk (compile_cache.py): later starts load them.
+    # Compile the model forward at start-up: True, False, or None (on CPU, unless PAGED_BACKEND_COMPILE=0 or no
+    # C++ compiler is installed; see compilation.py). Compiled graphs are kept on disk: later starts load them.
     compile: bool | None = None
     # LoRA adapters chosen per request (lora.py): at most max_loras distinct adapters run at once (more wait),
     # each of rank at most max_lora_rank. With LoRA the step runs eagerly.

@@ -65,14 +65,20 @@ ENV_COMPILE = "PAGED_BACKEND_COMPILE"
 
 
 def wants_compile(setting: bool | None, device: torch.device) -> bool:
-    """`EngineConfig.compile`: None compiles on CUDA and on CPU alike (a compiled CPU step decodes 1.3-1.6x
-    faster, and the compile cache makes every start after the first cost seconds), unless PAGED_BACKEND_COMPILE=0
-    or, on CPU, no C++ compiler is installed (inductor builds its CPU kernels with one)."""
+    """`EngineConfig.compile`: None compiles on CPU, where a compiled step decodes 1.3-1.6x faster and the
+    compile cache makes every start after the first cost seconds, unless PAGED_BACKEND_COMPILE=0 or no C++
+    compiler is installed (inductor builds its CPU kernels with one). Not on CUDA: there compiled steps gave
+    other tokens than eager steps (benchmarks/gpu_check.py --only steps on an H200, torch 2.11: none of 128
+    greedy requests equal from their second token), so CUDA compiles only when asked (compile=True), with a
+    warning."""
     if setting is not None:
+        if setting and device.type == "cuda":
+            logger.warning("compile=True on CUDA: compiled CUDA steps have given tokens different from eager "
+                           "steps (gpu_check on an H200, torch 2.11); check them against compile=False")
         return setting
-    if os.environ.get(ENV_COMPILE, "1") == "0":
+    if os.environ.get(ENV_COMPILE, "1") == "0" or device.type == "cuda":
         return False
-    return device.type == "cuda" or cpp_compiler() is not None
+    return cpp_compiler() is not None
 
 
 def cpp_compiler() -> str | None:
