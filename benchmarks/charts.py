@@ -250,11 +250,40 @@ def cpu_vs_llamacpp_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def sliding_window_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    keep, free = r["settings"]["keep_every_block"], r["settings"]["free_window_blocks"]
+    need = r["kv_bytes_per_sequence_ratio_to_need"]
+    return [("requests running at once on one KV budget", f"{keep['most_requests_running']} -> {free['most_requests_running']} "
+                                                          f"({number(r['sequences_held_ratio'], 2)}x)"),
+            (f"KV of one sequence at {r['context']} tokens / what its window needs",
+             f"{number(need['keep_every_block'], 2)}x -> {number(need['free_window_blocks'], 2)}x"),
+            ("same tokens", str(r["outputs_identical"]))]
+
+
+def startup_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [(mode.replace("_", " ") + " start (process, median)", f"{number(r[mode]['median_process_s'])} s")
+            for mode in ("eager", "cold_compiled", "warm_compiled")]
+    return rows + [("warm compiled start minus eager start", f"{number(r['warm_minus_eager_s'])} s"),
+                   ("warm starts loaded every graph", str(r["warm_loaded_every_graph"]))]
+
+
+def gpu_check_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    steps = r.get("steps", {})
+    if "variants" not in steps:
+        return [("steps", f"failed: {steps.get('error', 'not run')}")]
+    rows = [(f"{name} steps", f"{number(v['tokens_per_s'])} tok/s, decode step {v['decode_step_ms'][1]} ms at batch "
+                              f"{v['decode_step_ms'][0]}" + (f", tokens equal to eager: {v['tokens_equal_eager']['equal']} of "
+                                                            f"{v['tokens_equal_eager']['of']}" if "tokens_equal_eager" in v else ""))
+            for name, v in steps["variants"].items()]
+    return rows + [("passed", str(steps["ok"]))]
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "throughput": throughput_figures, "prefix_cache": prefix_cache_figures, "pipeline": pipeline_figures,
     "serve": serve_figures, "replicas": replicas_figures, "self_check": self_check_figures,
     "structured": structured_figures, "stats_scrape": stats_scrape_figures, "speculative": speculative_figures,
     "lora": lora_figures, "quality": quality_figures, "cpu_vs_llamacpp": cpu_vs_llamacpp_figures,
+    "sliding_window_memory": sliding_window_figures, "startup": startup_figures, "gpu_check": gpu_check_figures,
 }
 
 
@@ -316,6 +345,10 @@ HEADLINE: list[tuple[str, str, Callable[[dict[str, Any]], str], Callable[[dict[s
     ("lora", "avx2",
      lambda r: f"{r['workload']['adapters']} LoRA adapters in one batch vs PEFT, one adapter at a time",
      lambda r: f"{number(r['ratios']['lora_vs_peft_sequential'], 2)}x"),
+    ("sliding_window_memory", "avx512",
+     lambda r: f"Gemma 3 (5 window layers : 1 full), one KV budget: window blocks freed vs every block kept",
+     lambda r: f"{number(r['sequences_held_ratio'], 2)}x the sequences held, KV per sequence at {r['context']} tokens "
+               f"{number(r['kv_bytes_per_sequence_ratio_to_need']['free_window_blocks'], 2)}x what the window needs"),
     ("cpu_vs_llamacpp", "avx512", lambda r: "default model (int4) one stream vs llama.cpp on the same GGUF file",
      lambda r: f"{number(r['medians']['engine_one_stream'])} vs {number(r['medians']['llamacpp_one_stream'])} tok/s"),
 ]
