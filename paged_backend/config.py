@@ -54,7 +54,7 @@ class EngineConfig:
     # nothing is captured either).
     pad_decode: bool | None = None
     # Layers with a sliding window keep only the blocks inside it, freeing older ones as a sequence grows
-    # (kv_cache_groups.py); False keeps every block of every layer. Engines that compile, pad decode steps,
+    # (kv_cache_groups.py); False keeps every block of every layer. Engines that pad decode steps,
     # run a draft model or tensor parallelism keep every block either way.
     free_window_blocks: bool = True
 

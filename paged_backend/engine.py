@@ -100,7 +100,7 @@ class Engine:
         self.graph_refusal = cuda_graphs.refusal(param.device, param.dtype, shape.head_dim,
                                                  compilation.eager_reason() is not None, self.config.enable_lora)
         pad = self.wants_padding(param.device)
-        groups = self.cache_groups(shape, param.device, pad, draft)
+        groups = self.cache_groups(shape, pad, draft)
         if groups.frees_blocks:  # pages of fewer layers, the same memory; one more: the null block
             num_blocks = groups.pages_for(num_blocks)
             self.cache = PagedCache(shape, num_blocks + 1, self.config.block_size, kv_dtype, param.device, groups,
@@ -137,30 +137,29 @@ class Engine:
         self.hidden_size = text_config.hidden_size  # an embedding's size
         self.embedding_sizes = matryoshka_dimensions(model.config)  # sizes it may be truncated to, if any
 
-    def cache_groups(self, shape: KVShape, device: torch.device, pad: bool,
-                     draft: DraftProposer | None) -> CacheGroups:
+    def cache_groups(self, shape: KVShape, pad: bool, draft: DraftProposer | None) -> CacheGroups:
         """The layer groups of the KV cache: per window, so window layers free their old blocks
         (kv_cache_groups.py), unless the model has no window or this engine needs one block table for all
         layers; then one group keeping every block, as a model without windows has."""
         groups = plan_groups(list(shape.layer_windows))
         if not groups.frees_blocks:
             return one_group(shape.num_layers)
-        reason = self.window_memory_refusal(device, pad, draft)
+        reason = self.window_memory_refusal(pad, draft)
         if reason is not None:
             logger.info("sliding windows: every layer keeps every block (%s)", reason)
             return one_group(shape.num_layers)
         return groups
 
-    def window_memory_refusal(self, device: torch.device, pad: bool, draft: DraftProposer | None) -> str | None:
-        """Why this engine keeps every block of its window layers, or None when they free theirs."""
+    def window_memory_refusal(self, pad: bool, draft: DraftProposer | None) -> str | None:
+        """Why this engine keeps every block of its window layers, or None when they free theirs. A compiled
+        forward frees them too: its graphs read no block table (the attention op takes each layer's group
+        metadata from the step context)."""
         if not self.config.free_window_blocks:
             return "EngineConfig.free_window_blocks=False"
         if draft is not None:
             return "a draft model reads and writes through the target's one block table"
         if compilation.eager_reason() is not None:
             return "tensor parallelism's ranks share one block table"
-        if compilation.wants_compile(self.config.compile, device):
-            return "a compiled forward is warmed up and traced over one block table"
         if pad:
             return "padded and captured decode steps replay one block table"
         return None

@@ -120,7 +120,18 @@ def eager_attention(
     return torch.matmul(weights, value).transpose(1, 2).contiguous()
 
 
+def paged_mask(*args, **kwargs) -> torch.Tensor | None:
+    """The mask transformers builds for this attention: none inside an engine step, whose attention masks by
+    position itself (causal, window, chunk) and never reads one; transformers' SDPA mask outside the engine.
+    transformers builds a mask for a window layer only when the step is at least a window long (shorter
+    causal steps get None), so in a compiled forward that length would be a shape condition of its own: a
+    step of a window's length or more fit no warmed-up graph and ran eagerly."""
+    if custom_ops.in_step():
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 def register() -> None:
     """Make `attn_implementation="paged_backend"` known to transformers (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)

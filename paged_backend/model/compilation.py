@@ -33,7 +33,7 @@ import shutil
 import time
 import types
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from tqdm.auto import tqdm
 from paged_backend.kernels import AttentionMetadata
 from paged_backend.model import compile_cache, custom_ops, int4_linear
 from paged_backend.model.model_state import tuner_layers
+
+if TYPE_CHECKING:
+    from paged_backend.model.paged_cache import PagedCache
 
 logger = logging.getLogger(__name__)
 
@@ -291,13 +294,17 @@ def compile_forward(model: torch.nn.Module, kv: torch.Tensor, settings: dict,
     return CompileReport(forward, time.perf_counter() - start, forward.new_graphs == 0, str(folder))
 
 
-def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor | None = None,
-            shapes: tuple[tuple[int, int], ...] = WARM_UP_SHAPES, progress: str | None = None) -> float:
-    """Run `forward` on dummy steps of every specialised shape in `shapes`; return the seconds it took. With
-    `progress`, a bar of that title counts the shapes (a cold compile takes a minute: it shows graph by graph).
-    The dummy K/V land in the first blocks, which hold nothing yet (no request has run) and which
-    every later owner writes before reading."""
-    device, num_blocks = kv.device, kv.shape[3] // block_size
+def warm_up(forward, cache: PagedCache, shapes: tuple[tuple[int, int], ...] = WARM_UP_SHAPES,
+            progress: str | None = None) -> float:
+    """Run `forward` on dummy steps of every specialised shape in `shapes` over `cache`; return the seconds it
+    took. With `progress`, a bar of that title counts the shapes (a cold compile takes a minute: it shows graph
+    by graph). The dummy K/V land in the first blocks, which hold nothing yet (no request has run) and which
+    every later owner writes before reading; never in the null block (a window group's freed entries), which
+    stays zero. A cache of layer groups gets the step context of one: every group reads the dummy step's
+    block table (the graphs never see the tables: the attention op reads them from the context)."""
+    kv, block_size = cache.kv, cache.block_size
+    device = kv.device
+    num_blocks = cache.null_block if cache.null_block is not None else kv.shape[3] // block_size
     start = time.perf_counter()
     # Module float attributes (norm epsilons, attention scales) would be symbolic: torch traced each graph,
     # failed to turn them into tensors, and traced it again with them as constants, 17 of 66 s of the
@@ -320,6 +327,8 @@ def warm_up(forward, kv: torch.Tensor, block_size: int, kv_scales: torch.Tensor 
                 block_size=block_size, query_start_loc_host=[0, tokens], seq_lens_host=[tokens],
                 max_query_len=tokens, max_seq_len=tokens,
             )
-            with custom_ops.step_context(metadata, kv, kv_scales):
+            groups = cache.groups if cache.grouped else None
+            group_metadata = (metadata,) * groups.num_groups if groups is not None else None
+            with custom_ops.step_context(metadata, kv, cache.kv_scales, group_metadata, groups):
                 forward(ids, positions, torch.arange(tokens - rows, tokens, device=device), metadata)
     return time.perf_counter() - start

@@ -62,6 +62,11 @@ def step_context(metadata: AttentionMetadata, kv: torch.Tensor, kv_scales: torch
         _current = previous
 
 
+def in_step() -> bool:
+    """Whether an engine step's forward is running (a step context is open)."""
+    return _current is not None
+
+
 def current_step() -> StepContext:
     if _current is None:
         raise RuntimeError("paged_backend ops called outside an engine step (no step_context)")

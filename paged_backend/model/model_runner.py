@@ -137,7 +137,8 @@ class ModelRunner:
     @property
     def single_row(self) -> bool:
         """Whether one-token steps attend inside the compiled graph (torch_single_row.py): compiled on CPU over
-        a float cache. CUDA keeps its Triton kernel and an int8 cache the opaque op."""
+        a float cache of one block table. CUDA keeps its Triton kernel, an int8 cache the opaque op, and so does a
+        cache of layer groups (the traced path reads every layer through one table, not its group's)."""
         return self.compiled and self.device.type == "cpu" and self.cache.kv_scales is None and not self.cache.grouped
 
     def model_unchanged(self) -> bool:
@@ -148,14 +149,16 @@ class ModelRunner:
         """Compile the model forward (or load its graphs from the compile cache) and warm it up on every shape
         class; say where the graphs came from and how long it took."""
         cache, shapes = self.cache, compilation.warm_up_shapes(self.model)
+        # A cache of layer groups traces its one-token graph without the single-row path (see single_row), and
+        # may have the kv shape of one without groups (a model whose every layer slides alike), so the key's
+        # single_row says it; otherwise grouping changes no graph (the op reads the groups from the step context).
         settings = {"shapes": shapes, "kv": [list(cache.kv.shape[:3]), cache.kv.shape[4], str(cache.kv.dtype)],
                     "kv_scales": cache.kv_scales is not None, "block_size": cache.block_size,
-                    "single_row": self.device.type == "cpu" and cache.kv_scales is None}
+                    "single_row": self.device.type == "cpu" and cache.kv_scales is None and not cache.grouped}
 
         def warm(forward: compilation.CompiledForward, title: str) -> float:
             self.forward_model = forward
-            return compilation.warm_up(self.warm_up_step, cache.kv, cache.block_size, cache.kv_scales, shapes,
-                                       progress=title)
+            return compilation.warm_up(self.warm_up_step, cache, shapes, progress=title)
 
         report = compilation.compile_forward(self.model, cache.kv, settings, warm)
         self.compiled_structure = compilation.structure_of(self.model)

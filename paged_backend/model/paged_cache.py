@@ -70,6 +70,7 @@ class PagedCache(PackedStepCache):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.groups = groups or one_group(shape.num_layers)
+        self.null_block = null_block
         positions = self.groups.group_size
         # [layer, k/v, kv_head, slot, head_dim]: a head's slots are contiguous, so the CPU gather of
         # one sequence is one index_select per layer and a Triton tile of one block is one stride.

@@ -170,7 +170,8 @@ def test_one_token_steps_attend_inside_the_graph(arch, monkeypatch):
 
     model = build(arch, seed=5)
     _, _, prompts, refs = hf_case(arch, model, MAX_NEW)
-    engine = Engine(model, None, EngineConfig(num_kv_blocks=40, block_size=4, compile=True))
+    # Every block kept: a window model's cache of layer groups keeps one-token steps on the op (model_runner.single_row).
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=40, block_size=4, compile=True, free_window_blocks=False))
     assert engine.runner.single_row
     rows = []
     opaque = custom_ops.write_and_attend

@@ -4,11 +4,17 @@ shorter than the prompts, so keys outside the window must be masked in prefill, 
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers as tf
 from helpers.engine import check_against_hf, hf_greedy, mixed_prompts
 from helpers.models import VOCAB, build_from_config
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    sliding_window_causal_mask_function,
+)
 
 from paged_backend import EngineConfig
+from paged_backend.model import attention, custom_ops
 
 WINDOW = 8
 MAX_NEW = 12
@@ -52,3 +58,18 @@ def test_the_window_changes_the_answer(case):
 def test_engine_matches_hf_with_a_window_shorter_than_the_prompts(case, config):
     model, prompts, refs = case
     check_against_hf(model, prompts, refs, EngineConfig(**config), MAX_NEW, late_from=5)
+
+
+def test_no_mask_is_built_inside_an_engine_step():
+    """The paged attention masks by position and reads no mask: inside a step the mask function builds none
+    (transformers would build one for a window layer's step of a window or more: in a compiled forward, a
+    shape condition of its own), while outside the engine the model still gets transformers' mask."""
+    attention.register()
+    mask = ALL_MASK_ATTENTION_FUNCTIONS[attention.ATTENTION_NAME]
+    step = {"batch_size": 1, "q_length": 2 * WINDOW, "kv_length": 2 * WINDOW, "local_size": WINDOW,
+            "mask_function": sliding_window_causal_mask_function(WINDOW), "device": torch.device("cpu")}
+    outside = mask(**step)
+    assert outside is not None and outside.shape == (1, 1, 2 * WINDOW, 2 * WINDOW)
+    assert not outside[0, 0, -1, 0]  # the window masks the first key from the last query
+    with custom_ops.step_context(None, torch.empty(0)):
+        assert mask(**step) is None
