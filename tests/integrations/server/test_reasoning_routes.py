@@ -139,6 +139,16 @@ def test_responses_tool_calls_come_from_the_answer_only(qwen3: Served) -> None:
     assert response_parts(inner)[1:] == ("No call.", [])
 
 
+def test_responses_json_format_holds_the_answer_after_the_thinking(qwen3: Served) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    text = {"format": {"type": "json_schema", "name": "a", "schema": schema}}
+    # The grammar lets the thinking be any text (here, broken JSON); a scripted token it refused would
+    # fail the request.
+    response = respond(qwen3, '<think>{not json</think>{"answer": "yes"}', text=text)
+    reasoning, answer, _ = response_parts(response)
+    assert response.status == "completed" and reasoning == "{not json" and json.loads(answer) == {"answer": "yes"}
+
+
 # ------------------------------------------------------------------ /v1/messages
 
 
@@ -216,6 +226,16 @@ def test_messages_tool_calls_come_from_the_answer_only(qwen3: Served) -> None:
     assert (thinking, text) == ("Need the weather.", "")
     assert [(b.type, getattr(b, "input", None)) for b in final.content] == \
         [("thinking", None), ("tool_use", {"city": "Paris"})]
+
+
+def test_messages_forced_call_follows_the_thinking(qwen3: Served) -> None:
+    script = "<think>Need the weather.</think>" + CALL  # the grammar holds the call right after the thinking
+    any_tool = {"type": "any", "disable_parallel_tool_use": True}
+    reply = message(qwen3, script, tools=[ANTHROPIC_TOOL], tool_choice=any_tool)
+    assert [(b.type, getattr(b, "input", None)) for b in reply.content] == \
+        [("thinking", None), ("tool_use", {"city": "Paris"})]
+    thinking, _, final = streamed_message(qwen3, script, tools=[ANTHROPIC_TOOL], tool_choice=any_tool)
+    assert thinking == "Need the weather." and final.content[1].input == {"city": "Paris"}
 
 
 # ------------------------------------------------------------------ a template without the switch
