@@ -164,11 +164,13 @@ def hold_after_thinking(state: ServerState, plan: AnswerPlan, spec: Any) -> Any:
 def decode_markers(state: ServerState, plan: AnswerPlan, params: SamplingParams) -> SamplingParams:
     """Markers the parsers read must survive decoding: keep special tokens when one of them is special
     (then the EOS is decoded too, and the plan strips it)."""
-    markers = (plan.reasoning.markers if plan.reasoning else ()) + (plan.tool_parser.markers if plan.tool_parser else ())
+    markers = ((plan.reasoning.markers if plan.reasoning else ())
+               + (plan.tool_parser.markers if plan.tool_parser else ()))
     if markers and params.skip_special_tokens and keeps_special_tokens(state.tokenizer, markers):
         params = dataclasses.replace(params, skip_special_tokens=False)
     if not params.skip_special_tokens:
-        plan.eos_texts = tuple(state.tokenizer.decode([i], skip_special_tokens=False) for i in state.client.eos_token_ids)
+        decode = state.tokenizer.decode
+        plan.eos_texts = tuple(decode([i], skip_special_tokens=False) for i in state.client.eos_token_ids)
     return params
 
 

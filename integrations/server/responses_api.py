@@ -371,7 +371,8 @@ def item_status(final: RequestOutput) -> str:
     return "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
 
 
-def output_items(reasoning: str | None, content: str | None, calls: list[ToolCall], status: str) -> list[dict[str, Any]]:
+def output_items(reasoning: str | None, content: str | None, calls: list[ToolCall],
+                 status: str) -> list[dict[str, Any]]:
     """A reasoning item when the model thought (in words), the message, then the function calls."""
     items = [reasoning_item(new_item_id("rs"), reasoning, "completed")] if reasoning else []
     if content or not calls:

@@ -20,7 +20,8 @@ from helpers.server import Served, serve
 
 pytestmark = pytest.mark.timeout(180)
 
-CHATML = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}{% endfor %}"
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
+          "{% endfor %}")
 QWEN3_LIKE = (CHATML + "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
               "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}"
               "{% endif %}{% endif %}")
@@ -273,13 +274,13 @@ def test_a_server_without_a_reasoning_parser_refuses_thinking_options() -> None:
 
 
 FAMILIES = {  # family: (the marker its template names, an answer calling get_weather twice)
-    "llama3_json": ("<|python_tag|>", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-                                      '{"name": "get_weather", "parameters": {"city": "Rome"}}'),
-    "mistral": ("[TOOL_CALLS]", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-                                '{"name": "get_weather", "arguments": {"city": "Rome"}}]'),
-    "qwen3_coder": ("<tool_call><function=", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+    "llama3_json": ("<|python_tag|>", ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                                       '{"name": "get_weather", "parameters": {"city": "Rome"}}')),
+    "mistral": ("[TOOL_CALLS]", ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                                 '{"name": "get_weather", "arguments": {"city": "Rome"}}]')),
+    "qwen3_coder": ("<tool_call><function=", ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                     "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
-                    "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"),
+                    "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")),
 }
 CITIES = [{"city": "Paris"}, {"city": "Rome"}]
 
