@@ -1,78 +1,213 @@
-"""An assistant turn's text split into (reasoning, content, tool calls): the one place every chat-shaped
-route (`/v1/responses`, `/v1/messages`) reads a generation through, finished or streamed.
+"""What an assistant turn's text becomes, for every chat-shaped route (`/v1/chat/completions`,
+`/v1/responses`, `/v1/messages`): reasoning (when the model thinks), then content and tool calls.
 
-Tool calls are the Hermes `<tool_call>` blocks (`tool_calls.py`). The model's thinking, for models that
-write it between markers, belongs here too: `reasoning` stays None until a reasoning parser is chosen
-for the model, and that parser plugs in at `split_answer` and `AnswerStream.push` / `finish`.
+`AnswerPlan` is fixed per request (`plan_answer`): the server's reasoning parser and whether the
+prompt opened the thinking, the server's tool-call format, the tools and whether a call was forced.
+The thinking is split off first, so tool calls and structured outputs see the answer only; a plain
+answer (`AnswerPlan.split`) and a stream (`AnswerStream`) go through the same parsers and split alike.
+The routes differ only in the shape they give the parts.
 
-Streaming policy (the chat route's): content streams as it comes, anything from the first call tag on
-is held back; a forced call (`tool_choice` required or named, held to the tools' grammar) streams its
+Streaming policy: reasoning and content stream as they come, anything from where the calls begin is
+held back; a forced call (`tool_choice` required or named, held to the tools' grammar) streams its
 name and arguments as they are written, since it is a call from its first token; a free call is sent
-whole once the answer is complete, as only then is it known to be a valid call (an invalid block is
+whole once the answer is complete, as only then is it known to be a valid call (an invalid one is
 content, never a half-sent call).
+
+The helpers below set up a request for its plan: `hold_after_thinking` (a grammar holds the answer,
+not the thinking), `decode_markers` (markers the parsers read survive decoding), `thinking_switch`
+and `thinking_budget` (turning the thinking on or off, and bounding it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..hermes import CallDelta, CallStream
+from paged_backend import SamplingParams
+
+from ..hermes import CallDelta
+from ..reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    budget_processor,
+    prompt_tail,
+    reasoning_tokens,
+)
+from ..structured import after_thinking
+from ..tool_parsers import ToolParser, keeps_special_tokens
+from .errors import bad_request
+from .state import ServerState
 from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
 
 
 @dataclass(slots=True)
-class Answer:
-    reasoning: str | None
-    content: str | None
-    tool_calls: list[ToolCall]
+class AnswerPlan:
+    reasoning: ReasoningParser | None = None
+    opened: bool = False  # the prompt left the thinking open
+    tool_parser: ToolParser | None = None  # None: no tools in play
+    tools: list[dict[str, Any]] | None = None
+    forced: bool = False  # a call forced by the grammar (tool_choice required or named)
+    parallel: bool = True
+    # The text of the end-of-sequence tokens, when special tokens are kept for the markers' sake: the
+    # engine then decodes the EOS that ended the answer too, which is no part of it.
+    eos_texts: tuple[str, ...] = ()
+
+    @property
+    def prefix(self) -> str:
+        return self.tool_parser.forced_prefix if self.forced and self.tool_parser else ""
+
+    def text_of(self, completion: Any, text: str) -> str:
+        """`text` (the answer, or its last delta) less the EOS that ended it, if it was decoded."""
+        if completion.finish_reason == "stop" and completion.stop_reason is None:
+            for eos in self.eos_texts:
+                if text.endswith(eos):
+                    return text[:-len(eos)]
+        return text
+
+    def answer_of(self, completion: Any) -> str:
+        return self.text_of(completion, completion.text)
+
+    def delta_of(self, output: Any) -> str:
+        """A streamed output's new text (less the EOS on its last delta)."""
+        return self.text_of(output.outputs[0], output.delta_text) if output.finished else output.delta_text
+
+    def split(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(reasoning, content, calls) of a finished answer."""
+        reasoning, content = self.reasoning.split(text, self.opened) if self.reasoning else (None, text)
+        calls: list[ToolCall] = []
+        if self.tool_parser is not None:
+            content, calls = parse_tool_calls(content, self.tool_parser, self.tools, self.prefix)
+            calls = calls if self.parallel else calls[:1]
+        if reasoning is not None and not content:
+            content = None
+        return reasoning, content, calls
+
+    def reasoning_tokens(self, tokenizer: Any, token_ids: list[int]) -> int:
+        return reasoning_tokens(tokenizer, self.reasoning, token_ids, self.opened) if self.reasoning else 0
+
+    def stream(self) -> AnswerStream:
+        return AnswerStream(self)
 
 
-def split_answer(text: str, uses_tools: bool, parallel_tool_calls: bool = True) -> Answer:
-    """A finished generation's parts; without tools every character is content."""
-    if not uses_tools:
-        return Answer(None, text, [])
-    content, calls = parse_tool_calls(text)
-    return Answer(None, content, calls if parallel_tool_calls else calls[:1])
+def plan_answer(state: ServerState, prompt_ids: list[int], tools: list[dict[str, Any]] | None,
+                forced: bool = False, parallel: bool = True, split_reasoning: bool = True) -> AnswerPlan:
+    """The plan of one request's answer: the server's parsers, `tools` (None or empty: no tool calls
+    in play), whether the rendered prompt opened the thinking."""
+    thinker = state.reasoning_parser
+    opened = thinker is not None and thinker.opens_thinking(prompt_tail(state.tokenizer, prompt_ids))
+    return AnswerPlan(thinker if split_reasoning else None, opened, state.tool_parser if tools else None,
+                      tools or None, forced, parallel)
 
 
 @dataclass(slots=True)
-class AnswerDelta:
+class Pieces:
     reasoning: str = ""
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)  # pieces of forced calls, as they are written
+    tool_calls: list[ToolCall] = field(default_factory=list)  # on finish: every call of the answer
+    streamed: int = 0  # on finish: how many of `tool_calls` went out as pieces (the rest go whole)
+
+    @property
+    def unsent_calls(self) -> list[ToolCall]:
+        return self.tool_calls[self.streamed:]
 
 
 class AnswerStream:
-    """Feed a generation's text deltas; get what may be sent now, and the whole answer at the end."""
+    """One streamed answer: `push` gives the pieces safe to send now, `finish` the rest."""
 
-    def __init__(self, uses_tools: bool, forces_tool: bool = False, parallel_tool_calls: bool = True) -> None:
-        self.streamer = ToolCallStreamer() if uses_tools else None
-        self.calls = CallStream() if forces_tool else None
-        self.parallel = parallel_tool_calls
-        self.text = ""
+    def __init__(self, plan: AnswerPlan) -> None:
+        self.plan = plan
+        self.thinking = ReasoningStream(plan.reasoning, plan.opened) if plan.reasoning else None
+        self.tools = ToolCallStreamer(plan.tool_parser, plan.tools, plan.prefix) if plan.tool_parser else None
 
-    def push(self, delta: str) -> AnswerDelta:
-        self.text += delta
-        if self.streamer is None:
-            return AnswerDelta(content=delta)
-        content = self.streamer.push(delta)
-        return AnswerDelta(content=content, calls=self.calls.update(self.streamer.text) if self.calls else [])
+    def push(self, delta: str) -> Pieces:
+        pieces = Pieces()
+        if self.thinking is not None:
+            split = self.thinking.push(delta)
+            pieces.reasoning, delta = split.reasoning, split.content
+        pieces.content = self.tools.push(delta) if self.tools else delta
+        if self.plan.forced:  # held to the grammar, so a call from its first token: stream it as written
+            pieces.calls = self.tools.stream.deltas()
+        return pieces
 
-    def finish(self) -> tuple[AnswerDelta, Answer]:
-        """(what was still held back, the whole answer). Calls that streamed are not repeated as deltas
-        beyond their last pieces; the answer lists every call, streamed or not."""
-        if self.streamer is None:
-            return AnswerDelta(), Answer(None, self.text, [])
-        rest, calls = self.streamer.finish()
-        calls = calls if self.parallel else calls[:1]
-        pieces: list[CallDelta] = []
-        if self.calls is not None and self.calls.streamed:
-            pieces = [d for d in self.calls.update(self.streamer.text) if d.index < len(calls)]
-            rest = ""  # the held-back text was the calls, already sent as such
-        content = split_answer(self.text, True, self.parallel).content if calls else self.text
-        return AnswerDelta(content=rest, calls=pieces), Answer(None, content, calls)
+    def finish(self) -> Pieces:
+        pieces = Pieces()
+        if self.thinking is not None:
+            split = self.thinking.finish()
+            pieces.reasoning = split.reasoning
+            pieces.content = self.tools.push(split.content) if self.tools else split.content
+        if self.tools is None:
+            return pieces
+        late = self.tools.stream.deltas() if self.plan.forced else []
+        streamed = self.tools.stream.calls.streamed if self.plan.forced else 0
+        rest, calls = self.tools.finish()
+        pieces.tool_calls = calls if self.plan.parallel else calls[:1]
+        pieces.streamed = min(streamed, len(pieces.tool_calls))
+        if streamed:
+            pieces.calls = late  # the held-back text was the calls, already sent as such
+        else:
+            pieces.content += rest
+        return pieces
 
-    @property
-    def streamed_calls(self) -> int:
-        """How many forced calls have started streaming (0: calls, if any, come whole at the end)."""
-        return self.calls.streamed if self.calls is not None else 0
+
+# ------------------------------------------------------------------ setting a request up for its plan
+
+
+def hold_after_thinking(state: ServerState, plan: AnswerPlan, spec: Any) -> Any:
+    """A structured-output spec (a forced call, a JSON format) held to the answer after the thinking:
+    the model thinks whether or not its answer is split, so the server's parser decides."""
+    thinker = state.reasoning_parser
+    return after_thinking(spec, thinker.start, thinker.end, plan.opened) if thinker is not None else spec
+
+
+def decode_markers(state: ServerState, plan: AnswerPlan, params: SamplingParams) -> SamplingParams:
+    """Markers the parsers read must survive decoding: keep special tokens when one of them is special
+    (then the EOS is decoded too, and the plan strips it)."""
+    markers = ((plan.reasoning.markers if plan.reasoning else ())
+               + (plan.tool_parser.markers if plan.tool_parser else ()))
+    if markers and params.skip_special_tokens and keeps_special_tokens(state.tokenizer, markers):
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    if not params.skip_special_tokens:
+        decode = state.tokenizer.decode
+        plan.eos_texts = tuple(decode([i], skip_special_tokens=False) for i in state.client.eos_token_ids)
+    return params
+
+
+def thinking_budget(state: ServerState, plan: AnswerPlan, budget: int | None, param: str):
+    """The logits processor closing the thinking after `budget` tokens (None: no bound); a 400 naming
+    `param` when the server runs no reasoning parser."""
+    if budget is None:
+        return None
+    if state.reasoning_parser is None:
+        raise bad_request(f"{param} needs a reasoning model: this server runs no reasoning parser "
+                          "(--reasoning-parser)", param)
+    try:
+        return budget_processor(state.tokenizer, state.reasoning_parser, budget, plan.opened)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    """What a route's thinking option asks: kwargs for the chat template, and a thinking budget."""
+
+    template_kwargs: dict[str, Any] | None = None
+    budget: int | None = None
+
+
+def thinking_switch(state: ServerState, on: bool, param: str, budget: int | None = None) -> Thinking:
+    """Thinking on or off, by the means the served model has: its template's `enable_thinking` switch
+    (Qwen3, SmolLM3 and others take it) where the template reads one; off otherwise by a budget of
+    0, which closes any thinking at once. On needs a reasoning model (a 400 naming `param`); off on a
+    model that is not one asks nothing."""
+    if state.reasoning_parser is None:
+        if on:
+            raise bad_request(f"{param} needs a reasoning model: this server runs no reasoning parser "
+                              "(--reasoning-parser)", param)
+        return Thinking()
+    switch = "enable_thinking" in str(getattr(state.tokenizer, "chat_template", "") or "")
+    kwargs = {"enable_thinking": on} if switch else None
+    if not on and not switch:
+        budget = 0
+    return Thinking(kwargs, budget)

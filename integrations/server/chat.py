@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,15 +10,21 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from paged_backend import RequestOutput, SamplingParams
+from paged_backend import RequestOutput
 
+from ..hermes import CallDelta, new_call_id
 from ..logprobs import chat_logprobs, positions
-from ..reasoning import budget_processor, prompt_tail
-from ..structured import add_json_instruction, after_thinking
-from ..tool_parsers import keeps_special_tokens
-from .chat_answer import AnswerPlan, AnswerStream
+from ..structured import add_json_instruction
+from .answer import (
+    AnswerPlan,
+    AnswerStream,
+    decode_markers,
+    hold_after_thinking,
+    plan_answer,
+    thinking_budget,
+)
 from .chat_template import render_chat
-from .errors import APIError, bad_request, request_field
+from .errors import APIError, request_field
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import ChatCompletionRequest
 from .responses import DONE, sse, sse_error, usage
@@ -47,15 +52,12 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     with request_field("messages"):
         prompt_ids = render_chat(state.tokenizer, messages, tools, body.add_generation_prompt,
                                  body.chat_template_kwargs)
-    plan = answer_plan(state, body, tools, prompt_ids)
-    thinker = state.reasoning_parser  # the model thinks whether or not the answer is split (include_reasoning)
-    if thinker is not None:
-        structured = after_thinking(structured, thinker.start, thinker.end, plan.opened)
-    params = keep_markers(state, plan, to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured))
-    if not params.skip_special_tokens:
-        plan.eos_texts = tuple(state.tokenizer.decode([i], skip_special_tokens=False) for i in state.client.eos_token_ids)
+    plan = plan_answer(state, prompt_ids, tools, body.forces_tool, body.parallel_tool_calls, body.include_reasoning)
+    structured = hold_after_thinking(state, plan, structured)
+    params = decode_markers(state, plan, to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured))
     prompt_ids = check_prompt(state.client, prompt_ids, params, "messages")
-    processor = then(bias_processor(state.client, body.logit_bias), thinking_budget(state, body, plan))
+    processor = then(bias_processor(state.client, body.logit_bias),
+                     thinking_budget(state, plan, body.thinking_token_budget, "thinking_token_budget"))
     request_id = new_id("chatcmpl")
     jobs = [Job(0, prompt_ids, with_choices(params, body.n), processor, lora)]
     if body.stream:
@@ -67,31 +69,6 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     thought = sum(plan.reasoning_tokens(state.tokenizer, out.outputs[0].token_ids) for out in finals.values())
     response = envelope(request_id, body.model, "chat.completion", choices)
     return JSONResponse(response | {"usage": chat_usage(plan, len(prompt_ids), completion_tokens, thought)})
-
-
-def answer_plan(state: ServerState, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
-                prompt_ids: list[int]) -> AnswerPlan:
-    thinker = state.reasoning_parser
-    opened = thinker is not None and thinker.opens_thinking(prompt_tail(state.tokenizer, prompt_ids))
-    return AnswerPlan(thinker if body.include_reasoning else None, opened, state.tool_parser if tools else None,
-                      tools, body.forces_tool, body.parallel_tool_calls)
-
-
-def keep_markers(state: ServerState, plan: AnswerPlan, params: SamplingParams) -> SamplingParams:
-    """Markers the parsers read must survive decoding: keep special tokens when one of them is special."""
-    markers = (plan.reasoning.markers if plan.reasoning else ()) + (plan.tool_parser.markers if plan.tool_parser else ())
-    if markers and params.skip_special_tokens and keeps_special_tokens(state.tokenizer, markers):
-        return dataclasses.replace(params, skip_special_tokens=False)
-    return params
-
-
-def thinking_budget(state: ServerState, body: ChatCompletionRequest, plan: AnswerPlan):
-    if body.thinking_token_budget is None:
-        return None
-    if state.reasoning_parser is None:
-        raise bad_request("thinking_token_budget needs a reasoning model: this server runs no reasoning parser "
-                          "(--reasoning-parser)", "thinking_token_budget")
-    return budget_processor(state.tokenizer, state.reasoning_parser, body.thinking_token_budget, plan.opened)
 
 
 def chat_usage(plan: AnswerPlan, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
@@ -112,7 +89,7 @@ def envelope(request_id: str, model: str, kind: str, choices: list[dict[str, Any
 def chat_choice(state: ServerState, body: ChatCompletionRequest, plan: AnswerPlan, index: int,
                 output: RequestOutput) -> dict[str, Any]:
     completion = output.outputs[0]
-    reasoning, content, calls = plan.split(plan.text_of(completion, completion.text))
+    reasoning, content, calls = plan.split(plan.answer_of(completion))
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if plan.reasoning is not None:
         message |= {"reasoning": reasoning, "reasoning_content": reasoning}
@@ -145,18 +122,18 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, plan: Ans
             yield sse_error(APIError(500, f"generation failed: {output.error}"))
             return
         generated[index] = len(output.outputs[0].token_ids)
-        pieces = streams[index].push(plan.text_of(output.outputs[0], output.delta_text) if output.finished
-                                     else output.delta_text)
+        pieces = streams[index].push(plan.delta_of(output))
         logprobs = stream_logprobs(state, body, output)
         for delta in reasoning_deltas(pieces.reasoning):
             yield chunk(index, delta)
         if pieces.content or logprobs:
             yield chunk(index, {"content": pieces.content}, logprobs=logprobs)
-        if pieces.calls and not output.finished:
-            yield chunk(index, {"tool_calls": pieces.calls})
+        calls = [call_piece(d) for d in pieces.calls]
+        if calls and not output.finished:
+            yield chunk(index, {"tool_calls": calls})
         if output.finished:
             thought[index] = plan.reasoning_tokens(state.tokenizer, output.outputs[0].token_ids)
-            for event in final_chunks(index, output, streams[index], pieces.calls, chunk):
+            for event in final_chunks(index, output, streams[index], calls, chunk):
                 yield event
     if body.include_usage:
         yield sse(envelope(request_id, body.model, "chat.completion.chunk", [])
@@ -183,9 +160,18 @@ def final_chunks(index: int, output: RequestOutput, stream: AnswerStream, pendin
     events = [chunk(index, delta) for delta in reasoning_deltas(pieces.reasoning)]
     if pieces.content:
         events.append(chunk(index, {"content": pieces.content}))
-    calls = pending_calls + pieces.calls
+    calls = pending_calls + [call_piece(d) for d in pieces.calls]
+    calls += [dict(call.to_openai(), index=pieces.streamed + k) for k, call in enumerate(pieces.unsent_calls)]
     if calls:
         events.append(chunk(index, {"tool_calls": calls}))
-    finish_reason = "tool_calls" if pieces.called else output.outputs[0].finish_reason
+    finish_reason = "tool_calls" if pieces.tool_calls else output.outputs[0].finish_reason
     events.append(chunk(index, {}, finish_reason))
     return events
+
+
+def call_piece(delta: CallDelta) -> dict[str, Any]:
+    """OpenAI's shape of a streamed call piece: the first carries the call's id, type and name."""
+    if delta.name is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {"index": delta.index, "id": new_call_id(), "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments}}

@@ -3,9 +3,12 @@ speak it.
 
 A request becomes a chat conversation (`system` as the system turn, `tool_use` blocks as the assistant's
 tool calls, `tool_result` blocks as tool messages) rendered by the chat template exactly as
-/v1/chat/completions renders it, with the chat route's tool policy and forced-call grammar
-(`tool_choice` any / tool). The answer is read through `answer.py` into text and `tool_use` blocks,
-returned whole or streamed as Anthropic's events (`message_start` ... `message_stop`). Errors use
+/v1/chat/completions renders it, with the chat route's tool policy and forced-call grammar in the
+server's tool-call format (`tool_choice` any / tool). The answer is read through the chat route's plan
+(`answer.py`: the server's reasoning parser and tool-call format) into `thinking`, text and `tool_use`
+blocks, returned whole or streamed as Anthropic's events (`message_start` ... `message_stop`,
+`thinking_delta` for the thinking). `thinking` maps onto the model's own switch: enabled (its
+`budget_tokens` a thinking budget) or adaptive turn it on, disabled off (`answer.thinking_switch`). Errors use
 Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`), the message naming the field;
 the key may come as `x-api-key` or as a bearer token.
 """
@@ -25,14 +28,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from paged_backend import RequestOutput
 from paged_backend.integrations.options.vocabularies import OPENAI
 
+from ..hermes import CallDelta
 from ..structured import chosen_tool_name, forced_tool_spec
-from .answer import Answer, AnswerStream, split_answer
+from .answer import (
+    AnswerPlan,
+    AnswerStream,
+    Pieces,
+    Thinking,
+    decode_markers,
+    hold_after_thinking,
+    plan_answer,
+    thinking_budget,
+    thinking_switch,
+)
 from .chat_template import render_chat
 from .errors import APIError, bad_request, not_supported, param_of, request_field
 from .fanout import Job, collect_finals, merge_streams
 from .protocol import Tool
 from .sampling import build_params, check_prompt
 from .state import ServerState
+from .tool_calls import ToolCall
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large", 499: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
@@ -57,8 +72,6 @@ class MessagesRequest(BaseModel):
     service_tier: str | None = None
 
     def check_supported(self) -> None:
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise not_supported("thinking", "no extended thinking on this model")
         if self.service_tier not in (None, "auto", "standard_only"):
             raise not_supported("service_tier", "one service tier")
 
@@ -241,14 +254,40 @@ def chat_tool_choice(choice: dict[str, Any] | None, tools: list[dict[str, Any]] 
     raise bad_request(f"tool_choice.type: must be auto, any, tool or none, got {kind!r}", "tool_choice.type")
 
 
-def prompt_of(state: ServerState, body: MessagesRequest | CountTokensRequest) -> tuple[list[int], Any, Any, bool]:
-    """(prompt ids, chat tools, chat tool choice, parallel calls allowed)."""
+def thinking_of(state: ServerState, thinking: dict[str, Any] | None) -> Thinking:
+    """`thinking` on the served model: enabled (with `budget_tokens` as its thinking budget) or adaptive
+    turn a reasoning model's thinking on, disabled turns it off."""
+    if thinking is None:
+        return Thinking()
+    unknown = set(thinking) - {"type", "budget_tokens", "display"}
+    if unknown:
+        raise bad_request(f"thinking.{min(unknown)}: Extra inputs are not permitted", f"thinking.{min(unknown)}")
+    if thinking.get("display") not in (None, "summarized"):
+        raise not_supported("thinking.display", "the thinking is shown whole or not asked for")
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return thinking_switch(state, False, "thinking")
+    if kind == "adaptive":
+        return thinking_switch(state, True, "thinking")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise bad_request(f"thinking.budget_tokens: must be an integer >= 0, got {budget!r}",
+                              "thinking.budget_tokens")
+        return thinking_switch(state, True, "thinking", budget)
+    raise bad_request(f"thinking.type: must be enabled, disabled or adaptive, got {kind!r}", "thinking.type")
+
+
+def prompt_of(state: ServerState, body: MessagesRequest | CountTokensRequest,
+              thinking: Thinking) -> tuple[list[int], Any, Any, bool]:
+    """(prompt ids, chat tools in play (None: none), chat tool choice, parallel calls allowed)."""
     tools = chat_tools(body.tools)
     choice, parallel = chat_tool_choice(body.tool_choice, tools)
     messages = chat_messages(body.system, body.messages)
+    in_play = tools if tools and choice != "none" else None
     with request_field("messages"):
-        ids = render_chat(state.tokenizer, messages, tools if tools and choice != "none" else None)
-    return ids, tools, choice, parallel
+        ids = render_chat(state.tokenizer, messages, in_play, template_kwargs=thinking.template_kwargs)
+    return ids, in_play, choice, parallel
 
 
 # ------------------------------------------------------------------ routes
@@ -256,31 +295,33 @@ def prompt_of(state: ServerState, body: MessagesRequest | CountTokensRequest) ->
 
 async def count_message_tokens(state: ServerState, body: CountTokensRequest, _: Request) -> JSONResponse:
     state.check_model(body.model)
-    ids, *_ = prompt_of(state, body)
+    ids, *_ = prompt_of(state, body, thinking_of(state, body.thinking))
     return JSONResponse({"input_tokens": len(ids)})
 
 
 async def create_message(state: ServerState, body: MessagesRequest, http_request: Request):
     body.check_supported()
     lora = state.check_model(body.model)
-    ids, tools, choice, parallel = prompt_of(state, body)
-    uses_tools = bool(tools) and choice != "none"
-    forced = uses_tools and chosen_tool_name(tools, choice) is not None
+    thinking = thinking_of(state, body.thinking)
+    ids, tools, choice, parallel = prompt_of(state, body, thinking)
+    forced = tools is not None and chosen_tool_name(tools, choice) is not None
+    plan = plan_answer(state, ids, tools, forced, parallel)
     structured = None
     if forced:
         with request_field("tools"):
-            structured = forced_tool_spec(tools, choice, parallel)
-    params = build_params(OPENAI, sampling_options(body), max_tokens=body.max_tokens, structured_outputs=structured)
+            structured = forced_tool_spec(tools, choice, parallel, state.tool_parser)
+    params = build_params(OPENAI, sampling_options(body), max_tokens=body.max_tokens,
+                          structured_outputs=hold_after_thinking(state, plan, structured))
+    params = decode_markers(state, plan, params)
     ids = check_prompt(state.client, ids, params, "messages")
     message_id = f"msg_{uuid.uuid4().hex}"
-    jobs = [Job(0, ids, params, None, lora)]
+    jobs = [Job(0, ids, params, thinking_budget(state, plan, thinking.budget, "thinking"), lora)]
     if body.stream:
-        reader = AnswerStream(uses_tools, forced, parallel)
-        return StreamingResponse(stream_message(state, body, jobs, message_id, reader), media_type="text/event-stream")
+        return StreamingResponse(stream_message(state, body, jobs, message_id, plan), media_type="text/event-stream")
     final = (await collect_finals(http_request, state.client, jobs, message_id, state.metrics))[0]
-    answer = split_answer(final.outputs[0].text, uses_tools, parallel)
-    return JSONResponse(envelope(message_id, body.model, content_blocks(answer), final)
-                        | stop_fields(final, answer))
+    reasoning, content, calls = plan.split(plan.answer_of(final.outputs[0]))
+    return JSONResponse(envelope(message_id, body.model, content_blocks(reasoning, content, calls), final)
+                        | stop_fields(final, calls))
 
 
 def sampling_options(body: MessagesRequest) -> dict[str, Any]:
@@ -305,19 +346,26 @@ def usage_of(final: RequestOutput | None, prompt_tokens: int = 0) -> dict[str, i
             "cache_read_input_tokens": final.num_cached_tokens}
 
 
-def content_blocks(answer: Answer) -> list[dict[str, Any]]:
-    blocks = [{"type": "text", "text": answer.content}] if answer.content else []
-    blocks += [tool_use(call.name, json.loads(call.arguments)) for call in answer.tool_calls]
+def content_blocks(reasoning: str | None, content: str | None, calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """A thinking block when the model thought (in words), the text, then a tool_use block per call."""
+    blocks = [thinking_block(reasoning)] if reasoning else []
+    blocks += [{"type": "text", "text": content}] if content else []
+    blocks += [tool_use(call.name, json.loads(call.arguments)) for call in calls]
     return blocks or [{"type": "text", "text": ""}]
+
+
+def thinking_block(text: str) -> dict[str, Any]:
+    # No signature: nothing here verifies a thinking block sent back, and templates leave it out anyway.
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def tool_use(name: str, arguments: dict[str, Any], block_id: str | None = None) -> dict[str, Any]:
     return {"type": "tool_use", "id": block_id or f"toolu_{uuid.uuid4().hex[:24]}", "name": name, "input": arguments}
 
 
-def stop_fields(final: RequestOutput, answer: Answer) -> dict[str, Any]:
+def stop_fields(final: RequestOutput, calls: list[ToolCall]) -> dict[str, Any]:
     completion = final.outputs[0]
-    if answer.tool_calls:
+    if calls:
         return {"stop_reason": "tool_use", "stop_sequence": None}
     if completion.finish_reason == "length":
         return {"stop_reason": "max_tokens", "stop_sequence": None}
@@ -338,7 +386,7 @@ class BlockWriter:
 
     def __init__(self) -> None:
         self.count = 0
-        self.open: str | None = None  # "text", or the key of the tool_use block being streamed
+        self.open: str | None = None  # "thinking", "text", or the key of the tool_use block being streamed
 
     def start(self, key: str, block: dict[str, Any]) -> list[str]:
         events = self.stop()
@@ -358,8 +406,9 @@ class BlockWriter:
 
 
 async def stream_message(state: ServerState, body: MessagesRequest, jobs: list[Job], message_id: str,
-                         reader: AnswerStream) -> AsyncIterator[str]:
+                         plan: AnswerPlan) -> AsyncIterator[str]:
     blocks = BlockWriter()
+    reader: AnswerStream = plan.stream()
     yield event("message_start", message=envelope(message_id, body.model, [], None, len(jobs[0].prompt_ids)))
     yield event("ping")
     final: RequestOutput | None = None
@@ -367,35 +416,43 @@ async def stream_message(state: ServerState, body: MessagesRequest, jobs: list[J
         if output.error:
             yield event("error", error={"type": "api_error", "message": f"generation failed: {output.error}"})
             return
-        piece = reader.push(output.delta_text)
-        for text in text_events(blocks, piece.content) + call_events(blocks, piece.calls):
-            yield text
         if output.finished:
             final = output
-    rest, answer = reader.finish()
-    for text in text_events(blocks, rest.content) + call_events(blocks, rest.calls):
+        for text in piece_events(blocks, reader.push(plan.delta_of(output))):
+            yield text
+    rest = reader.finish()
+    for text in piece_events(blocks, rest):
         yield text
-    streamed = reader.streamed_calls
-    for k, call in enumerate(answer.tool_calls[streamed:]):
-        for text in blocks.start(f"call-{streamed + k}", tool_use(call.name, {})):
+    for k, call in enumerate(rest.unsent_calls):
+        for text in blocks.start(f"call-{rest.streamed + k}", tool_use(call.name, {})):
             yield text
         yield blocks.delta({"type": "input_json_delta", "partial_json": call.arguments})
     for text in blocks.stop():
         yield text
     usage = usage_of(final)
-    yield event("message_delta", delta=stop_fields(final, answer), usage={"output_tokens": usage["output_tokens"],
-                                                                          "input_tokens": usage["input_tokens"]})
+    yield event("message_delta", delta=stop_fields(final, rest.tool_calls),
+                usage={"output_tokens": usage["output_tokens"], "input_tokens": usage["input_tokens"]})
     yield event("message_stop")
 
 
-def text_events(blocks: BlockWriter, text: str) -> list[str]:
+def piece_events(blocks: BlockWriter, piece: Pieces) -> list[str]:
+    return (block_events(blocks, "thinking", piece.reasoning) + block_events(blocks, "text", piece.content)
+            + call_events(blocks, piece.calls))
+
+
+BLOCKS = {"thinking": (thinking_block(""), "thinking_delta"), "text": ({"type": "text", "text": ""}, "text_delta")}
+
+
+def block_events(blocks: BlockWriter, kind: str, text: str) -> list[str]:
+    """`text` streamed into a thinking or text block, starting one unless that kind is open."""
     if not text:
         return []
-    events = blocks.start("text", {"type": "text", "text": ""}) if blocks.open != "text" else []
-    return events + [blocks.delta({"type": "text_delta", "text": text})]
+    start, delta = BLOCKS[kind]
+    events = blocks.start(kind, start) if blocks.open != kind else []
+    return events + [blocks.delta({"type": delta, kind: text})]
 
 
-def call_events(blocks: BlockWriter, deltas) -> list[str]:
+def call_events(blocks: BlockWriter, deltas: list[CallDelta]) -> list[str]:
     """A forced call's pieces: its block starts with its name, then its input streams as JSON text."""
     events = []
     for delta in deltas:

@@ -3,10 +3,14 @@
 A request becomes a chat conversation (`previous_response_id`'s stored conversation, `instructions` as
 the system turn, `input` as text or items: messages, function calls and their outputs), rendered by the
 chat template exactly as /v1/chat/completions renders it; function tools and `tool_choice` use the chat
-route's tool policy and grammar, `text.format` its structured outputs. The answer is read through
-`answer.py` into output items (a message, function calls), returned whole or streamed as the SDK's
-events (`response.created` ... `response.completed`). Built-in tools (web search, file search, ...) and
-other features this server cannot run are refused with a 400 naming the field.
+route's tool policy and grammar in the server's tool-call format, `text.format` its structured outputs.
+The answer is read through the chat route's plan (`answer.py`: the server's reasoning parser and
+tool-call format) into output items (a reasoning item when the model thought, a message, function
+calls), returned whole or streamed as the SDK's events (`response.created` ... `response.completed`,
+`response.reasoning_text.delta` for the thinking). `reasoning.effort` "none" turns a reasoning model's
+thinking off (`answer.thinking_switch`); other efforts name levels this server has no means to set and
+are refused, like built-in tools (web search, file search, ...) and other features this server cannot
+run, with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -24,14 +28,23 @@ from pydantic import Field
 
 from paged_backend import RequestOutput
 
-from ..hermes import new_call_id
+from ..hermes import CallDelta, new_call_id
 from ..structured import (
     add_json_instruction,
     chosen_tool_name,
     forced_tool_spec,
     response_format_spec,
 )
-from .answer import Answer, AnswerDelta, AnswerStream, split_answer
+from .answer import (
+    AnswerPlan,
+    Pieces,
+    Thinking,
+    decode_markers,
+    hold_after_thinking,
+    plan_answer,
+    thinking_budget,
+    thinking_switch,
+)
 from .chat_template import render_chat
 from .errors import APIError, bad_request, not_supported, request_field
 from .fanout import Job, collect_finals, merge_streams
@@ -46,7 +59,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "background": ((None, False), "responses are answered while the request waits"),
     "conversation": ((None,), "use previous_response_id to continue a conversation"),
     "prompt": ((None,), "no stored prompt templates"),
-    "reasoning": ((None,), "no reasoning options for this model"),
     "include": ((None, []), "no extra output data to include"),
     "max_tool_calls": ((None,), "tool calls are limited by parallel_tool_calls"),
     "top_logprobs": ((None, 0), "no logprobs on this route; /v1/chat/completions returns them"),
@@ -110,6 +122,7 @@ class Turn:
     tool_choice: Any  # chat-shaped
     text_format: dict[str, Any]
     prompt_ids: list[int] = field(default_factory=list)
+    plan: AnswerPlan = field(default_factory=AnswerPlan)
 
     @property
     def uses_tools(self) -> bool:
@@ -147,20 +160,49 @@ async def create_response(state: ServerState, store: ResponseStore, body: Respon
     schema = turn.text_format.get("schema")
     if turn.text_format["type"] != "text":
         messages = add_json_instruction(messages, schema if isinstance(schema, dict) else None)
+    thinking = reasoning_thinking(state, body.reasoning)
+    tools = turn.tools if turn.uses_tools else None
     with request_field("input"):
-        turn.prompt_ids = render_chat(state.tokenizer, messages, turn.tools if turn.uses_tools else None)
-    params = to_sampling_params(body, body.max_output_tokens, None, structured_spec(turn))
+        turn.prompt_ids = render_chat(state.tokenizer, messages, tools, template_kwargs=thinking.template_kwargs)
+    turn.plan = plan_answer(state, turn.prompt_ids, tools, turn.forces_tool, body.parallel_tool_calls)
+    spec = hold_after_thinking(state, turn.plan, structured_spec(turn, state))
+    params = decode_markers(state, turn.plan, to_sampling_params(body, body.max_output_tokens, None, spec))
     turn.prompt_ids = check_length(state, turn.prompt_ids, params)
-    jobs = [Job(0, turn.prompt_ids, params, None, lora)]
+    processor = thinking_budget(state, turn.plan, thinking.budget, "reasoning")
+    jobs = [Job(0, turn.prompt_ids, params, processor, lora)]
     if body.stream:
         return StreamingResponse(stream_response(state, store, turn, jobs), media_type="text/event-stream")
     finals = await collect_finals(http_request, state.client, jobs, turn.response_id, state.metrics)
     final = finals[0]
-    answer = split_answer(final.outputs[0].text, turn.uses_tools, body.parallel_tool_calls)
-    output = output_items(answer, item_status(final))
-    response = response_object(turn, output, final)
-    remember(store, turn, response, answer)
+    reasoning, content, calls = turn.plan.split(turn.plan.answer_of(final.outputs[0]))
+    output = output_items(reasoning, content, calls, item_status(final))
+    response = response_object(turn, output, final, usage=response_usage(state, turn.plan, final))
+    remember(store, turn, response, content)
     return JSONResponse(response)
+
+
+def reasoning_thinking(state: ServerState, reasoning: dict[str, Any] | None) -> Thinking:
+    """`reasoning`: effort "none" turns the thinking off; other efforts and summaries are refused (no
+    means to set a level or to summarise here: the thinking comes whole, as reasoning_text)."""
+    reasoning = reasoning or {}
+    unknown = set(reasoning) - {"effort", "summary", "generate_summary"}
+    if unknown:
+        raise bad_request(f"unrecognized request argument supplied: reasoning.{min(unknown)}",
+                          f"reasoning.{min(unknown)}")
+    if all(value is None for value in reasoning.values()):
+        return Thinking()
+    if state.reasoning_parser is None:
+        raise not_supported("reasoning", "no reasoning options: this server runs no reasoning parser "
+                            "(--reasoning-parser)")
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) is not None:
+            raise not_supported(f"reasoning.{key}", "no reasoning summaries: the thinking comes whole, as the "
+                                "reasoning item's reasoning_text")
+    effort = reasoning.get("effort")
+    if effort not in (None, "none"):
+        raise not_supported("reasoning.effort", f"{effort!r}: this server can turn the thinking off ('none') "
+                            "but sets no effort level; leave effort out for the model's own thinking")
+    return thinking_switch(state, False, "reasoning.effort") if effort == "none" else Thinking()
 
 
 def check_length(state: ServerState, prompt_ids: list[int], params) -> list[int]:
@@ -303,15 +345,16 @@ def text_format(text: dict[str, Any] | None) -> dict[str, Any]:
     return fmt
 
 
-def structured_spec(turn: Turn):
-    """The engine's grammar: a forced tool call, or the json format; both at once is a 400."""
+def structured_spec(turn: Turn, state: ServerState):
+    """The engine's grammar: a forced tool call (in the server's tool-call format), or the json format;
+    both at once is a 400."""
     fmt, body = turn.text_format, turn.body
     forced = turn.forces_tool
     if forced and fmt["type"] != "text":
         raise bad_request("text.format asks for JSON while tool_choice forces a tool call; give one", "text.format")
     if forced:
         with request_field("tools"):
-            return forced_tool_spec(turn.tools, turn.tool_choice, body.parallel_tool_calls)
+            return forced_tool_spec(turn.tools, turn.tool_choice, body.parallel_tool_calls, state.tool_parser)
     if fmt["type"] == "text":
         return None
     wire = {"type": fmt["type"]}
@@ -328,13 +371,24 @@ def item_status(final: RequestOutput) -> str:
     return "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
 
 
-def output_items(answer: Answer, status: str, call_ids: list[str] | None = None) -> list[dict[str, Any]]:
-    items = []
-    if answer.content or not answer.tool_calls:
-        items.append(message_item(new_item_id("msg"), answer.content or "", status))
-    for k, call in enumerate(answer.tool_calls):
-        items.append(call_item(new_item_id("fc"), call, "completed", (call_ids or [])[k:k + 1]))
+def output_items(reasoning: str | None, content: str | None, calls: list[ToolCall],
+                 status: str) -> list[dict[str, Any]]:
+    """A reasoning item when the model thought (in words), the message, then the function calls."""
+    items = [reasoning_item(new_item_id("rs"), reasoning, "completed")] if reasoning else []
+    if content or not calls:
+        items.append(message_item(new_item_id("msg"), content or "", status))
+    items += [call_item(new_item_id("fc"), call, "completed") for call in calls]
     return items
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The SDK's ResponseReasoningItem: the thinking whole as its content (no summary is made)."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [reasoning_text(text)] if status != "in_progress" else []}
+
+
+def reasoning_text(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def new_item_id(prefix: str) -> str:
@@ -356,7 +410,7 @@ def call_item(item_id: str, call: ToolCall, status: str, call_id: list[str] = ()
 
 
 def response_object(turn: Turn, output: list[dict[str, Any]], final: RequestOutput | None,
-                    status: str | None = None) -> dict[str, Any]:
+                    status: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     body = turn.body
     if status is None:
         status = "completed" if final is None or final.outputs[0].finish_reason != "length" else "incomplete"
@@ -369,24 +423,26 @@ def response_object(turn: Turn, output: list[dict[str, Any]], final: RequestOutp
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
         "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
         "tools": body.tools or [], "text": {"format": turn.text_format}, "store": body.store,
-        "metadata": body.metadata or {}, "user": body.user, "reasoning": None, "truncation": "disabled",
-        "usage": None if final is None else response_usage(final),
+        "metadata": body.metadata or {}, "user": body.user, "reasoning": body.reasoning or None,
+        "truncation": "disabled", "usage": usage,
     }
 
 
-def response_usage(final: RequestOutput) -> dict[str, Any]:
+def response_usage(state: ServerState, plan: AnswerPlan, final: RequestOutput) -> dict[str, Any]:
     prompt, generated = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
+    thought = plan.reasoning_tokens(state.tokenizer, final.outputs[0].token_ids)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-            "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": prompt + generated}
 
 
-def remember(store: ResponseStore, turn: Turn, response: dict[str, Any], answer: Answer) -> None:
-    """Keep the response and its conversation, its own answer included, for a later previous_response_id."""
+def remember(store: ResponseStore, turn: Turn, response: dict[str, Any], content: str | None) -> None:
+    """Keep the response and its conversation, its own answer included, for a later previous_response_id
+    (its thinking left out, as chat templates leave earlier turns' thinking out of later prompts)."""
     if not turn.body.store:
         return
     calls = [item for item in response["output"] if item["type"] == "function_call"]
-    reply: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    reply: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         reply["tool_calls"] = [{"id": c["call_id"], "type": "function",
                                 "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
@@ -409,79 +465,122 @@ class EventWriter:
 
 
 @dataclass(slots=True)
-class OpenMessage:
-    """The message item being streamed: its place in `output` and its text so far."""
+class OpenItem:
+    """An item whose text is streaming (the message, or the reasoning): its place in `output`, its text."""
 
     item_id: str
     output_index: int
     text: str = ""
 
 
+class OutputStream:
+    """The response's output items as the answer streams: the reasoning item while the model thinks
+    (closed when the answer begins), the message as its text comes, forced calls as they are written."""
+
+    def __init__(self, event: EventWriter) -> None:
+        self.event = event
+        self.output: list[dict[str, Any]] = []
+        self.thought: OpenItem | None = None
+        self.message: OpenItem | None = None
+        self.calls: dict[int, dict[str, Any]] = {}  # forced calls streaming: call index -> its open item
+        self.reasoning = ""  # the whole thinking streamed
+        self.content = ""  # the whole content streamed
+
+    def take(self, piece: Pieces) -> list[str]:
+        events = self.add_reasoning(piece.reasoning) if piece.reasoning else []
+        if piece.content or piece.calls:
+            events += self.close_reasoning()
+        events += piece_events(self.event, piece.calls, self.output, self.calls)
+        if piece.content:
+            events += self.add_text(piece.content)
+        return events
+
+    def add_reasoning(self, text: str) -> list[str]:
+        events = []
+        if self.thought is None:
+            self.thought = OpenItem(new_item_id("rs"), len(self.output))
+            item = reasoning_item(self.thought.item_id, "", "in_progress")
+            self.output.append(item)
+            events += [self.event("response.output_item.added", output_index=self.thought.output_index, item=item),
+                       self.event("response.content_part.added", item_id=self.thought.item_id,
+                                  output_index=self.thought.output_index, content_index=0, part=reasoning_text(""))]
+        self.thought.text += text
+        self.reasoning += text
+        events.append(self.event("response.reasoning_text.delta", item_id=self.thought.item_id,
+                                 output_index=self.thought.output_index, content_index=0, delta=text))
+        return events
+
+    def close_reasoning(self) -> list[str]:
+        thought, self.thought = self.thought, None
+        if thought is None:
+            return []
+        item = reasoning_item(thought.item_id, thought.text, "completed")
+        self.output[thought.output_index] = item
+        where = {"item_id": thought.item_id, "output_index": thought.output_index, "content_index": 0}
+        return [self.event("response.reasoning_text.done", **where, text=thought.text),
+                self.event("response.content_part.done", **where, part=reasoning_text(thought.text)),
+                self.event("response.output_item.done", output_index=thought.output_index, item=item)]
+
+    def add_text(self, text: str) -> list[str]:
+        """Stream `text` into the message item, opening it first when this is the answer's first text."""
+        events = []
+        if self.message is None:
+            self.message = OpenItem(new_item_id("msg"), len(self.output))
+            self.output.append(message_item(self.message.item_id, "", "in_progress"))
+            events += open_message(self.event, self.message)
+        if text:
+            self.message.text += text
+            self.content += text
+            events.append(self.event("response.output_text.delta", item_id=self.message.item_id,
+                                     output_index=self.message.output_index, content_index=0, delta=text, logprobs=[]))
+        return events
+
+    def finish(self, rest: Pieces, status: str) -> list[str]:
+        """The answer's end: what was held back, the items closed, the calls (streamed or sent whole)."""
+        events = self.add_reasoning(rest.reasoning) if rest.reasoning else []
+        events += self.close_reasoning()
+        if rest.content or (self.message is None and not rest.tool_calls):  # an empty answer is an empty message
+            events += self.add_text(rest.content)
+        if self.message is not None:
+            events += close_message(self.event, self.message, self.output, status)
+        events += piece_events(self.event, rest.calls, self.output, self.calls)
+        for k, call in enumerate(rest.tool_calls):
+            events += close_call(self.event, k, call, self.output, self.calls)
+        return events
+
+
 async def stream_response(state: ServerState, store: ResponseStore, turn: Turn, jobs: list[Job]) -> AsyncIterator[str]:
     event = EventWriter()
-    body = turn.body
     yield event("response.created", response=response_object(turn, [], None, "in_progress"))
     yield event("response.in_progress", response=response_object(turn, [], None, "in_progress"))
-    reader = AnswerStream(turn.uses_tools, turn.forces_tool, body.parallel_tool_calls)
-    output: list[dict[str, Any]] = []
-    message: OpenMessage | None = None
-    calls: dict[int, dict[str, Any]] = {}  # forced calls streaming: call index -> its open item
+    plan = turn.plan
+    reader = plan.stream()
+    items = OutputStream(event)
     final: RequestOutput | None = None
     async for _, out in merge_streams(state.client, jobs, turn.response_id, state.metrics):
         if out.error:
             yield event("error", code="server_error", message=f"generation failed: {out.error}", param=None)
             return
-        piece = reader.push(out.delta_text)
-        for text in piece_events(event, piece, output, calls):
-            yield text
-        if piece.content:
-            message, events = add_text(event, output, message, piece.content)
-            for text in events:
-                yield text
         if out.finished:
             final = out
-    rest, answer = reader.finish()
-    if rest.content or (message is None and not answer.tool_calls):  # an empty answer is an empty message
-        message, events = add_text(event, output, message, rest.content)
-        for text in events:
+        for text in items.take(reader.push(plan.delta_of(out))):
             yield text
-    if message is not None:
-        for text in close_message(event, message, output, item_status(final)):
-            yield text
-    for text in piece_events(event, AnswerDelta(calls=rest.calls), output, calls):
+    for text in items.finish(reader.finish(), item_status(final)):
         yield text
-    for k, call in enumerate(answer.tool_calls):
-        for text in close_call(event, k, call, output, calls):
-            yield text
-    response = response_object(turn, output, final)
-    remember(store, turn, response, Answer(answer.reasoning, message.text if message else None, answer.tool_calls))
+    response = response_object(turn, items.output, final, usage=response_usage(state, plan, final))
+    remember(store, turn, response, items.content if items.message else None)
     yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
                 response=response)
 
 
-def add_text(event: EventWriter, output: list[dict[str, Any]], message: OpenMessage | None,
-             text: str) -> tuple[OpenMessage, list[str]]:
-    """Stream `text` into the message item, opening it first when this is the answer's first text."""
-    events = []
-    if message is None:
-        message = OpenMessage(new_item_id("msg"), len(output))
-        output.append(message_item(message.item_id, "", "in_progress"))
-        events += open_message(event, message)
-    if text:
-        message.text += text
-        events.append(event("response.output_text.delta", item_id=message.item_id,
-                            output_index=message.output_index, content_index=0, delta=text, logprobs=[]))
-    return message, events
-
-
-def open_message(event: EventWriter, message: OpenMessage) -> list[str]:
+def open_message(event: EventWriter, message: OpenItem) -> list[str]:
     return [event("response.output_item.added", output_index=message.output_index,
                   item=message_item(message.item_id, "", "in_progress")),
             event("response.content_part.added", item_id=message.item_id, output_index=message.output_index,
                   content_index=0, part=output_text(""))]
 
 
-def close_message(event: EventWriter, message: OpenMessage, output: list[dict[str, Any]], status: str) -> list[str]:
+def close_message(event: EventWriter, message: OpenItem, output: list[dict[str, Any]], status: str) -> list[str]:
     item = message_item(message.item_id, message.text, status)
     output[message.output_index] = item
     return [event("response.output_text.done", item_id=message.item_id, output_index=message.output_index,
@@ -491,11 +590,11 @@ def close_message(event: EventWriter, message: OpenMessage, output: list[dict[st
             event("response.output_item.done", output_index=message.output_index, item=item)]
 
 
-def piece_events(event: EventWriter, piece: AnswerDelta, output: list[dict[str, Any]],
+def piece_events(event: EventWriter, deltas: list[CallDelta], output: list[dict[str, Any]],
                  calls: dict[int, dict[str, Any]]) -> list[str]:
     """A forced call's pieces: its item opens with its name, then its arguments stream."""
     events = []
-    for delta in piece.calls:
+    for delta in deltas:
         if delta.name is not None and delta.index not in calls:
             item = {"id": new_item_id("fc"), "type": "function_call", "call_id": new_call_id(), "name": delta.name,
                     "arguments": "", "status": "in_progress"}
