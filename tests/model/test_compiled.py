@@ -157,7 +157,7 @@ def test_start_up_traces_each_graph_once(tmp_path, monkeypatch):
     monkeypatch.setattr(compilation, "_graphs", {})
     dynamo_utils.clear_compilation_metrics()
     assert Engine(build("llama", seed=4), None, EngineConfig(num_kv_blocks=8, compile=True)).compiled
-    ours = [m for m in dynamo_utils.get_compilation_metrics() if m.co_name == "logits_of"]
+    ours = dynamo_utils.get_compilation_metrics()  # ahead-of-time captures record no code name: all are ours
     assert len(ours) >= 2 and all(not m.restart_reasons for m in ours), [m.restart_reasons for m in ours]
 
 
