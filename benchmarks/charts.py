@@ -349,6 +349,10 @@ HEADLINE: list[tuple[str, str, Callable[[dict[str, Any]], str], Callable[[dict[s
      lambda r: f"Gemma 3 (5 window layers : 1 full), one KV budget: window blocks freed vs every block kept",
      lambda r: f"{number(r['sequences_held_ratio'], 2)}x the sequences held, KV per sequence at {r['context']} tokens "
                f"{number(r['kv_bytes_per_sequence_ratio_to_need']['free_window_blocks'], 2)}x what the window needs"),
+    ("startup", "avx512", lambda r: "start-up of `LLM()` (default model), each start its own process: eager / cold compile / "
+                                    "warm compile (graphs loaded from the compile cache)",
+     lambda r: f"{number(r['eager']['median_process_s'])} / {number(r['cold_compiled']['median_process_s'])} / "
+               f"{number(r['warm_compiled']['median_process_s'])} s"),
     ("cpu_vs_llamacpp", "avx512", lambda r: "default model (int4) one stream vs llama.cpp on the same GGUF file",
      lambda r: f"{number(r['medians']['engine_one_stream'])} vs {number(r['medians']['llamacpp_one_stream'])} tok/s"),
 ]
