@@ -82,6 +82,7 @@ def test_all_systems_report_their_fields(tiny_model_dir, workload, tmp_path):
         assert chart == path.with_suffix(".png") and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 def test_compiled_engine_system(tiny_model_dir, workload):
     """`engine_compiled` compiles at set-up (counted in setup_s and compile_s, not in the timed run) and
     gives the eager engine's tokens; its ratio and target are judged."""

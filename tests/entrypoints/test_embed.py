@@ -130,6 +130,7 @@ def test_decoder_hidden_states_are_what_hf_reports_last() -> None:
     assert isinstance(model.get_decoder(), tf.LlamaModel)
 
 
+@pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 def test_a_compiled_engine_pools_eagerly_and_keeps_generating_compiled() -> None:
     reference, prompts = build("llama"), mixed_prompts(4)
     expected = [hf_embedding(reference, p, "mean") for p in prompts[:2]]

@@ -176,6 +176,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the tests above compile the kernel for real")
 def test_alibi_kernel_compiles_for_hopper() -> None:
     import subprocess

@@ -181,6 +181,7 @@ def test_engine_through_triton_kernels_matches_hf_generate(monkeypatch: pytest.M
     assert calls, "the Triton kernel never ran"
 
 
+@pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU, run the script itself")
 def test_gpu_check_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/gpu_check.py cannot run on a GPU here; its dry run takes every section's code path at
@@ -199,6 +200,7 @@ def test_gpu_check_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert report["throughput"]["systems"]["engine"]["tokens"] == 4 * 3
 
 
+@pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU, run the script itself")
 def test_gpu_check_steps_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The steps section on CPU: eager, compiled and padded (the captured variant's CPU part) engines agree
@@ -272,6 +274,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU every test above compiles for real")
 def test_kernels_compile_for_hopper() -> None:
     pytest.importorskip("triton.backends.nvidia")

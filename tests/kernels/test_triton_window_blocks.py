@@ -28,6 +28,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_triton_attention_over_freed_window_blocks_matches_hf(name: str) -> None:
     model = build_from_config(CONFIGS[name])

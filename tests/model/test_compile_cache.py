@@ -19,6 +19,9 @@ from helpers.models import build
 from paged_backend import Engine, EngineConfig
 from paged_backend.model import compilation, compile_cache
 
+# Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
+pytestmark = pytest.mark.slow
+
 CONFIG = dict(num_kv_blocks=32, block_size=4, max_num_batched_tokens=24, compile=True)
 
 

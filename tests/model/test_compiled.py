@@ -21,6 +21,9 @@ from torch._dynamo.utils import counters
 from paged_backend import Engine, EngineConfig
 from paged_backend.model import compilation
 
+# Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 10
 
 

@@ -22,6 +22,9 @@ from paged_backend import BeamSearchParams, Engine, EngineConfig, SamplingParams
 from paged_backend.entrypoints.beam_search import beam_search
 from paged_backend.model.compilation import CompiledForward
 
+# Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
+pytestmark = pytest.mark.slow
+
 # Small blocks and a small cache: prompts are chunked, the batch preempts, blocks are shared.
 CONFIG = dict(num_kv_blocks=40, block_size=4, max_num_batched_tokens=24)
 

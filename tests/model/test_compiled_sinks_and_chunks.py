@@ -15,6 +15,9 @@ from helpers.models import build
 from paged_backend import Engine, EngineConfig
 from paged_backend.model import custom_ops
 
+# Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 10
 
 

@@ -22,6 +22,9 @@ from helpers.windows import (
 from paged_backend import Engine, EngineConfig
 from paged_backend.model.compilation import CompiledForward
 
+# Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
+pytestmark = pytest.mark.slow
+
 # Budgets (blocks of every layer) small enough that 12 long requests preempt one another.
 TIGHT_BLOCKS = {"gemma2": 48, "gemma3_text": 24, "mistral": 12}
 

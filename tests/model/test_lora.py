@@ -272,6 +272,7 @@ def test_engine_config_checks_lora_fields():
         EngineConfig(enable_lora=True, max_loras=0)
 
 
+@pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 def test_compiled_steps_add_each_request_adapter_in_the_graph(case):
     """A compiled engine hooks every adaptable linear before compiling and gives each step a mask: steps with
     and without adapters, adapters loaded after start-up, chunked prefill and preemption all run the graphs

@@ -18,7 +18,8 @@ from helpers.models import build
 from paged_backend import LLM
 from paged_backend.parallel.launch import free_port
 
-pytestmark = pytest.mark.timeout(300)
+# Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 ENGINE = dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=16)  # small: forces preemption
 
 

@@ -28,7 +28,8 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 from paged_backend.integrations.langchain import ChatPaged
 
-pytestmark = pytest.mark.timeout(300)
+# Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 class TestChatPagedUnit(ChatModelUnitTests):

@@ -45,7 +45,8 @@ from paged_backend.integrations.structured import chosen_tool_name, forced_tool_
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
-pytestmark = pytest.mark.timeout(300)
+# Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather at a place.",
            "parameters": {"type": "object", "properties": {"location": {"type": "string"}},

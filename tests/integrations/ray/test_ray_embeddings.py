@@ -19,7 +19,8 @@ from paged_backend import LLM, PoolingParams
 ray = pytest.importorskip("ray")
 from paged_backend.integrations.ray import ReplicatedLLM, start_local_ray
 
-pytestmark = pytest.mark.timeout(300)
+# Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 TEXTS = ["The cat sat on the mat.", "A short one.", "Paged attention keeps blocks of keys and values."]
 

@@ -37,7 +37,8 @@ from paged_backend.integrations.ray import (
     start_local_ray,
 )
 
-pytestmark = [pytest.mark.timeout(120),
+# Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
               # Ray Serve's own config models still use pydantic v1-style Field extras.
               pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")]
 

@@ -281,6 +281,7 @@ def test_langchain_chatopenai_structured_output(real: Served, method: str) -> No
     assert person == Person(name="Alice", age=30)
 
 
+@pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 def test_structured_answers_with_n_choices_use_derived_seeds(real: Served) -> None:
     client = real.client()
     args = {"model": "smollm2", "max_tokens": 60, "temperature": 1.0,

@@ -485,6 +485,7 @@ def fuzzed(parts) -> Iterator[Served]:
         yield server
 
 
+@pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 def test_fuzz_every_route_from_the_openapi_schema(fuzzed: Served) -> None:
     """schemathesis draws bodies from the server's own OpenAPI schema (valid ones, and ones that break
     it), with a fixed seed and a bounded number of examples, over one keep-alive session on loopback:
