@@ -288,13 +288,8 @@ class Engine:
         `prompt_token_ids`, when the caller has already tokenized a text prompt, saves doing it twice.
         `lora` (an adapter name or a `LoRARequest`) runs the request with that adapter (see `add_lora`)."""
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self.ids))
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if prompt_token_ids is None:
-            text, token_ids = self.tokenize(prompt)
-        else:
-            text, token_ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
+        request_id = self._new_request_id(request_id)
+        text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
         self.validate(token_ids, params)
         token_ids = params.kept_prompt(token_ids, self.max_model_len)  # the one place prompts are truncated
         adapter = self.resolve_lora(lora)
@@ -312,6 +307,19 @@ class Engine:
         self.requests[request_id] = group
         return request_id
 
+    def _new_request_id(self, request_id: str | None) -> str:
+        """`request_id`, or a fresh one when None; ValueError if a request already has it."""
+        request_id = request_id if request_id is not None else str(next(self.ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return request_id
+
+    def _prompt_tokens(self, prompt: Prompt, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and its tokens, tokenized here unless the caller already did."""
+        if prompt_token_ids is None:
+            return self.tokenize(prompt)
+        return (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
+
     # ---------------------------------------------------------------- pooling (embeddings)
 
     def add_pooling_request(self, prompt: Prompt, pooling: PoolingParams | None = None, request_id: str | None = None,
@@ -319,13 +327,8 @@ class Engine:
         """Queue a prompt whose final hidden states become an embedding (core/pooling.py); its finished
         output carries it in `embedding`. ValueError, leaving the engine untouched, if it is invalid."""
         pooling = pooling or PoolingParams()
-        request_id = request_id if request_id is not None else str(next(self.ids))
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if prompt_token_ids is None:
-            text, token_ids = self.tokenize(prompt)
-        else:
-            text, token_ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
+        request_id = self._new_request_id(request_id)
+        text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
         self.validate_pooling(token_ids, pooling)
         group = RequestGroup(request_id)
         # Never sampled: max_tokens=1 only keeps speculation's allowance (max_tokens - outputs - 1) at zero.

@@ -68,7 +68,7 @@ ENV_COMPILE = "PAGED_BACKEND_COMPILE"
 
 
 def wants_compile(setting: bool | None, device: torch.device) -> bool:
-    """`EngineConfig.compile`: None compiles on CPU, where a compiled step decodes 1.3-1.6x faster and the
+    """`EngineConfig.compile`: None compiles on CPU, where a compiled step runs fewer ops than an eager one and the
     compile cache makes every start after the first cost seconds, unless PAGED_BACKEND_COMPILE=0 or no C++
     compiler is installed (inductor builds its CPU kernels with one). Not on CUDA: there compiled steps gave
     other tokens than eager steps (benchmarks/gpu_check.py --only steps on an H200, torch 2.11: none of 128

@@ -35,7 +35,7 @@ import logging
 import os
 import platform
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
