@@ -71,6 +71,10 @@ def tool_call_grammar(tools_json: str, single: bool = False, parser_name: str = 
     return str(xgrammar.Grammar.from_structural_tag(StructuralTag(format=calls)))
 
 
+# Bounded, so a model cannot spend its tokens on blank lines before the answer.
+_WHITESPACE = 'root ::= [ \\t\\r\\n]{0,4}'
+
+
 def after_thinking(spec: StructuredOutputsParams | None, start: str, end: str,
                    opened: bool) -> StructuredOutputsParams | None:
     """`spec` with the model's thinking allowed before it: the answer's grammar starts after the end
@@ -90,7 +94,10 @@ def after_thinking(spec: StructuredOutputsParams | None, start: str, end: str,
 
     from paged_backend.sampling.structured_outputs import build_grammar
 
-    thinking = TagFormat(begin="" if opened else start, content=AnyTextFormat(), end=end)
+    # Models write a line break or two between the end marker and the answer (Qwen3: "</think>\n\n").
+    thinking = SequenceFormat(elements=[
+        TagFormat(begin="" if opened else start, content=AnyTextFormat(), end=end),
+        GrammarFormat(grammar=_WHITESPACE)])
     answer = GrammarFormat(grammar=str(build_grammar(spec.key)))
     elements = [thinking if opened else OptionalFormat(content=thinking), answer]
     return StructuredOutputsParams(grammar=str(xgrammar.Grammar.from_structural_tag(

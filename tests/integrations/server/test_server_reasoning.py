@@ -192,3 +192,15 @@ def test_reasoning_parser_none_leaves_the_text_alone(qwen3: Served) -> None:
     with serve(tiny_llm(with_template(qwen3.tokenizer, QWEN3_LIKE)), "tiny", reasoning_parser="none",
                wrap=ScriptedClient) as served:
         assert ask(served, THOUGHT).choices[0].message.content == THOUGHT
+
+
+@pytest.mark.parametrize("gap", ["", "\n\n", " \n"])
+def test_the_answer_grammar_lets_whitespace_follow_the_thinking(qwen3: Served, gap: str) -> None:
+    # Qwen3 writes "</think>\n\n" before its answer: a forced call or a schema must accept that gap.
+    forced = ask(qwen3, f"<think>Need the weather.</think>{gap}" + CALL, tools=[WEATHER], tool_choice="required")
+    calls = forced.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    format_ = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    held = ask(qwen3, f'<think>Say yes.</think>{gap}{{"answer": "yes"}}', response_format=format_)
+    assert json.loads(held.choices[0].message.content) == {"answer": "yes"}
