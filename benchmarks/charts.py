@@ -346,7 +346,7 @@ HEADLINE: list[tuple[str, str, Callable[[dict[str, Any]], str], Callable[[dict[s
      lambda r: f"{r['workload']['adapters']} LoRA adapters in one batch vs PEFT, one adapter at a time",
      lambda r: f"{number(r['ratios']['lora_vs_peft_sequential'], 2)}x"),
     ("sliding_window_memory", "avx512",
-     lambda r: f"Gemma 3 (5 window layers : 1 full), one KV budget: window blocks freed vs every block kept",
+     lambda r: "Gemma 3 (5 window layers : 1 full), one KV budget: window blocks freed vs every block kept",
      lambda r: f"{number(r['sequences_held_ratio'], 2)}x the sequences held, KV per sequence at {r['context']} tokens "
                f"{number(r['kv_bytes_per_sequence_ratio_to_need']['free_window_blocks'], 2)}x what the window needs"),
     ("startup", "avx512", lambda r: "start-up of `LLM()` (default model), each start its own process: eager / cold compile / "

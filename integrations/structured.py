@@ -46,6 +46,30 @@ def forced_tool_spec(tools: list[dict[str, Any]], tool_choice: Any, parallel: bo
                                                              parser_name=getattr(parser, "name", "hermes")))
 
 
+class ToolSchemaError(ValueError):
+    """A tool whose parameters are not a JSON schema: its place in the tools list, its name, why."""
+
+    def __init__(self, index: int, name: Any, reason: str) -> None:
+        super().__init__(f"tools[{index}] ({name!r}): its parameters are not a valid JSON schema: {reason}")
+        self.index, self.name, self.reason = index, name, reason
+
+
+def check_tool_schemas(tools: list[dict[str, Any]] | None) -> None:
+    """ToolSchemaError for the first tool whose parameters are not a JSON schema the grammar engine
+    reads. Checked whether a call is forced or not: a call the model writes is parsed against its tool's
+    schema, and a schema broken from the start is the caller's error, not the server's."""
+    for index, tool in enumerate(tools or []):
+        function = tool.get("function", {})
+        parameters = function.get("parameters")
+        if parameters is None:
+            continue
+        try:
+            StructuredOutputsParams(json=parameters)
+        except ValueError as exc:
+            reason = str(exc).removeprefix("structured_outputs.json is invalid: ")
+            raise ToolSchemaError(index, function.get("name"), reason) from None
+
+
 def chosen_tool_name(tools: list[dict[str, Any]], tool_choice: Any) -> str | None:
     """None: the model decides; "": some tool must be called; else the tool that must be called."""
     if not tools or tool_choice in (None, "auto", "none", False):

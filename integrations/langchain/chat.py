@@ -55,6 +55,7 @@ from ..reasoning import (
 from ..structured import (
     add_json_instruction,
     after_thinking,
+    check_tool_schemas,
     chosen_tool_name,
     forced_tool_spec,
     response_format_spec,
@@ -153,9 +154,11 @@ class ChatPaged(PagedOptions, BaseChatModel):
                    **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Render `tools` through the chat template; tool_choice "any"/"required" forces a call of some
         tool, a tool's name a call of it. A forced call is one call unless `parallel_tool_calls=True`:
-        allowed more, small models tend to repeat the call until max_tokens cuts it."""
-        return self.bind(tools=[convert_to_openai_tool(t) for t in tools], tool_choice=tool_choice,
-                         parallel_tool_calls=parallel_tool_calls, **kwargs)
+        allowed more, small models tend to repeat the call until max_tokens cuts it. A tool whose schema
+        is not a valid JSON schema is a ValueError here, at binding."""
+        converted = [convert_to_openai_tool(t) for t in tools]
+        check_tool_schemas(converted)
+        return self.bind(tools=converted, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, **kwargs)
 
     def with_structured_output(self, schema: dict | type, *, include_raw: bool = False,
                                method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",

@@ -34,7 +34,7 @@ from ..reasoning import (
     prompt_tail,
     reasoning_tokens,
 )
-from ..structured import after_thinking
+from ..structured import ToolSchemaError, after_thinking, check_tool_schemas
 from ..tool_parsers import ToolParser, keeps_special_tokens
 from .errors import bad_request
 from .state import ServerState
@@ -88,6 +88,16 @@ class AnswerPlan:
 
     def stream(self) -> AnswerStream:
         return AnswerStream(self)
+
+
+def check_tools(tools: list[dict[str, Any]] | None, schema_field: str) -> None:
+    """400 naming `schema_field` (the route's name of a tool's schema, formatted with the tool's index)
+    for the first tool whose schema is broken, forced or not."""
+    try:
+        check_tool_schemas(tools)
+    except ToolSchemaError as exc:
+        field = schema_field.format(exc.index)
+        raise bad_request(f"{field} (tool {exc.name!r}) is not a valid JSON schema: {exc.reason}", field) from None
 
 
 def plan_answer(state: ServerState, prompt_ids: list[int], tools: list[dict[str, Any]] | None,

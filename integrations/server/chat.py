@@ -18,6 +18,7 @@ from ..structured import add_json_instruction
 from .answer import (
     AnswerPlan,
     AnswerStream,
+    check_tools,
     decode_markers,
     hold_after_thinking,
     plan_answer,
@@ -44,6 +45,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     lora = state.check_model(body.model)
     state.check_sequences(1, body.n, "n")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.uses_tools else None
+    check_tools(tools, "tools.{}.function.parameters")
     structured = structured_spec(body, tools, state.tool_parser)
     messages = body.messages
     if body.wants_json and not body.forces_tool:

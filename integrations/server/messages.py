@@ -23,10 +23,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from paged_backend.integrations.options.vocabularies import OPENAI
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from paged_backend import RequestOutput
-from paged_backend.integrations.options.vocabularies import OPENAI
 
 from ..hermes import CallDelta
 from ..structured import chosen_tool_name, forced_tool_spec
@@ -35,6 +35,7 @@ from .answer import (
     AnswerStream,
     Pieces,
     Thinking,
+    check_tools,
     decode_markers,
     hold_after_thinking,
     plan_answer,
@@ -304,6 +305,7 @@ async def create_message(state: ServerState, body: MessagesRequest, http_request
     lora = state.check_model(body.model)
     thinking = thinking_of(state, body.thinking)
     ids, tools, choice, parallel = prompt_of(state, body, thinking)
+    check_tools(tools, "tools.{}.input_schema")
     forced = tools is not None and chosen_tool_name(tools, choice) is not None
     plan = plan_answer(state, ids, tools, forced, parallel)
     structured = None

@@ -39,6 +39,7 @@ from .answer import (
     AnswerPlan,
     Pieces,
     Thinking,
+    check_tools,
     decode_markers,
     hold_after_thinking,
     plan_answer,
@@ -228,6 +229,7 @@ def translate(body: ResponsesRequest, store: ResponseStore) -> Turn:
                            "previous_response_id", "previous_response_not_found")
         earlier = entry.conversation
     tools = chat_tools(body.tools)
+    check_tools(tools, "tools.{}.parameters")
     return Turn(body=body, response_id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()),
                 conversation=earlier + input_messages(body.input), tools=tools,
                 tool_choice=chat_tool_choice(body.tool_choice, tools), text_format=text_format(body.text))

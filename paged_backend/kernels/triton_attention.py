@@ -228,11 +228,11 @@ def merge_segments_kernel(
     dims = tl.arange(0, HEAD_PAD)
     state = (token * num_heads + head) * NUM_SEGMENTS + segs
     m = tl.load(part_max_ptr + state)
-    l = tl.load(part_sum_ptr + state)
+    sums = tl.load(part_sum_ptr + state)
     acc = tl.load(part_acc_ptr + state[:, None] * HEAD_PAD + dims[None, :])
     m_all = tl.max(m, 0)
     weight = tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all))
-    total = tl.sum(l * weight, 0)
+    total = tl.sum(sums * weight, 0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     o_offs = token * stride_o_t + head.to(tl.int64) * stride_o_h + dims
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)

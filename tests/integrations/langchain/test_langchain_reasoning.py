@@ -87,6 +87,17 @@ def test_tool_calls_come_from_the_answer(scripted: ScriptedClient) -> None:
     assert streamed.additional_kwargs["reasoning_content"] == "I need the weather."
 
 
+def test_a_tool_with_a_broken_schema_is_refused_at_binding(scripted: ScriptedClient) -> None:
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "objct"}}}
+    with pytest.raises(ValueError, match=r"tools\[1\] \('f'\): its parameters are not a valid JSON schema"):
+        chat(scripted, CALL).bind_tools([WEATHER, broken])
+
+
+def test_a_forced_call_after_the_thinking_and_a_blank_line(scripted: ScriptedClient) -> None:
+    model = chat(scripted, "<think>I need the weather.</think>\n\n" + CALL).bind_tools([WEATHER], tool_choice="any")
+    assert [(c["name"], c["args"]) for c in model.invoke(HELLO).tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
 def test_a_named_tool_call_format(scripted: ScriptedClient) -> None:
     model = chat(scripted, LLAMA_CALL, tool_call_parser="llama3_json").bind_tools([WEATHER])
     assert [(c["name"], c["args"]) for c in model.invoke(HELLO).tool_calls] == [("get_weather", {"city": "Paris"})]

@@ -145,6 +145,7 @@ def test_system_max_tokens_stop_sequences_and_count_tokens(tiny: Served) -> None
     ({"temperature": 1.5}, "temperature"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [TOOL]}, "tool_choice"),
+    ({"tools": [TOOL | {"input_schema": {"type": "object", "required": "city"}}]}, "tools.0.input_schema"),
     ({"unknown_field": 1}, "unknown_field"),
 ])
 def test_bad_requests_are_400_in_anthropics_shape(tiny: Served, body: dict, field: str) -> None:

@@ -155,6 +155,7 @@ def test_stored_responses_are_read_deleted_and_evicted(tiny: Served) -> None:
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, "tool_choice"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"tools": [TOOL | {"parameters": {"type": "object", "properties": [1]}}]}, "tools.0.parameters"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "Say hello. " * 400}, "input"),
