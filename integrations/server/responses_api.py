@@ -7,9 +7,11 @@ route's tool policy and grammar in the server's tool-call format, `text.format` 
 The answer is read through the chat route's plan (`answer.py`: the server's reasoning parser and
 tool-call format) into output items (a reasoning item when the model thought, a message, function
 calls), returned whole or streamed as the SDK's events (`response.created` ... `response.completed`,
-`response.reasoning_text.delta` for the thinking). `reasoning.effort` "none" turns a reasoning model's
-thinking off (`answer.thinking_switch`); other efforts name levels this server has no means to set and
-are refused, like built-in tools (web search, file search, ...) and other features this server cannot
+`response.reasoning_text.delta` for the thinking). `reasoning.summary` (auto, concise, detailed) moves the
+thinking, verbatim, from the item's content to its summary (streamed as `response.reasoning_summary_text.delta`):
+this server makes no shorter summary, and clients that show only summaries (LangChain's ChatOpenAI) then
+show the thinking. `reasoning.effort` "none" turns a reasoning model's thinking off
+(`answer.thinking_switch`); other efforts name levels this server has no means to set and are refused, like built-in tools (web search, file search, ...) and other features this server cannot
 run, with a 400 naming the field.
 """
 
@@ -124,6 +126,7 @@ class Turn:
     text_format: dict[str, Any]
     prompt_ids: list[int] = field(default_factory=list)
     plan: AnswerPlan = field(default_factory=AnswerPlan)
+    as_summary: bool = False  # the thinking goes to the reasoning item's summary (reasoning.summary)
 
     @property
     def uses_tools(self) -> bool:
@@ -162,6 +165,7 @@ async def create_response(state: ServerState, store: ResponseStore, body: Respon
     if turn.text_format["type"] != "text":
         messages = add_json_instruction(messages, schema if isinstance(schema, dict) else None)
     thinking = reasoning_thinking(state, body.reasoning)
+    turn.as_summary = summary_wanted(body.reasoning)
     tools = turn.tools if turn.uses_tools else None
     with request_field("input"):
         turn.prompt_ids = render_chat(state.tokenizer, messages, tools, template_kwargs=thinking.template_kwargs)
@@ -176,15 +180,15 @@ async def create_response(state: ServerState, store: ResponseStore, body: Respon
     finals = await collect_finals(http_request, state.client, jobs, turn.response_id, state.metrics)
     final = finals[0]
     reasoning, content, calls = turn.plan.split(turn.plan.answer_of(final.outputs[0]))
-    output = output_items(reasoning, content, calls, item_status(final))
+    output = output_items(reasoning, content, calls, item_status(final), turn.as_summary)
     response = response_object(turn, output, final, usage=response_usage(state, turn.plan, final))
     remember(store, turn, response, content)
     return JSONResponse(response)
 
 
 def reasoning_thinking(state: ServerState, reasoning: dict[str, Any] | None) -> Thinking:
-    """`reasoning`: effort "none" turns the thinking off; other efforts and summaries are refused (no
-    means to set a level or to summarise here: the thinking comes whole, as reasoning_text)."""
+    """`reasoning`: effort "none" turns the thinking off; other efforts are refused (no means to set a
+    level here); a summary is accepted (`summary_wanted`)."""
     reasoning = reasoning or {}
     unknown = set(reasoning) - {"effort", "summary", "generate_summary"}
     if unknown:
@@ -195,15 +199,26 @@ def reasoning_thinking(state: ServerState, reasoning: dict[str, Any] | None) -> 
     if state.reasoning_parser is None:
         raise not_supported("reasoning", "no reasoning options: this server runs no reasoning parser "
                             "(--reasoning-parser)")
-    for key in ("summary", "generate_summary"):
-        if reasoning.get(key) is not None:
-            raise not_supported(f"reasoning.{key}", "no reasoning summaries: the thinking comes whole, as the "
-                                "reasoning item's reasoning_text")
     effort = reasoning.get("effort")
     if effort not in (None, "none"):
         raise not_supported("reasoning.effort", f"{effort!r}: this server can turn the thinking off ('none') "
                             "but sets no effort level; leave effort out for the model's own thinking")
     return thinking_switch(state, False, "reasoning.effort") if effort == "none" else Thinking()
+
+
+SUMMARIES = ("auto", "concise", "detailed")
+
+
+def summary_wanted(reasoning: dict[str, Any] | None) -> bool:
+    """Whether `reasoning.summary` (or its older name `generate_summary`) asks for a summary; 400 for a kind
+    OpenAI does not define."""
+    wanted = False
+    for key in ("summary", "generate_summary"):
+        value = (reasoning or {}).get(key)
+        if value is not None and value not in SUMMARIES:
+            raise bad_request(f"reasoning.{key} must be one of {list(SUMMARIES)}, got {value!r}", f"reasoning.{key}")
+        wanted = wanted or value is not None
+    return wanted
 
 
 def check_length(state: ServerState, prompt_ids: list[int], params) -> list[int]:
@@ -374,23 +389,31 @@ def item_status(final: RequestOutput) -> str:
 
 
 def output_items(reasoning: str | None, content: str | None, calls: list[ToolCall],
-                 status: str) -> list[dict[str, Any]]:
+                 status: str, as_summary: bool = False) -> list[dict[str, Any]]:
     """A reasoning item when the model thought (in words), the message, then the function calls."""
-    items = [reasoning_item(new_item_id("rs"), reasoning, "completed")] if reasoning else []
+    items = [reasoning_item(new_item_id("rs"), reasoning, "completed", as_summary)] if reasoning else []
     if content or not calls:
         items.append(message_item(new_item_id("msg"), content or "", status))
     items += [call_item(new_item_id("fc"), call, "completed") for call in calls]
     return items
 
 
-def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    """The SDK's ResponseReasoningItem: the thinking whole as its content (no summary is made)."""
+def reasoning_item(item_id: str, text: str, status: str, as_summary: bool = False) -> dict[str, Any]:
+    """The SDK's ResponseReasoningItem: the thinking whole as its content, or as its summary when one was
+    asked for (no shorter summary is made)."""
+    done = status != "in_progress"
+    if as_summary:
+        return {"id": item_id, "type": "reasoning", "summary": [summary_text(text)] if done else [], "status": status}
     return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
-            "content": [reasoning_text(text)] if status != "in_progress" else []}
+            "content": [reasoning_text(text)] if done else []}
 
 
 def reasoning_text(text: str) -> dict[str, Any]:
     return {"type": "reasoning_text", "text": text}
+
+
+def summary_text(text: str) -> dict[str, Any]:
+    return {"type": "summary_text", "text": text}
 
 
 def new_item_id(prefix: str) -> str:
@@ -479,8 +502,9 @@ class OutputStream:
     """The response's output items as the answer streams: the reasoning item while the model thinks
     (closed when the answer begins), the message as its text comes, forced calls as they are written."""
 
-    def __init__(self, event: EventWriter) -> None:
+    def __init__(self, event: EventWriter, as_summary: bool = False) -> None:
         self.event = event
+        self.as_summary = as_summary  # the thinking streams as the item's summary, not its content
         self.output: list[dict[str, Any]] = []
         self.thought: OpenItem | None = None
         self.message: OpenItem | None = None
@@ -501,26 +525,36 @@ class OutputStream:
         events = []
         if self.thought is None:
             self.thought = OpenItem(new_item_id("rs"), len(self.output))
-            item = reasoning_item(self.thought.item_id, "", "in_progress")
+            item = reasoning_item(self.thought.item_id, "", "in_progress", self.as_summary)
             self.output.append(item)
             events += [self.event("response.output_item.added", output_index=self.thought.output_index, item=item),
-                       self.event("response.content_part.added", item_id=self.thought.item_id,
-                                  output_index=self.thought.output_index, content_index=0, part=reasoning_text(""))]
+                       self.event(self.part_event("added"), **self.where(self.thought), part=self.part(""))]
         self.thought.text += text
         self.reasoning += text
-        events.append(self.event("response.reasoning_text.delta", item_id=self.thought.item_id,
-                                 output_index=self.thought.output_index, content_index=0, delta=text))
+        kind = "response.reasoning_summary_text.delta" if self.as_summary else "response.reasoning_text.delta"
+        events.append(self.event(kind, **self.where(self.thought), delta=text))
         return events
+
+    def where(self, thought: OpenItem) -> dict[str, Any]:
+        """Where a piece of the thinking goes: the summary's first part, or the content's."""
+        index = {"summary_index": 0} if self.as_summary else {"content_index": 0}
+        return {"item_id": thought.item_id, "output_index": thought.output_index, **index}
+
+    def part_event(self, stage: str) -> str:
+        return f"response.reasoning_summary_part.{stage}" if self.as_summary else f"response.content_part.{stage}"
+
+    def part(self, text: str) -> dict[str, Any]:
+        return summary_text(text) if self.as_summary else reasoning_text(text)
 
     def close_reasoning(self) -> list[str]:
         thought, self.thought = self.thought, None
         if thought is None:
             return []
-        item = reasoning_item(thought.item_id, thought.text, "completed")
+        item = reasoning_item(thought.item_id, thought.text, "completed", self.as_summary)
         self.output[thought.output_index] = item
-        where = {"item_id": thought.item_id, "output_index": thought.output_index, "content_index": 0}
-        return [self.event("response.reasoning_text.done", **where, text=thought.text),
-                self.event("response.content_part.done", **where, part=reasoning_text(thought.text)),
+        done = "response.reasoning_summary_text.done" if self.as_summary else "response.reasoning_text.done"
+        return [self.event(done, **self.where(thought), text=thought.text),
+                self.event(self.part_event("done"), **self.where(thought), part=self.part(thought.text)),
                 self.event("response.output_item.done", output_index=thought.output_index, item=item)]
 
     def add_text(self, text: str) -> list[str]:
@@ -557,7 +591,7 @@ async def stream_response(state: ServerState, store: ResponseStore, turn: Turn, 
     yield event("response.in_progress", response=response_object(turn, [], None, "in_progress"))
     plan = turn.plan
     reader = plan.stream()
-    items = OutputStream(event)
+    items = OutputStream(event, turn.as_summary)
     final: RequestOutput | None = None
     async for _, out in merge_streams(state.client, jobs, turn.response_id, state.metrics):
         if out.error:

@@ -121,12 +121,27 @@ def test_responses_reasoning_effort_none_turns_the_thinking_off(qwen3: Served) -
 
 
 @pytest.mark.parametrize(("reasoning", "param"), [({"effort": "high"}, "reasoning.effort"),
-                                                  ({"summary": "auto"}, "reasoning.summary"),
+                                                  ({"summary": "brief"}, "reasoning.summary"),
+                                                  ({"generate_summary": 1}, "reasoning.generate_summary"),
                                                   ({"nope": 1}, "reasoning.nope")])
 def test_responses_reasoning_options_it_cannot_honour_are_400(qwen3: Served, reasoning: dict, param: str) -> None:
     reply = httpx.post(f"{qwen3.url}/v1/responses", json={"model": "tiny", "input": "hi", "reasoning": reasoning},
                        timeout=30)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+
+
+def test_a_summary_asked_for_carries_the_thinking_verbatim(qwen3: Served) -> None:
+    response = respond(qwen3, THOUGHT, reasoning={"summary": "auto"})
+    item = response.output[0]
+    assert item.type == "reasoning" and [part.text for part in item.summary] == [THINKING] and not item.content
+    assert response.output_text == ANSWER and response.reasoning.summary == "auto"
+    events = list(respond(qwen3, THOUGHT, stream=True, reasoning={"summary": "detailed"}))
+    kinds = [e.type for e in events]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta") == THINKING
+    assert "response.reasoning_text.delta" not in kinds
+    assert kinds.index("response.reasoning_summary_part.added") < kinds.index("response.reasoning_summary_part.done")
+    final = events[-1].response.output[0]
+    assert [part.text for part in final.summary] == [THINKING] and not final.content
 
 
 def test_responses_tool_calls_come_from_the_answer_only(qwen3: Served) -> None:
@@ -326,3 +341,48 @@ def test_forced_calls_on_both_routes_follow_the_servers_format(family) -> None:
                                                      "disable_parallel_tool_use": True})
     [block] = reply.content
     assert block.type == "tool_use" and set(block.input) == {"city"}
+
+
+# ------------------------------------------------------------------ LangChain's ChatOpenAI on /v1/responses
+
+
+def responses_chat_model(served: Served, script: str):
+    """ChatOpenAI as its users set it for reasoning models: langchain-openai shows a reasoning item's summary
+    (streamed or not) as the reasoning block, and only that."""
+    from langchain_openai import ChatOpenAI
+
+    served.app_client.script = script
+    return ChatOpenAI(model="tiny", base_url=f"{served.url}/v1", api_key="x", temperature=0, max_tokens=80,
+                      use_responses_api=True, reasoning={"summary": "auto"}, max_retries=0)
+
+
+def reasoning_of(message) -> str:
+    blocks = [block for block in message.content_blocks if block["type"] == "reasoning"]
+    assert len(blocks) <= 1 and all(block["id"].startswith("rs_") for block in blocks)
+    return "".join(block.get("reasoning", "") for block in blocks)
+
+
+def test_chat_openai_on_responses_gets_reasoning_blocks_plain_and_streamed(qwen3: Served) -> None:
+    reply = responses_chat_model(qwen3, THOUGHT).invoke("Say hello.")
+    assert (reasoning_of(reply), reply.text) == (THINKING, ANSWER)
+    chunks = list(responses_chat_model(qwen3, THOUGHT).stream("Say hello."))
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total += chunk
+    assert (reasoning_of(total), total.text) == (THINKING, ANSWER)
+    assert not any("think>" in chunk.text for chunk in chunks)
+
+
+def test_chat_openai_on_responses_round_trips_a_call_made_after_thinking(qwen3: Served) -> None:
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    question = HumanMessage("Weather in Paris?")
+    model = responses_chat_model(qwen3, "<think>I need the weather.</think>\n\n" + CALL).bind_tools([RESPONSES_TOOL])
+    called = model.invoke([question])
+    assert reasoning_of(called) == "I need the weather."
+    [call] = called.tool_calls
+    assert (call["name"], call["args"]) == ("get_weather", {"city": "Paris"})
+    # The follow-up sends the reasoning item and the call back as input items.
+    qwen3.app_client.script = f"<think>It is sunny.</think>\n\n{ANSWER}"
+    answer = model.invoke([question, called, ToolMessage("sunny", tool_call_id=call["id"])])
+    assert (reasoning_of(answer), answer.text, answer.tool_calls) == ("It is sunny.", ANSWER, [])
