@@ -32,7 +32,9 @@ from paged_backend import LLM, SamplingParams
 imported = time.perf_counter()
 llm = LLM(compile={compile})
 built = time.perf_counter()
-out = llm.generate(["What is the capital of France?"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+# A chat turn, as users send: the raw question's first greedy token ends the turn (an empty answer).
+out = llm.chat([{{"role": "user", "content": "What is the capital of France?"}}],
+               SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
 answered = time.perf_counter()
 engine = llm.engine
 forward = engine.runner.forward_model
