@@ -55,8 +55,9 @@ def test_cache_holds_one_latent_row_per_token_and_layer(model):
     assert engine.cache.shape.latent_value_dim == RANK
     assert engine.cache.shape.bytes_per_block(4, torch.float32) == layers * 4 * LATENT * 4
     assert engine.kv.pool.num_blocks == 100
-    expanded = 4 * (32 + 16) + 4 * 24  # what transformers' cache of expanded K/V would hold per token and layer
-    assert engine.cache.kv[0, :, :, 0].numel() * 1.0 == LATENT < expanded / 5
+    per_token = engine.cache.kv[0, :, :, 0].numel()  # values one layer stores per token
+    expanded = 4 * (32 + 16) + 4 * 24  # what 4 heads' keys and values would take
+    assert per_token == LATENT < expanded / 5
 
 
 def test_model_outside_the_engine_runs_its_own_attention(model):
@@ -135,14 +136,18 @@ def test_int8_latent_cache_keeps_logits_close(model):
     assert engine.cache.kv.dtype == torch.int8 and engine.cache.kv_scales.shape == engine.cache.kv.shape[:-1]
 
 
-def test_a_quantized_absorbed_projection_is_refused():
-    """The absorbed form multiplies by kv_b_proj's weight itself: a quantized kv_b_proj is refused, by name."""
+def test_a_quantized_or_biased_absorbed_projection_is_refused():
+    """The absorbed form multiplies by kv_b_proj's weight itself: a quantized kv_b_proj, or one with a bias (which
+    the absorbed form would drop), is refused, by name."""
     model = build("deepseek_v3")
     attention = model.model.layers[1].self_attn
     attention.kv_b_proj = Int4Linear.from_float(attention.kv_b_proj)
     with pytest.raises(UnsupportedArchitectureError, match="layer 1 has a Int4Linear as kv_b_proj"):
         Engine(model, None, EngineConfig(num_kv_blocks=16))
     assert "forward" not in vars(model.model.layers[0].self_attn)
+    attention.kv_b_proj = torch.nn.Linear(32, 4 * (32 + 24))
+    with pytest.raises(UnsupportedArchitectureError, match="layer 1 has a Linear with a bias as kv_b_proj"):
+        Engine(model, None, EngineConfig(num_kv_blocks=16))
 
 
 def test_lora_may_not_target_the_absorbed_projection():

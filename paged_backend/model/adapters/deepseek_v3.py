@@ -39,12 +39,16 @@ from paged_backend.model.paged_cache import PackedStepCache, PagedCache, ShapePr
 
 
 def prepare(module: DeepseekV3Attention, config) -> None:
-    if type(module.kv_b_proj) is not nn.Linear:
+    projection = module.kv_b_proj
+    if type(projection) is not nn.Linear or type(projection.weight) is not nn.Parameter or projection.bias is not None:
+        kind = type(projection).__name__ if type(projection) is not nn.Linear else (
+            f"Linear with a {type(projection.weight).__name__} weight" if projection.bias is None
+            else "Linear with a bias")
         raise UnsupportedArchitectureError(
-            f"deepseek_v3: {type(module).__name__} layer {module.layer_idx} has a {type(module.kv_b_proj).__name__} "
-            "as kv_b_proj; its paged latent attention multiplies by that projection's weight itself (absorbed "
-            "into the query and output), which needs a plain nn.Linear (no quantized or PEFT layer there)")
-    module.kv_b_proj._paged_absorbed = True  # read by lora.adaptable_linears: an adapter there would be ignored
+            f"deepseek_v3: {type(module).__name__} layer {module.layer_idx} has a {kind} as kv_b_proj; its paged "
+            "latent attention multiplies by that projection's weight itself (absorbed into the query and output), "
+            "which needs a plain nn.Linear without bias (no quantized or PEFT layer there)")
+    projection._paged_absorbed = True  # read by lora.adaptable_linears: an adapter there would be ignored
 
 
 def absorbed_weights(module: DeepseekV3Attention) -> tuple[torch.Tensor, torch.Tensor]:
