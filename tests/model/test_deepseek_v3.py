@@ -181,3 +181,23 @@ def test_compiled_engine_equals_hf_without_recompiles():
     assert counters["stats"]["unique_graphs"] == graphs_before
     assert engine.runner.forward_model.eager_steps == 0
     assert_all_blocks_free(engine)
+
+
+def test_padded_decode_steps_and_a_draft_model_read_the_latent_cache(model):
+    """Decode steps padded to a captured size (their padding rows write a scratch block), and the model as its own
+    draft (a second latent cache read and written through the target's block tables): HF generate's tokens."""
+    prompts = mixed_prompts(5, seed=12)
+    refs = [hf_greedy(model, p, 8) for p in prompts]
+    engines = []
+    for extra in ({"pad_decode": True, "cuda_graph_sizes": [1, 2, 4, 8]},
+                  {"speculative_config": {"method": "draft_model", "model": model, "num_speculative_tokens": 2}}):
+        engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, **extra))
+        ids = [engine.add_request(p, greedy(8)) for p in prompts]
+        finals = run_to_completion(engine)
+        assert [finals[i].outputs[0].token_ids for i in ids] == refs, extra
+        assert_all_blocks_free(engine)
+        engines.append(engine)
+    padded, drafted = engines
+    assert padded.runner.padding is not None
+    assert drafted.speculator.draft.runner.cache.kv.shape[1:3] == (1, 1)
+    assert drafted.speculator.num_accepted_tokens > 0  # the draft's latents were read: its proposals were kept
