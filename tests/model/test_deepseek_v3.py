@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers as tf
 from helpers.engine import (
     MAX_NEW,
     assert_all_blocks_free,
@@ -16,7 +17,7 @@ from helpers.engine import (
     mixed_prompts,
     run_to_completion,
 )
-from helpers.models import build
+from helpers.models import build, build_from_config
 from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 
@@ -28,6 +29,7 @@ from paged_backend import (
     UnsupportedArchitectureError,
 )
 from paged_backend.entrypoints.beam_search import beam_search
+from paged_backend.kernels import dispatch
 from paged_backend.model.adapters import deepseek_v3
 from paged_backend.model.int4_linear import Int4Linear
 from paged_backend.model.model_check import (
@@ -201,3 +203,36 @@ def test_padded_decode_steps_and_a_draft_model_read_the_latent_cache(model):
     assert padded.runner.padding is not None
     assert drafted.speculator.draft.runner.cache.kv.shape[1:3] == (1, 1)
     assert drafted.speculator.num_accepted_tokens > 0  # the draft's latents were read: its proposals were kept
+
+
+@pytest.mark.slow  # 128 heads: a 200 MB model
+def test_deepseek_v3_attention_dimensions_equal_hf():
+    """DeepSeek-V3's own attention dimensions (128 heads, kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim
+    128, v_head_dim 128; YaRN factor 40 with mscale_all_dim 1) on a narrow 2-layer model: a 576-wide latent row
+    per token and layer where expanded K/V would take 40,960 values, attended through the PyTorch backend even
+    where Triton is asked for (its tiles take at most 256), with HF generate's tokens."""
+    def config():
+        return tf.AutoConfig.for_model(
+            "deepseek_v3", vocab_size=256, hidden_size=256, intermediate_size=256, moe_intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=96, kv_lora_rank=512,
+            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=4, topk_group=2, first_k_dense_replace=1, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096,
+                             "rope_theta": 10000.0},
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+    model = build_from_config(config)
+    with torch.no_grad():  # 128 heads' sums: smaller weights keep the logits spread but finite
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(0.25)
+    prompts = mixed_prompts(4, seed=3)
+    refs = [hf_greedy(model, p, 6) for p in prompts]
+    with dispatch.use_backend("triton"):
+        engine = Engine(model, None, EngineConfig(num_kv_blocks=40, block_size=4, max_num_batched_tokens=16))
+        assert engine.cache.kv.shape[1:] == (1, 1, 160, 576)
+        assert dispatch.select_backend(torch.device("cuda"), torch.bfloat16, 576) == "torch"
+        ids = [engine.add_request(p, greedy(6)) for p in prompts]
+        finals = run_to_completion(engine)
+    assert [finals[i].outputs[0].token_ids for i in ids] == refs
