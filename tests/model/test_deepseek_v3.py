@@ -38,6 +38,7 @@ from paged_backend.model.model_check import (
     paged_logits,
     prepare_model,
 )
+from paged_backend.model.paged_cache import ShapeProbe
 
 # The tiny config's latent: kv_lora_rank 32 + qk_rope_head_dim 16 values per token and layer.
 LATENT, RANK = 48, 32
@@ -236,3 +237,14 @@ def test_deepseek_v3_attention_dimensions_equal_hf():
         ids = [engine.add_request(p, greedy(6)) for p in prompts]
         finals = run_to_completion(engine)
     assert [finals[i].outputs[0].token_ids for i in ids] == refs
+
+
+def test_a_model_mixing_latent_and_kv_layers_is_refused(monkeypatch):
+    """The cache holds one kind of row for every layer: a model where only some layers cache a latent is refused
+    (here the probe hears of layer 0's latent only), naming the layers."""
+    original = ShapeProbe.stores_latent
+    monkeypatch.setattr(ShapeProbe, "stores_latent",
+                        lambda probe, layer, width: original(probe, layer, width) if layer == 0 else None)
+    model = build("deepseek_v3")
+    with pytest.raises(UnsupportedArchitectureError, match=r"layers \[0\] of 2 cache a latent"):
+        Engine(model, None, EngineConfig(num_kv_blocks=16))
