@@ -159,3 +159,28 @@ def write_and_attend(
                                sinks=sinks, chunk_size=chunk_size)
     return torch_attention.write_and_attend(query, key, value, layer_cache, metadata, scale, sliding_window,
                                             softcap, alibi_slopes, layer_scales, sinks, chunk_size)
+
+
+def write_and_attend_latent(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    layer_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    layer_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What a layer of multi-head latent attention does in a step (absorbed form): write its new `latent [T, 1, D]`
+    into its paged cache `layer_cache [1, 1, num_slots, D]` (an int8 one with `layer_scales [1, 1, num_slots]`) at
+    `metadata.slot_mapping`, then attend `query [T, H, D]` over each sequence's latents as one shared key head
+    whose value is the latent itself; returns `[T, H, D]`. The caller keeps the value columns it needs (the
+    latent's first kv_lora_rank): the others are the rotary key part, attended over at no other cost than their
+    columns of the weighted sum, so the same cache serves as key and value, with no second copy or kernel."""
+    cache = layer_cache[0]
+    scales = None if layer_scales is None else layer_scales[0]
+    if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
+        # The cache-write kernel stores a key and a value: given the latent as both, the second store rewrites
+        # the same bytes, the price of one kernel for both layouts.
+        triton_modules()[1].write_kv_cache(latent, latent, cache, cache, metadata.slot_mapping, scales, scales)
+        return triton_modules()[0].paged_attention(query, cache, cache, metadata, scale, key_scales=scales,
+                                                   value_scales=scales)
+    return torch_attention.write_and_attend_latent(query, latent, cache, metadata, scale, scales)

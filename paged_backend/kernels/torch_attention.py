@@ -91,6 +91,28 @@ def write_and_attend(
                             sinks, chunk_size)
 
 
+def write_and_attend_latent(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Multi-head latent attention's write and attention (dispatch.write_and_attend_latent): write `latent [T, 1, D]`
+    into `cache [1, num_slots, D]` (int8: with `scales [1, num_slots]`), then attend `query [T, H, D]` over each
+    sequence's latents, read once per sequence and used as both its key and its value."""
+    if "torch_writable_rows" not in metadata.derived:
+        metadata.derived["torch_writable_rows"] = writable_rows(metadata.slot_mapping)
+    stored = write_one(latent, cache, scales, metadata.slot_mapping, metadata.derived["torch_writable_rows"])
+
+    def read(slots: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        context = read_context(cache, scales, slots, dtype)
+        return context, context
+
+    return attend_sequences(query, read, 1, metadata, scale, None, None, (stored, stored), None)
+
+
 def write_one(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor,
               rows: torch.Tensor | None) -> torch.Tensor:
     """Store `x [T, KVH, D]` (only `rows`, when given) at `slot_mapping`; return it as stored."""

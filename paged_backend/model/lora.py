@@ -231,6 +231,9 @@ def _target_linear(name: str, model: nn.Module, module_name: str, linears: dict[
                          f"{module_name}, which this model does not have") from None
     if module is output_embedding(model):
         raise ValueError(f"LoRA adapter {name!r} targets the output embedding ({module_name}): not supported")
+    if getattr(module, "_paged_absorbed", False):
+        raise ValueError(f"LoRA adapter {name!r} targets {module_name}, whose weight the paged latent attention "
+                         "folds into its query and output instead of calling the layer: not supported")
     if is_linear(module):
         raise ValueError(f"LoRA adapter {name!r} targets {module_name}, a part of a PEFT tuner layer: target the "
                          "tuner layer itself")
@@ -251,14 +254,15 @@ _PEFT_PARTS = {"base_layer", "lora_A", "lora_B", "lora_embedding_A", "lora_embed
 def adaptable_linears(model: nn.Module) -> dict[str, nn.Module]:
     """The linears an adapter may target, by module name as adapters name them: every linear layer of
     `model` (a PEFT tuner layer by its base layer) but the output embedding, which sees only the step's
-    kept rows, not every token the mask covers."""
+    kept rows, not every token the mask covers, and a projection whose weight a latent-attention adapter folds
+    into its query and output (adapters/deepseek_v3.py), whose forward never runs."""
     head = output_embedding(model)
     linears = {}
     for name, module in model.named_modules():
         if _PEFT_PARTS.intersection(name.split(".")):
             continue
         linear = base_linear(module)
-        if is_linear(linear) and linear is not head:
+        if is_linear(linear) and linear is not head and not getattr(linear, "_paged_absorbed", False):
             linears[name] = linear
     return linears
 

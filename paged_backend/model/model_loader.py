@@ -2,7 +2,7 @@
 
 The engine swaps its paged attention in through transformers' attention
 interface (``ALL_ATTENTION_FUNCTIONS``), or, for an architecture whose attention
-bypasses it (BLOOM, MPT, Falcon, Baichuan), through that architecture's adapter
+bypasses it (BLOOM, MPT, Falcon, Baichuan) or caches a latent (DeepSeek-V3), through that architecture's adapter
 in ``paged_backend.model.adapters``. ``SUPPORTED`` lists the ``config.model_type``
 values of both kinds; everything else is refused up front with a reason, rather
 than failing later with wrong outputs. Baichuan, published only as remote code,
@@ -103,8 +103,6 @@ UNSUPPORTED_REASONS: dict[str, str] = {
     "llama4": "it is Llama 4's vision and text checkpoint; load its text model with transformers' "
               "AutoModelForCausalLM.from_pretrained (a Llama4ForCausalLM, model_type 'llama4_text', which is "
               "supported) and pass the loaded model",
-    "deepseek_v3": "its multi-head latent attention (a compressed latent cached per token, expanded to K/V "
-                   "inside the layer) is not paged yet",
     "qwen3_next": "it is a hybrid model whose gated delta-net (linear attention) layers keep a recurrent state per "
                   "sequence, which the paged engine does not hold yet",
     "granitemoehybrid": "it is a hybrid model whose Mamba-2 layers keep a recurrent state per sequence, which the "

@@ -28,12 +28,21 @@ class KVShape:
     head_dim: int
     # Each layer's sliding window as its attention received it (None: full attention); () when not probed.
     layer_windows: tuple[int | None, ...] = ()
+    # A latent cache (multi-head latent attention, latent_cache.py): one row of `head_dim` per token and layer,
+    # whose first `latent_value_dim` entries are also its value. None: separate K and V rows.
+    latent_value_dim: int | None = None
+
+    @property
+    def planes(self) -> int:
+        """Rows stored per token, head and layer: K and V (2), or the one latent row (1)."""
+        return 2 if self.latent_value_dim is None else 1
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of one block in every layer, stored as `dtype` (int8: plus a scale per token and head)."""
+        """K and V (or the latent) of one block in every layer, stored as `dtype` (int8: plus a scale per token
+        and head)."""
         elem = torch.empty((), dtype=dtype).element_size()
         row = self.head_dim * elem + (SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
-        return 2 * self.num_layers * self.num_kv_heads * block_size * row
+        return self.planes * self.num_layers * self.num_kv_heads * block_size * row
 
 
 class PackedStepCache(Cache):
@@ -74,14 +83,15 @@ class PagedCache(PackedStepCache):
         positions = self.groups.group_size
         # [layer, k/v, kv_head, slot, head_dim]: a head's slots are contiguous, so the CPU gather of
         # one sequence is one index_select per layer and a Triton tile of one block is one stride.
+        # A latent cache has one plane where others have k/v (KVShape.planes).
         # `empty`, not `zeros`: unwritten slots are never read (every read is bounded by seq_lens),
         # and untouched pages cost no resident memory.
         self.kv = torch.empty(
-            positions, 2, shape.num_kv_heads, num_blocks * block_size, shape.head_dim,
+            positions, shape.planes, shape.num_kv_heads, num_blocks * block_size, shape.head_dim,
             dtype=dtype, device=device,
         )
         self.kv_scales = None if dtype != torch.int8 else torch.empty(
-            positions, 2, shape.num_kv_heads, num_blocks * block_size, dtype=SCALE_DTYPE, device=device)
+            positions, shape.planes, shape.num_kv_heads, num_blocks * block_size, dtype=SCALE_DTYPE, device=device)
         if null_block is not None:
             null = slice(null_block * block_size, (null_block + 1) * block_size)
             self.kv[:, :, :, null] = 0
@@ -113,6 +123,7 @@ class ShapeProbe(PackedStepCache):
         self.seen: dict[int, tuple[int, int, torch.dtype]] = {}
         self.routes: dict[int, str] = {}  # layer -> "interface" or "adapter"
         self.windows: dict[int, int | None] = {}  # layer -> the sliding window its attention was given
+        self.latent_value_dims: dict[int, int] = {}  # layer -> its latent's value width, for a latent cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.seen[layer_idx] = (key_states.shape[1], key_states.shape[3], key_states.dtype)
@@ -123,6 +134,11 @@ class ShapeProbe(PackedStepCache):
         sliding window the layer attends with (the one the engine's attention will mask with)."""
         self.routes[layer_idx] = route
         self.windows[layer_idx] = sliding_window
+
+    def stores_latent(self, layer_idx: int, value_dim: int) -> None:
+        """Called by a latent-attention adapter: the layer caches one latent row per token (what it handed
+        `update` as its key), whose first `value_dim` entries are its value."""
+        self.latent_value_dims[layer_idx] = value_dim
 
 
 def probe_model(model: torch.nn.Module) -> ShapeProbe:
@@ -147,7 +163,13 @@ def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
             f"K/V of one shape; saw shapes (kv_heads, head_dim) {sorted(shapes)}"
         )
     (heads, head_dim), = shapes
-    return KVShape(num_layers, heads, head_dim, tuple(probe.windows.get(layer) for layer in range(num_layers)))
+    latent = set(probe.latent_value_dims.values())
+    if latent and (len(latent) > 1 or len(probe.latent_value_dims) != num_layers):
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__}: the paged cache needs every layer to cache one kind of row; layers "
+            f"{sorted(probe.latent_value_dims)} of {num_layers} cache a latent (value widths {sorted(latent)})")
+    return KVShape(num_layers, heads, head_dim, tuple(probe.windows.get(layer) for layer in range(num_layers)),
+                   latent.pop() if latent else None)
 
 
 def check_every_layer_driven(model: torch.nn.Module, probe: ShapeProbe, num_layers: int) -> None:

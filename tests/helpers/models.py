@@ -78,6 +78,18 @@ CONFIGS = {
     "apertus": lambda: _auto("apertus", num_attention_heads=4, num_key_value_heads=2,
                              rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     "seed_oss": lambda: _auto("seed_oss", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # Multi-head latent attention: a 32-wide latent plus a 16-wide rotary key cached per token (48 values, where
+    # expanded K/V would take 4 heads x (32 + 24)); queries through a low-rank q projection, interleaved rotary
+    # pairs, YaRN with mscale_all_dim (the softmax scale grows by mscale^2), a value head (24) unlike the key's
+    # (32); a dense first layer, then a mixture of experts with a shared expert and grouped routing.
+    "deepseek_v3": lambda: _auto("deepseek_v3", **_deepseek_v3_common(), q_lora_rank=32, rope_interleave=True,
+                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                  "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+                                                  "beta_slow": 1, "original_max_position_embeddings": 128}),
+    # The other form: a full-rank q projection, rotary halves (not interleaved pairs), plain rotary positions.
+    "deepseek_v3_plain": lambda: _auto("deepseek_v3", **_deepseek_v3_common(), q_lora_rank=None,
+                                       rope_interleave=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     # Its decoder layer drops forward keywords on the way to attention: runs through its adapter.
     "stablelm": lambda: tf.StableLmConfig(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
                                           **_common()),
@@ -87,6 +99,12 @@ CONFIGS = {
 def _common() -> dict:
     return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 max_position_embeddings=512)
+
+
+def _deepseek_v3_common() -> dict:
+    return {"num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 32, "v_head_dim": 24, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1}
 
 
 def _auto(model_type: str, **kwargs) -> tf.PretrainedConfig:

@@ -207,13 +207,12 @@ def test_other_supported_family_loads(tmp_path: Path) -> None:
     [
         (T5Config(vocab_size=128, d_model=32, num_layers=1, num_heads=2), ("t5", "T5Config", "encoder-decoder")),
         (MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1), ("mamba", "MambaForCausalLM", "state-space")),
-        (AutoConfig.for_model("deepseek_v3"), ("deepseek_v3", "DeepseekV3ForCausalLM", "latent attention")),
         (AutoConfig.for_model("qwen3_next"), ("qwen3_next", "Qwen3NextForCausalLM", "recurrent state")),
         (AutoConfig.for_model("granitemoehybrid"), ("granitemoehybrid", "Mamba-2", "recurrent state")),
         (AutoConfig.for_model("falcon_h1"), ("falcon_h1", "Mamba-2", "recurrent state")),
         (AutoConfig.for_model("lfm2"), ("lfm2", "Lfm2ForCausalLM", "convolution")),
     ],
-    ids=["t5", "mamba", "deepseek_v3", "qwen3_next", "granitemoehybrid", "falcon_h1", "lfm2"],
+    ids=["t5", "mamba", "qwen3_next", "granitemoehybrid", "falcon_h1", "lfm2"],
 )
 def test_check_architecture_rejects_with_reason(config: PretrainedConfig, names: tuple[str, ...]) -> None:
     with pytest.raises(UnsupportedArchitectureError) as info:
@@ -423,21 +422,15 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def test_refused_type_leaves_the_model_exactly_as_it_was() -> None:
-    """A deepseek_v3 model (its latent attention is not paged) is refused before anything is switched."""
+    """A mamba model (a state-space model, no K/V to page) is refused before anything is switched."""
     from transformers import AutoModelForCausalLM
 
     from paged_backend import LLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=64,
-                                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                                  topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
-                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0,
-                                  bos_token_id=1, eos_token_id=2)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2)).eval()
     before, implementation = _logits(model), model.config._attn_implementation
-    with pytest.raises(UnsupportedArchitectureError, match="deepseek_v3.*latent attention"):
+    with pytest.raises(UnsupportedArchitectureError, match="mamba.*state-space"):
         LLM(model, num_kv_blocks=8)
     assert model.config._attn_implementation == implementation
     assert torch.equal(_logits(model), before)

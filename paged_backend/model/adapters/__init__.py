@@ -4,11 +4,19 @@ An architecture whose attention bypasses transformers' attention interface gets 
 names its attention module classes, the keyword under which its blocks hand them the cache, and a
 paged forward built from the module's own weights (see `registry.py`), or, for an architecture whose
 attention does use the interface but whose code drops the engine's step on the way (StableLM), a
-forward that hands the step on. The engine calls
+forward that hands the step on, or (DeepSeek-V3) whose attention caches a compressed latent that the paged
+cache stores as it is. The engine calls
 `install_adapters(model)`; `model_loader.SUPPORTED` includes every registered type.
 """
 
-from paged_backend.model.adapters import baichuan, bloom, falcon, mpt, stablelm  # noqa: F401  (each registers its adapter)
+from paged_backend.model.adapters import (  # noqa: F401  (each registers its adapter)
+    baichuan,
+    bloom,
+    deepseek_v3,
+    falcon,
+    mpt,
+    stablelm,
+)
 from paged_backend.model.adapters.registry import (
     ADAPTERS,
     Adapter,

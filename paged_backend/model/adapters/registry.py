@@ -73,6 +73,7 @@ def install_adapters(model: nn.Module) -> Adapter | None:
 def uninstall_adapters(model: nn.Module) -> None:
     """Give every adapted module of `model` its own forward back (a refused model leaves as it came)."""
     for module in model.modules():
+        vars(module).pop("_paged_absorbed", None)  # a projection a latent adapter folds in (deepseek_v3.py)
         original = vars(module).pop("_paged_original_forward", None)
         if original is not None:
             del module.forward  # the instance attribute; the class's forward shows through again

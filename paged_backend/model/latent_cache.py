@@ -1,0 +1,40 @@
+"""The latent cache of multi-head latent attention (DeepSeek-V3): a layer's latent write and attention as one
+custom op, the latent counterpart of `custom_ops.paged_attention`.
+
+A latent-attention layer caches per token one row of kv_lora_rank + qk_rope_head_dim values (the normalised
+compressed latent and the rotary key part) in a cache of one plane and one head (`KVShape.latent_value_dim`),
+not the expanded K/V of every head. Its adapter (adapters/deepseek_v3.py) projects each query head into the
+latent space, and this op attends those queries over the latents as one shared key head whose value is the
+latent (dispatch.write_and_attend_latent). Like the K/V op, it takes tensors and constants only and reads the
+step and the cache from `custom_ops.step_context`, so a compiled graph holds it as one opaque node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_backend.kernels.dispatch import write_and_attend_latent
+from paged_backend.model.custom_ops import current_step
+
+
+def latent_attention_impl(query: torch.Tensor, latent: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """Write this step's `latent [T, 1, D]` into layer `layer` of the step's latent cache at the step's slot mapping,
+    then attend packed `query [T, H, D]` over each sequence's latents (key and value alike); returns `[T, H, D]`."""
+    metadata, kv, kv_scales = current_step().layer_step(layer)
+    return write_and_attend_latent(query.contiguous(), latent, kv, metadata, scale, kv_scales)
+
+
+latent_attention_op = torch.library.custom_op("paged_backend::latent_attention", latent_attention_impl,
+                                              mutates_args=())
+
+
+@latent_attention_op.register_fake
+def _(query, latent, layer, scale):
+    return query.new_empty(query.shape)
+
+
+def latent_attention(query: torch.Tensor, latent: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """The op inside a graph being compiled, its implementation directly in an eager forward (as
+    custom_ops.paged_attention, to skip the dispatcher's cost per layer)."""
+    op = latent_attention_op if torch.compiler.is_compiling() else latent_attention_impl
+    return op(query, latent, layer, scale)
