@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -238,14 +237,12 @@ class LLM:
         engine = self.engine
         loras = loras or [None] * len(prompts)
         processors = processors or [None] * len(prompts)
-        token_ids = []
-        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
-            try:
-                token_ids.append(engine.tokenize(prompt)[1])
-                engine.validate(token_ids[-1], p)
-                engine.resolve_lora(lora)
-            except ValueError as exc:
-                raise ValueError(f"prompt {i}: {exc}") from None
+
+        def check(token_ids: list[int], p: SamplingParams, lora: LoRASpec | None) -> None:
+            engine.validate(token_ids, p)
+            engine.resolve_lora(lora)
+
+        token_ids = checked_token_ids(engine.tokenize, check, prompts, params, loras)
         ids = [engine.add_request(prompt, p, stream=False, prompt_token_ids=ids, lora=lora, logits_processor=proc)
                for prompt, p, ids, lora, proc in zip(prompts, params, token_ids, loras, processors)]
         return self.collect(ids, use_tqdm, "Generating")
@@ -286,6 +283,21 @@ def normalise_params(params: SamplingParams | Sequence[SamplingParams] | None, n
     return params
 
 
+def checked_token_ids(tokenize: Callable[[Prompt], tuple[str | None, list[int]]],
+                      check: Callable[[list[int], SamplingParams, LoRASpec | None], None], prompts: list[Prompt],
+                      params: list[SamplingParams], loras: list[LoRASpec | None]) -> list[list[int]]:
+    """Every prompt's token ids, each prompt checked before any is queued, so a bad one raises ValueError
+    naming its index without leaving half a batch behind."""
+    token_ids = []
+    for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
+        try:
+            token_ids.append(tokenize(prompt)[1])
+            check(token_ids[-1], p, lora)
+        except ValueError as exc:
+            raise ValueError(f"prompt {i}: {exc}") from None
+    return token_ids
+
+
 def normalise_loras(lora: LoRASpec | Sequence[LoRASpec | None] | None, n: int) -> list[LoRASpec | None]:
     if lora is None or isinstance(lora, (str, LoRARequest)):
         return [lora] * n
@@ -293,10 +305,6 @@ def normalise_loras(lora: LoRASpec | Sequence[LoRASpec | None] | None, n: int) -
     if len(loras) != n:
         raise ValueError(f"got {len(loras)} LoRA choices for {n} prompts")
     return loras
-
-
-def engine_config_fields() -> list[str]:
-    return [f.name for f in dataclasses.fields(EngineConfig)]
 
 
 def run_worker(model: Any, tokenizer: Any, kwargs: dict, size: int) -> None:
