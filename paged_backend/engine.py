@@ -36,9 +36,9 @@ from paged_backend.core.pooling import (
     matryoshka_dimensions,
 )
 from paged_backend.core.request import LogitsProcessor, Request, RequestStatus
-from paged_backend.core.request_checks import check_request, tokenize_prompt
 from paged_backend.core.request_group import RequestGroup
 from paged_backend.core.scheduler import Scheduler
+from paged_backend.input_processor import check_request, tokenize_prompt
 from paged_backend.model import compilation, cuda_graphs
 from paged_backend.model.decode_padding import DecodePadding
 from paged_backend.model.lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec

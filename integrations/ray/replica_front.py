@@ -2,7 +2,7 @@
 and the replicas' stats summed.
 
 It tokenizes and checks requests on the client with the replicas' own tokenizer and limits and the
-engine's own checks (`paged_backend.core.request_checks`), so a bad request is refused before it
+engine's own checks (`paged_backend.input_processor`), so a bad request is refused before it
 travels, with the message one engine would give. `ReplicatedAsyncEngine` answers the `EngineClient`
 protocol through it.
 """
@@ -15,9 +15,9 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from paged_backend import SamplingParams
 from paged_backend.core.pooling import PoolingParams, check_pooling
-from paged_backend.core.request_checks import check_request, tokenize_prompt
+from paged_backend.input_processor import check_request, tokenize_prompt
+from paged_backend.sampling.sampling_params import SamplingParams
 
 from .replica import Prompt, ReplicaInfo
 from .router import Router

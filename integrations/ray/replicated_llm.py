@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from paged_backend import RequestOutput, SamplingParams
+from paged_backend.core.outputs import RequestOutput
 from paged_backend.entrypoints.llm import (
     checked_token_ids,
     normalise_loras,
@@ -16,6 +16,7 @@ from paged_backend.entrypoints.llm import (
     normalise_prompts,
 )
 from paged_backend.model.lora import LoRASpec, portable_source
+from paged_backend.sampling.sampling_params import SamplingParams
 
 from .replica import Prompt
 from .replicated_engine import DEFAULT_TIMEOUT_S, ReplicatedAsyncEngine

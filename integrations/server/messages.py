@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from paged_backend import RequestOutput
+from paged_backend.core.outputs import RequestOutput
 from paged_backend.integrations.options.vocabularies import OPENAI
 
 from ..hermes import CallDelta

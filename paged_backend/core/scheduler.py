@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
-from paged_backend.config import EngineConfig
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.request import Request, RequestStatus
-from paged_backend.model.lora import LoRASlots
-from paged_backend.speculative.speculation import Speculator
+from paged_backend.core.scheduler_output import SchedulerOutput
 
-
-class ScheduledBatch(NamedTuple):
-    requests: list[Request]
-    num_new_tokens: list[int]  # proposals included
-    # Indices of requests whose `num_new_tokens - 1` proposals a draft model makes before the forward.
-    drafts: list[int]
+if TYPE_CHECKING:  # built by the engine and handed in; the scheduler only reads and calls them
+    from paged_backend.config import EngineConfig
+    from paged_backend.model.lora import LoRASlots
+    from paged_backend.speculative.speculation import Speculator
 
 
 class Scheduler:
@@ -48,8 +44,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch([], [], [])
+    def schedule(self) -> SchedulerOutput:
+        batch = SchedulerOutput([], [], [])
         preemptions_before = self.num_preemptions
         budget = self.schedule_running(batch, self.max_tokens)
         # After a preemption the cache is full: admitting new work would only preempt again.
@@ -59,7 +55,7 @@ class Scheduler:
             self.add_proposals(batch)
         return batch
 
-    def add_proposals(self, batch: ScheduledBatch) -> None:
+    def add_proposals(self, batch: SchedulerOutput) -> None:
         """Proposed tokens ride along with decoding requests in the room the step has left (the speculator's
         policy, within the token budget); they never preempt anything or push a request past max_tokens.
         N-gram proposals are made here; a draft model's are only counted here (their blocks allocated) and
@@ -89,7 +85,7 @@ class Scheduler:
                 batch.num_new_tokens[i] += n
                 room -= n
 
-    def schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def schedule_running(self, batch: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -105,7 +101,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def schedule_waiting(self, batch: SchedulerOutput, budget: int) -> None:
         draining = 0  # the LoRA slot held back for a request that found none free (0: none so far this step)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:

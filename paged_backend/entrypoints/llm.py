@@ -18,8 +18,8 @@ from paged_backend.entrypoints.beam_search import (
     BeamSearchParams,
     beam_search,
 )
-from paged_backend.integrations.chat import render_chat
-from paged_backend.integrations.reasoning import (
+from paged_backend.entrypoints.chat import render_chat
+from paged_backend.entrypoints.reasoning import (
     budget_processor,
     prompt_tail,
     resolve_reasoning_parser,
@@ -199,7 +199,7 @@ class LLM:
         thinking_token_budget: int | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation (OpenAI-shaped messages) through the chat template and generate.
-        `tools` (OpenAI function tools) follow the shared tool policy (integrations/chat.py): rendered
+        `tools` (OpenAI function tools) follow the shared tool policy (paged_backend/entrypoints/chat.py): rendered
         by a template that supports tools, else described Hermes style in the system turn; past
         assistant `tool_calls` and `tool` results are rendered the same way. With a reasoning parser,
         each completion's thinking is in `reasoning` and its `text` is the answer alone;

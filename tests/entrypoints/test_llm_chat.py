@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paged_backend.integrations.chat import render_chat
+from paged_backend.entrypoints.chat import render_chat
 
 from paged_backend import SamplingParams
 

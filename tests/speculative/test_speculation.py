@@ -589,7 +589,7 @@ def test_metrics_report_speculation(llama):
 def test_serve_takes_a_speculative_config(monkeypatch):
     pytest.importorskip("uvicorn")
     import paged_backend
-    from paged_backend.entrypoints.cli import build_parser
+    from paged_backend.integrations.cli import build_parser
 
     seen = {}
 

@@ -1,10 +1,10 @@
-"""The shared chat renderer and its one tool policy (integrations/chat.py), on small templates."""
+"""The shared chat renderer and its one tool policy (paged_backend/entrypoints/chat.py), on small templates."""
 
 from __future__ import annotations
 
 import pytest
 import transformers as tf
-from paged_backend.integrations.chat import (
+from paged_backend.entrypoints.chat import (
     HERMES_TOOL_PROMPT,
     ChatInputError,
     UnsupportedContent,
