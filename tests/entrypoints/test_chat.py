@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import transformers as tf
+from tokenizers import Tokenizer, models
+
 from paged_backend.entrypoints.chat import (
     HERMES_TOOL_PROMPT,
     ChatInputError,
@@ -11,7 +13,6 @@ from paged_backend.entrypoints.chat import (
     render_chat,
     renders_tools,
 )
-from tokenizers import Tokenizer, models
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

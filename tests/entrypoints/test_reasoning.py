@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from paged_backend.entrypoints.reasoning import (
     ReasoningStream,
     budget_processor,
