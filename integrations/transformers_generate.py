@@ -505,7 +505,7 @@ class PagedGenerator:
         if job.vocabulary is not None:
             self.engine.enable_structured_outputs(job.vocabulary)
         for prompt, params in zip(job.prompts, job.params):
-            self.engine.validate(prompt, params)  # every row is checked before any is queued
+            self.engine.inputs.validate(prompt, params)  # every row is checked before any is queued
         state = JobState(job)
         # Rows whose processors, criteria or streamer read the tokens so far need every token as it comes.
         stream = job.needs_hook or bool(job.criteria) or job.streamer is not None

@@ -162,8 +162,8 @@ class LLM:
         token_ids = []
         for i, prompt in enumerate(prompts):
             try:
-                token_ids.append(engine.tokenize(prompt)[1])
-                engine.validate_pooling(token_ids[-1], pooling)
+                token_ids.append(engine.inputs.tokenize(prompt)[1])
+                engine.inputs.validate_pooling(token_ids[-1], pooling)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
         ids = [engine.add_pooling_request(prompt, pooling, prompt_token_ids=ids) for prompt, ids in zip(prompts, token_ids)]
@@ -176,8 +176,8 @@ class LLM:
         token_lists = []
         for i, prompt in enumerate(normalise_prompts(prompts)):
             try:
-                _, ids = self.engine.tokenize(prompt)
-                self.engine.validate(ids, SamplingParams(max_tokens=params.max_tokens))
+                _, ids = self.engine.inputs.tokenize(prompt)
+                self.engine.inputs.validate(ids, SamplingParams(max_tokens=params.max_tokens))
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
             token_lists.append(ids)
@@ -239,10 +239,10 @@ class LLM:
         processors = processors or [None] * len(prompts)
 
         def check(token_ids: list[int], p: SamplingParams, lora: LoRASpec | None) -> None:
-            engine.validate(token_ids, p)
+            engine.inputs.validate(token_ids, p)
             engine.resolve_lora(lora)
 
-        token_ids = checked_token_ids(engine.tokenize, check, prompts, params, loras)
+        token_ids = checked_token_ids(engine.inputs.tokenize, check, prompts, params, loras)
         ids = [engine.add_request(prompt, p, stream=False, prompt_token_ids=ids, lora=lora, logits_processor=proc)
                for prompt, p, ids, lora, proc in zip(prompts, params, token_ids, loras, processors)]
         return self.collect(ids, use_tqdm, "Generating")
