@@ -451,23 +451,32 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int) -> int:
     return sum(len(finals[i].outputs[0].token_ids) for i in ids)
 
 
-def record_decode_steps(engine, device: torch.device) -> list[tuple[float, int, int]]:
-    """Wrap the model runner: (seconds, total context, sequences) of every step where all sequences decode."""
-    steps: list[tuple[float, int, int]] = []
-    execute = engine.runner.execute
+class DecodeStepRecorder:
+    """An engine step observer noting (seconds, total context, sequences) of every step where all sequences
+    decode, the device synchronised around the forward."""
 
-    def recording_execute(batch):
-        synchronize(device)
-        start = time.perf_counter()
-        out = execute(batch)
-        synchronize(device)
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.steps: list[tuple[float, int, int]] = []
+        self.start = 0.0
+
+    def before_forward(self, batch) -> None:
+        synchronize(self.device)
+        self.start = time.perf_counter()
+
+    def after_forward(self, batch, logits) -> None:
+        synchronize(self.device)
         if all(n == 1 for n in batch.num_new_tokens):
             context = sum(r.num_computed_tokens + 1 for r in batch.requests)
-            steps.append((time.perf_counter() - start, context, len(batch.requests)))
-        return out
+            self.steps.append((time.perf_counter() - self.start, context, len(batch.requests)))
 
-    engine.runner.execute = recording_execute
-    return steps
+
+def record_decode_steps(engine, device: torch.device) -> list[tuple[float, int, int]]:
+    """Observe the engine's steps; the returned list fills with (seconds, total context, sequences) per
+    decode-only step."""
+    recorder = DecodeStepRecorder(device)
+    engine.observers.append(recorder)
+    return recorder.steps
 
 
 def decode_bandwidth(model: torch.nn.Module, steps: list[tuple[float, int, int]], peak: float | None) -> dict:

@@ -306,19 +306,25 @@ def serve_engine(engine, workload: Workload, arrival_time: float) -> list:
     return outs
 
 
+class StepRecorder:
+    """An engine step observer noting (packed tokens, sampled rows, seconds) of every forward it runs."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, float]] = []
+        self.start = 0.0
+
+    def before_forward(self, batch) -> None:
+        self.start = time.perf_counter()
+
+    def after_forward(self, batch, logits) -> None:
+        self.steps.append((sum(batch.num_new_tokens), logits.shape[0], time.perf_counter() - self.start))
+
+
 def record_steps(engine) -> list[tuple[int, int, float]]:
-    """Wrap the engine's model runner to note (packed tokens, sampled rows, seconds) of every forward it runs."""
-    steps: list[tuple[int, int, float]] = []
-    execute = engine.runner.execute
-
-    def recording_execute(batch):
-        start = time.perf_counter()
-        logits, inputs = execute(batch)
-        steps.append((sum(batch.num_new_tokens), logits.shape[0], time.perf_counter() - start))
-        return logits, inputs
-
-    engine.runner.execute = recording_execute
-    return steps
+    """Observe the engine's steps; the returned list fills with (packed tokens, sampled rows, seconds) per forward."""
+    recorder = StepRecorder()
+    engine.observers.append(recorder)
+    return recorder.steps
 
 
 def measure_floor(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], repeats: int) -> dict[str, Any]:

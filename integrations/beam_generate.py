@@ -41,11 +41,7 @@ def generate_beams(model: PreTrainedModel, engine: Engine, inputs: torch.Tensor 
                                   "cache_implementation='paged'; of the beam modes only plain beam search is")
     refuse(return_dict_in_generate=config.return_dict_in_generate, stop_strings=config.stop_strings,
            max_time=config.max_time)
-    input_ids, _, model_kwargs = prep.model_inputs(model, inputs, config, model_kwargs)
-    attention_mask = model_kwargs.pop("attention_mask", None)
-    prep.prepare_special_tokens(model, config, attention_mask is not None, input_ids, per_row=False)
-    if attention_mask is None:
-        attention_mask = prep.default_attention_mask(model, input_ids, config)
+    input_ids, _, attention_mask, _ = prep.prompt_inputs(model, inputs, config, model_kwargs, per_row=False)
     width = input_ids.shape[1]
     config = prep.generated_length(model, config, kwargs.get("max_length") is None and
                                    model.generation_config.max_length is None, True, input_ids)

@@ -39,6 +39,20 @@ def prepare_special_tokens(model: PreTrainedModel, config: GenerationConfig, has
     model._prepare_special_tokens(config, has_attention_mask, device=input_ids.device, **extra)
 
 
+def prompt_inputs(model: PreTrainedModel, inputs: torch.Tensor | None, config: GenerationConfig,
+                  model_kwargs: dict[str, Any], per_row: bool = True
+                  ) -> tuple[torch.Tensor, str, torch.Tensor, dict[str, Any]]:
+    """(the input ids, the name of the input they came from, their attention mask, the other model inputs),
+    with bos/eos/pad resolved on the config: the preparation every `generate` path starts with. The mask is
+    the caller's, else the one `generate` infers (see `prepare_special_tokens` for `per_row`)."""
+    input_ids, input_name, model_kwargs = model_inputs(model, inputs, config, model_kwargs)
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    prepare_special_tokens(model, config, attention_mask is not None, input_ids, per_row)
+    if attention_mask is None:
+        attention_mask = default_attention_mask(model, input_ids, config)
+    return input_ids, input_name, attention_mask, model_kwargs
+
+
 def default_attention_mask(model: PreTrainedModel, input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
     """The mask `generate` infers when none is given (padding tokens masked out)."""
     return model._prepare_attention_mask_for_generation(input_ids, config, {})

@@ -54,7 +54,7 @@ def row_loras(engine: Engine, model: nn.Module, names: list[str], num_rows: int)
         if name == BASE_NAME:
             continue
         engine_name = f"{BASE_NAME}{name}"  # kept apart from adapters the user registered by name
-        engine.require_lora().replace(read_lora_layers(engine_name, model, name, engine.config.max_lora_rank))
+        engine.loras.replace(read_lora_layers(engine_name, model, name, engine.config.max_lora_rank))
     per_row = num_rows // len(names)
     return [None if n == BASE_NAME else f"{BASE_NAME}{n}" for n in names for _ in range(per_row)]
 

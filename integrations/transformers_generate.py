@@ -199,14 +199,10 @@ def prepare_job(
             raise ValueError("pass either assistant_model or prompt_lookup_num_tokens, not both")
         speculative_config = take_assistant(config, assistant_model)
     refuse_config(config)
-    input_ids, input_name, model_kwargs = prep.model_inputs(model, inputs, config, model_kwargs)
+    input_ids, input_name, attention_mask, model_kwargs = prep.prompt_inputs(model, inputs, config, model_kwargs)
     if input_name != "input_ids":
         raise NotImplementedError(f"{input_name} is not supported with cache_implementation='paged'; pass input_ids")
-    attention_mask = model_kwargs.pop("attention_mask", None)
     refuse_model_kwargs(model_kwargs)
-    prep.prepare_special_tokens(model, config, attention_mask is not None, input_ids)
-    if attention_mask is None:
-        attention_mask = prep.default_attention_mask(model, input_ids, config)
     input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
     attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
     if streamer is not None:
@@ -509,7 +505,7 @@ class PagedGenerator:
         if job.vocabulary is not None:
             self.engine.enable_structured_outputs(job.vocabulary)
         for prompt, params in zip(job.prompts, job.params):
-            self.engine.validate(prompt, params)  # every row is checked before any is queued
+            self.engine.inputs.validate(prompt, params)  # every row is checked before any is queued
         state = JobState(job)
         # Rows whose processors, criteria or streamer read the tokens so far need every token as it comes.
         stream = job.needs_hook or bool(job.criteria) or job.streamer is not None

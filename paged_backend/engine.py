@@ -1,17 +1,18 @@
 """Engine: add requests, step the continuous batch, collect outputs.
 
-One step = schedule -> one packed model forward -> sample -> append tokens and check stops.
-Requests join and leave the running batch at every step. A bad request is refused with a
-ValueError at `add_request`; a failure inside a step ends only the requests of that step.
+One step = schedule -> one packed model forward -> sample -> the scheduler takes in the result (tokens,
+stops, grammars, freeing) -> the output processor makes the outputs. Requests join and leave the running
+batch at every step. A bad request is refused with a ValueError at `add_request`; a failure inside a step
+ends only the requests of that step.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -23,22 +24,14 @@ from paged_backend.config import (
 )
 from paged_backend.core.kv_cache_groups import CacheGroups, one_group, plan_groups
 from paged_backend.core.kv_cache_manager import KVCacheManager
-from paged_backend.core.outputs import (
-    CompletionOutput,
-    Logprob,
-    RequestMetrics,
-    RequestOutput,
-)
-from paged_backend.core.pooling import (
-    PoolingParams,
-    check_pooling,
-    embedding_of,
-    matryoshka_dimensions,
-)
+from paged_backend.core.outputs import RequestOutput
+from paged_backend.core.pooling import PoolingParams, matryoshka_dimensions
 from paged_backend.core.request import LogitsProcessor, Request, RequestStatus
-from paged_backend.core.request_checks import check_request, tokenize_prompt
 from paged_backend.core.request_group import RequestGroup
 from paged_backend.core.scheduler import Scheduler
+from paged_backend.core.scheduler_output import SchedulerOutput
+from paged_backend.core.step_result import RequestUpdate, StepResult
+from paged_backend.input_processor import InputProcessor, Prompt
 from paged_backend.model import compilation, cuda_graphs
 from paged_backend.model.decode_padding import DecodePadding
 from paged_backend.model.lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec
@@ -47,10 +40,10 @@ from paged_backend.model.model_loader import check_architecture, eager_type_reas
 from paged_backend.model.model_runner import ModelRunner, StepInputs
 from paged_backend.model.model_state import ModelStates
 from paged_backend.model.paged_cache import KVShape, PagedCache
+from paged_backend.output_processor import OutputProcessor
 from paged_backend.parallel.step_protocol import agree_on_blocks
 from paged_backend.sampling import prompt_logprobs
-from paged_backend.sampling.detokenizer import IncrementalDetokenizer
-from paged_backend.sampling.grammar import GrammarMask, Grammars
+from paged_backend.sampling.grammar_queue import GrammarQueue
 from paged_backend.sampling.sampler import SamplerOutput, sample
 from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.speculative.draft_proposer import DraftProposer, load_draft
@@ -58,7 +51,18 @@ from paged_backend.speculative.speculation import Speculator, speculation_stats
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
+__all__ = ["Engine", "Prompt", "StepObserver"]
+
+GRAMMAR_WAIT_S = 0.05  # an idle engine with grammars compiling sleeps this long at most, instead of spinning
+
+
+class StepObserver(Protocol):
+    """Watches each step's model forward (a benchmark timing steps): called just before and just after
+    `ModelRunner.execute`, on the engine's thread. Register with `engine.observers.append(observer)`."""
+
+    def before_forward(self, batch: SchedulerOutput) -> None: ...
+
+    def after_forward(self, batch: SchedulerOutput, logits: torch.Tensor) -> None: ...
 
 
 def check_step_size(config: EngineConfig, text_config) -> None:
@@ -96,11 +100,11 @@ class Engine:
             # Under tensor parallelism the draft is whole (not sharded) on rank 0, which alone proposes: its
             # forwards have no collectives, and the other ranks see its proposals in the step inputs.
             draft = load_draft(spec.model, model, tokenizer, self.config.self_check)
-        num_blocks = agree_on_blocks(self.choose_num_blocks(shape, kv_dtype, param.device, draft), param.device)
+        num_blocks = agree_on_blocks(self._choose_num_blocks(shape, kv_dtype, param.device, draft), param.device)
         self.graph_refusal = cuda_graphs.refusal(param.device, param.dtype, shape.head_dim,
                                                  compilation.eager_reason() is not None, self.config.enable_lora)
-        pad = self.wants_padding(param.device)
-        groups = self.cache_groups(shape, pad, draft)
+        pad = self._wants_padding(param.device)
+        groups = self._cache_groups(shape, pad, draft)
         if groups.frees_blocks:  # pages of fewer layers, the same memory; one more: the null block
             num_blocks = groups.pages_for(num_blocks)
             self.cache = PagedCache(shape, num_blocks + 1, self.config.block_size, kv_dtype, param.device, groups,
@@ -114,43 +118,45 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
                                  self.cache.groups, self.config.max_num_batched_tokens)
         self.context_note = ""  # why the context is shorter than the model's positions, when it is
-        self.max_model_len = self.resolve_max_model_len(text_config, draft)
+        self.max_model_len = self._resolve_max_model_len(text_config, draft)
         self.speculator = Speculator(spec, draft) if spec is not None else None
-        self.loras, lora_slots = self.enable_lora(model)
+        self.loras, lora_slots = self._enable_lora(model)
         self.scheduler = Scheduler(self.config, self.kv, self.speculator, lora_slots)
         self.runner = ModelRunner(model, self.cache, publish_step, lora_slots)
         if pad:
-            self.runner.padding = self.make_padding(shape, scratch_block=num_blocks)
+            self.runner.padding = self._make_padding(shape, scratch_block=num_blocks)
         self.compile_s: float | None = None  # seconds the compile and warm-up took, when compiled
-        self.compiled = self.maybe_compile(param.device)
+        self.compiled = self._maybe_compile(param.device)
         self.capture_s: float | None = None  # seconds the CUDA graph capture took, when captured
-        self.captured = self.maybe_capture()
+        self.captured = self._maybe_capture()
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = find_eos_ids(model, tokenizer)
         self.requests: dict[str, RequestGroup] = {}  # user's id -> its samples
-        self.pending_outputs: list[RequestOutput] = []
         self.ids = itertools.count()
-        self.utilisation_samples: list[float] = []
-        self.num_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
-        self.grammars: Grammars | None = None  # built with the first structured-outputs request
-        self.compiling: list[Request] = []  # structured requests whose grammar is not compiled yet
         self.hidden_size = text_config.hidden_size  # an embedding's size
         self.embedding_sizes = matryoshka_dimensions(model.config)  # sizes it may be truncated to, if any
+        self.inputs = InputProcessor(tokenizer, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                                     context_note=self.context_note, hidden_size=self.hidden_size,
+                                     embedding_sizes=self.embedding_sizes, eos_token_ids=self.eos_token_ids,
+                                     device=self.cache.kv.device)
+        self.grammar_queue = GrammarQueue(self.vocab_size)  # structured requests wait here for their grammar
+        self.output_processor = OutputProcessor()
+        self.observers: list[StepObserver] = []  # see StepObserver
 
-    def cache_groups(self, shape: KVShape, pad: bool, draft: DraftProposer | None) -> CacheGroups:
+    def _cache_groups(self, shape: KVShape, pad: bool, draft: DraftProposer | None) -> CacheGroups:
         """The layer groups of the KV cache: per window, so window layers free their old blocks
         (kv_cache_groups.py), unless the model has no window or this engine needs one block table for all
         layers; then one group keeping every block, as a model without windows has."""
         groups = plan_groups(list(shape.layer_windows))
         if not groups.frees_blocks:
             return one_group(shape.num_layers)
-        reason = self.window_memory_refusal(pad, draft)
+        reason = self._window_memory_refusal(pad, draft)
         if reason is not None:
             logger.info("sliding windows: every layer keeps every block (%s)", reason)
             return one_group(shape.num_layers)
         return groups
 
-    def window_memory_refusal(self, pad: bool, draft: DraftProposer | None) -> str | None:
+    def _window_memory_refusal(self, pad: bool, draft: DraftProposer | None) -> str | None:
         """Why this engine keeps every block of its window layers, or None when they free theirs. A compiled
         forward frees them too: its graphs read no block table (the attention op takes each layer's group
         metadata from the step context)."""
@@ -164,7 +170,7 @@ class Engine:
             return "padded and captured decode steps replay one block table"
         return None
 
-    def enable_lora(self, model: PreTrainedModel) -> tuple[LoRARegistry | None, LoRASlots | None]:
+    def _enable_lora(self, model: PreTrainedModel) -> tuple[LoRARegistry | None, LoRASlots | None]:
         config = self.config
         if not config.enable_lora:
             return None, None
@@ -174,7 +180,7 @@ class Engine:
         registry = LoRARegistry(model, config.max_lora_rank)
         return registry, LoRASlots(model, config.max_loras, config.max_lora_rank)
 
-    def maybe_compile(self, device: torch.device) -> bool:
+    def _maybe_compile(self, device: torch.device) -> bool:
         """Compile the runner's forward when the config asks (or, by default, on CUDA); say how long it took."""
         if not compilation.wants_compile(self.config.compile, device):
             return False
@@ -193,7 +199,7 @@ class Engine:
                     len(report.forward.graphs), report.folder, report.seconds)
         return True
 
-    def wants_padding(self, device: torch.device) -> bool:
+    def _wants_padding(self, device: torch.device) -> bool:
         """Pad decode-only steps: where they are captured (CUDA), or anywhere when the config says so."""
         config = self.config
         if not config.cuda_graph_sizes or config.pad_decode is False:
@@ -205,7 +211,7 @@ class Engine:
             logger.info("CUDA graphs: %s; decode steps run uncaptured", self.graph_refusal)
         return bool(config.pad_decode) or self.graph_refusal is None
 
-    def make_padding(self, shape: KVShape, scratch_block: int) -> DecodePadding:
+    def _make_padding(self, shape: KVShape, scratch_block: int) -> DecodePadding:
         sizes = self.config.cuda_graph_sizes
         device = self.cache.kv.device
         segments = (cuda_graphs.segments_per_size(sizes, shape.num_kv_heads, self.max_model_len, device)
@@ -213,7 +219,7 @@ class Engine:
         return DecodePadding(sizes, -(-self.max_model_len // self.config.block_size), scratch_block,
                              self.config.block_size, device, segments)
 
-    def maybe_capture(self) -> bool:
+    def _maybe_capture(self) -> bool:
         """Capture the padded decode step of every size in a CUDA graph, when this engine can; say how long
         it took. A failed capture is logged and the engine runs uncaptured."""
         if self.runner.padding is None or self.graph_refusal is not None:
@@ -230,7 +236,7 @@ class Engine:
                     self.config.cuda_graph_sizes, self.capture_s)
         return True
 
-    def choose_num_blocks(self, shape: KVShape, dtype: torch.dtype, device: torch.device,
+    def _choose_num_blocks(self, shape: KVShape, dtype: torch.dtype, device: torch.device,
                           draft: DraftProposer | None = None) -> int:
         """Blocks within the K/V budget; a draft model's cache has as many blocks and shares the budget."""
         if self.config.num_kv_blocks is not None:
@@ -245,7 +251,7 @@ class Engine:
             per_block += draft.shape.bytes_per_block(self.config.block_size, dtype)
         return max(1, budget // per_block)
 
-    def resolve_max_model_len(self, text_config, draft: DraftProposer | None = None) -> int:
+    def _resolve_max_model_len(self, text_config, draft: DraftProposer | None = None) -> int:
         model_len = self.config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048
         limit = usable_context(text_config)
         if limit is not None:
@@ -289,23 +295,49 @@ class Engine:
         `lora` (an adapter name or a `LoRARequest`) runs the request with that adapter (see `add_lora`)."""
         params = params or SamplingParams()
         request_id = self._new_request_id(request_id)
-        text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
-        self.validate(token_ids, params)
-        token_ids = params.kept_prompt(token_ids, self.max_model_len)  # the one place prompts are truncated
+        text, token_ids = self.inputs.prompt_tokens(prompt, prompt_token_ids)
+        self.inputs.validate(token_ids, params)
         adapter = self.resolve_lora(lora)
-        model_state = self.model_states.current()
-        metrics = RequestMetrics(arrival_time=arrival_time or time.time())
-        samples = params.num_samples
-        group = RequestGroup(request_id, keep_best=params.n if samples > params.n else None)
-        for index in range(samples):
-            sample_params = params if samples == 1 else params.for_sample(index)
-            internal_id = request_id if samples == 1 else f"{request_id}#{index}"
-            self.make_request(group, internal_id, text, token_ids, sample_params, metrics, stream and not group.ranked,
-                              cache_salt, logits_processor, adapter, model_state)
+        group = self.inputs.make_group(request_id, text, token_ids, params, stream=stream, arrival_time=arrival_time,
+                                       cache_salt=cache_salt, logits_processor=logits_processor, adapter=adapter,
+                                       model_state=self.model_states.current())
         for request in group.samples:
-            self.enqueue(request)
+            self._enqueue(request)
         self.requests[request_id] = group
         return request_id
+
+    def add_pooling_request(self, prompt: Prompt, pooling: PoolingParams | None = None, request_id: str | None = None,
+                            prompt_token_ids: list[int] | None = None) -> str:
+        """Queue a prompt whose final hidden states become an embedding (core/pooling.py); its finished
+        output carries it in `embedding`. ValueError, leaving the engine untouched, if it is invalid."""
+        pooling = pooling or PoolingParams()
+        request_id = self._new_request_id(request_id)
+        text, token_ids = self.inputs.prompt_tokens(prompt, prompt_token_ids)
+        self.inputs.validate_pooling(token_ids, pooling)
+        request = self.inputs.make_pooling_request(request_id, text, token_ids, pooling, self.model_states.current())
+        self.scheduler.add(request)
+        self.requests[request_id] = request.group
+        return request_id
+
+    def abort_request(self, request_id: str, error: str | None = None) -> None:
+        """Stop a request (all its samples) now and free its blocks; its final output comes from the next step()."""
+        group = self.requests.pop(request_id, None)
+        if group is None:
+            return
+        for request in group.samples:
+            if not request.is_finished:
+                request.error = error
+                self._finish(request, "abort")
+        self.output_processor.add_final(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.output_processor.pending) or bool(self.grammar_queue)
+
+    def enable_structured_outputs(self, tokenizer) -> None:
+        """Constrain structured requests over this tokenizer's vocabulary (the engine's own by default;
+        an engine built without one, as `generate`'s is, gets it from the call)."""
+        self.grammar_queue.enable(tokenizer)
+        self.inputs.can_constrain = True
 
     def _new_request_id(self, request_id: str | None) -> str:
         """`request_id`, or a fresh one when None; ValueError if a request already has it."""
@@ -314,48 +346,22 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return request_id
 
-    def _prompt_tokens(self, prompt: Prompt, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
-        """The prompt's text (None for token ids) and its tokens, tokenized here unless the caller already did."""
-        if prompt_token_ids is None:
-            return self.tokenize(prompt)
-        return (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
+    def _enqueue(self, request: Request) -> None:
+        """A structured request waits for its grammar outside the scheduler, so it holds up no one."""
+        if request.params.structured_outputs is None:
+            self.scheduler.add(request)
+            return
+        self.enable_structured_outputs(self.tokenizer)
+        self.grammar_queue.add(request)
 
-    # ---------------------------------------------------------------- pooling (embeddings)
-
-    def add_pooling_request(self, prompt: Prompt, pooling: PoolingParams | None = None, request_id: str | None = None,
-                            prompt_token_ids: list[int] | None = None) -> str:
-        """Queue a prompt whose final hidden states become an embedding (core/pooling.py); its finished
-        output carries it in `embedding`. ValueError, leaving the engine untouched, if it is invalid."""
-        pooling = pooling or PoolingParams()
-        request_id = self._new_request_id(request_id)
-        text, token_ids = self._prompt_tokens(prompt, prompt_token_ids)
-        self.validate_pooling(token_ids, pooling)
-        group = RequestGroup(request_id)
-        # Never sampled: max_tokens=1 only keeps speculation's allowance (max_tokens - outputs - 1) at zero.
-        request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
-                          params=SamplingParams(max_tokens=1), max_tokens=1, stop_ids=frozenset(),
-                          metrics=RequestMetrics(arrival_time=time.time()), stream=False,
-                          model_state=self.model_states.current(), group=group, pooling=pooling)
-        self.scheduler.add(request)
-        self.requests[request_id] = group
-        return request_id
-
-    def validate_pooling(self, token_ids: list[int], pooling: PoolingParams) -> None:
-        check_pooling(token_ids, pooling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                      hidden_size=self.hidden_size, embedding_sizes=self.embedding_sizes,
-                      context_note=self.context_note)
-
-    def finish_pooled(self, requests: list[Request]) -> list[RequestOutput]:
-        """Finish the pooling requests whose whole prompt is computed: their embedding, their blocks freed."""
-        outputs = []
-        for request in requests:
-            if request.num_computed_tokens < request.num_tokens or request.is_finished:
-                continue
-            embedding = embedding_of(request)
-            request.pooled = None
-            self.finish(request, "stop")
-            outputs.append(dataclasses.replace(self.make_output(request, [request], []), embedding=embedding))
-        return outputs
+    def _finish(self, request: Request, reason: str) -> None:
+        """End a request wherever it is: still waiting for its grammar, or in the scheduler."""
+        if self.grammar_queue.remove(request):  # never reached the scheduler
+            request.finish_reason = reason
+            request.metrics.finished_time = time.time()
+            request.status = RequestStatus.FINISHED
+        else:
+            self.scheduler.finish(request, reason)
 
     # ---------------------------------------------------------------- LoRA adapters
 
@@ -363,183 +369,94 @@ class Engine:
         """Register a LoRA adapter under `name` from a PEFT folder or a loaded PeftModel (its `adapter_name`,
         by default the active one); ValueError if it does not fit the base model or max_lora_rank.
         Safe from any thread: the engine loads it onto the device when a request first runs with it."""
-        self.require_lora().add(name, source, adapter_name)
+        self._require_lora().add(name, source, adapter_name)
 
     def remove_lora(self, name: str) -> None:
         """Forget adapter `name`: new requests cannot ask for it; requests already queued with it finish."""
-        self.require_lora().remove(name)
+        self._require_lora().remove(name)
 
     def list_loras(self) -> list[str]:
         return self.loras.names() if self.loras is not None else []
 
     def resolve_lora(self, lora: LoRASpec | None) -> LoRAAdapter | None:
         """The adapter a request asks for (None: the base); ValueError for an unknown one."""
-        return None if lora is None else self.require_lora().resolve(lora)
+        return None if lora is None else self._require_lora().resolve(lora)
 
-    def require_lora(self) -> LoRARegistry:
+    def _require_lora(self) -> LoRARegistry:
         if self.loras is None:
             raise ValueError("LoRA adapters need an engine built with enable_lora=True")
         return self.loras
-
-    def enqueue(self, request: Request) -> None:
-        """A structured request waits for its grammar outside the scheduler, so it holds up no one."""
-        spec = request.params.structured_outputs
-        if spec is None:
-            self.scheduler.add(request)
-            return
-        if self.grammars is None:
-            self.enable_structured_outputs(self.tokenizer)
-        request.grammar = self.grammars.state_for(spec.key)
-        self.compiling.append(request)
-
-    def enable_structured_outputs(self, tokenizer) -> None:
-        """Constrain structured requests over this tokenizer's vocabulary (the engine's own by default;
-        an engine built without one, as `generate`'s is, gets it from the call)."""
-        if self.grammars is None:
-            self.grammars = Grammars(tokenizer, self.vocab_size)
-
-    def schedule_compiled(self) -> None:
-        """Hand requests whose grammar is ready to the scheduler; a grammar that failed ends its request."""
-        ready = [r for r in self.compiling if not r.grammar.is_compiling()]
-        for request in ready:
-            if request.is_finished:  # a sample of a group that an earlier failure already ended
-                continue
-            self.compiling.remove(request)
-            try:
-                request.grammar.start(sorted(request.stop_ids))
-            except Exception as exc:  # noqa: BLE001  (compiling failed: this request's error, not the engine's)
-                self.compiling.append(request)  # abort_request finds it here
-                self.abort_request(request.group.request_id, f"structured_outputs could not be compiled: {exc}")
-                continue
-            self.scheduler.add(request)
-
-    def make_request(self, group: RequestGroup, request_id: str, text: str | None, token_ids: list[int],
-                     params: SamplingParams, metrics: RequestMetrics, stream: bool, cache_salt: str | None,
-                     logits_processor: LogitsProcessor | None, adapter: LoRAAdapter | None,
-                     model_state: int) -> Request:
-        """A new sample of `group`; it joins the group as its next sample."""
-        # The samples share one prompt: the leader scores it, the others may take it from the cache.
-        scores_prompt = params.prompt_logprobs is not None and not group.samples
-        return Request(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=token_ids,
-            params=params,
-            max_tokens=self.resolve_max_tokens(len(token_ids), params),
-            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids),
-            metrics=metrics,
-            stream=stream,
-            generator=self.make_generator(params.seed),
-            detokenizer=self.make_detokenizer(token_ids, params),
-            logprobs=[] if params.logprobs is not None else None,
-            prompt_logprobs=[None] if scores_prompt else None,
-            cache_salt=cache_salt,
-            lora=adapter,
-            model_state=model_state,
-            logits_processor=logits_processor,
-            group=group,
-        )
-
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, prompt)
-
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        check_request(token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                      has_tokenizer=self.tokenizer is not None,
-                      can_constrain=self.tokenizer is not None or self.grammars is not None,
-                      context_note=self.context_note)
-
-    def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        room = self.max_model_len - prompt_len
-        return room if params.max_tokens is None else min(params.max_tokens, room)
-
-    def make_generator(self, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        return torch.Generator(device=self.cache.kv.device).manual_seed(seed)
-
-    def make_detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
-                                      params.skip_special_tokens)
-
-    def abort_request(self, request_id: str, error: str | None = None) -> None:
-        """Stop a request (all its samples) now and free its blocks; its final output comes from the next step()."""
-        group = self.requests.get(request_id)
-        if group is None:
-            return
-        for request in group.samples:
-            if not request.is_finished:
-                request.error = error
-                self.finish(request, "abort")
-        self.pending_outputs.append(self.make_output(group.samples[-1], group.samples, []))
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.pending_outputs) or bool(self.compiling)
 
     # ---------------------------------------------------------------- stepping
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs that changed (every new token when streaming)."""
-        if self.compiling:
-            self.schedule_compiled()
-        outputs, self.pending_outputs = self.pending_outputs, []
+        self._admit_compiled()
+        outputs = self.output_processor.take_pending()
         batch = self.scheduler.schedule()
         if not batch.requests:
-            if self.compiling:  # nothing else to run: sleep until a grammar is ready instead of spinning
-                self.grammars.wait_for_any([r.grammar for r in self.compiling], timeout=0.05)
+            self.grammar_queue.wait(GRAMMAR_WAIT_S)  # nothing else to run: sleep until a grammar is ready
             return outputs
         try:
-            with torch.inference_mode():
-                if batch.drafts:
-                    self.speculator.make_drafts(batch)
-                logits, inputs = self.runner.execute(batch)
-                sampling_requests = inputs.sampling_requests
-                sampled, kept, rows = self.sample_tokens(logits, sampling_requests)
-                prompt_logprobs.record(logits[len(sampled.token_ids):], inputs.prompt_spans)
-        except Exception as exc:  # a failed forward ends this step's requests, not the engine
-            logger.exception("engine step failed")
-            for request in batch.requests:
-                request.spec_token_ids = []
-            if self.speculator is not None and self.speculator.draft is not None:
-                self.speculator.draft.cancel()
-            for request_id in dict.fromkeys(r.group.request_id for r in batch.requests):
-                self.abort_request(request_id, error=f"{type(exc).__name__}: {exc}")
-            outputs, self.pending_outputs = outputs + self.pending_outputs, []
-            return outputs
-        kept_of = dict(zip(sampling_requests, kept)) if self.speculator else None
-        for request, n in zip(batch.requests, batch.num_new_tokens):
-            if request.spec_token_ids:  # progress counts the last token and the kept proposals only
-                n -= len(request.spec_token_ids) - (len(kept_of[request]) - 1)
-                request.spec_token_ids = []
-            request.num_computed_tokens += n
-            if request.pooling is None:  # a pooling request leaves no KV behind
-                self.kv.cache_full_blocks(request)
-        if batch.drafts:
-            self.speculator.draft.settle()
-        self.num_computed_tokens += sum(batch.num_new_tokens)
-        self.record_utilisation()
-        outputs.extend(self.append_tokens(sampling_requests, sampled, kept, rows))
-        if inputs.pooling is not None:
-            outputs.extend(self.finish_pooled(inputs.pooling.requests))
-        if self.speculator:
-            for request in sampling_requests:
-                if not request.is_finished:  # the next step allocates the room its own proposals need
-                    self.kv.trim(request, request.num_tokens)
+            result = self._run(batch)
+        except Exception as exc:  # noqa: BLE001  (a failed forward ends its step's requests, not the engine)
+            return outputs + self._fail(batch, exc)
+        updates = self.scheduler.update_from_output(batch, result)
+        outputs += self.output_processor.process(updates, result.sampled)
+        self._forget_finished(updates)
         return outputs
 
-    def sample_tokens(self, logits: torch.Tensor, requests: list[Request]
-                      ) -> tuple[SamplerOutput, list[list[int]], list[int]]:
+    def _admit_compiled(self) -> None:
+        """Hand requests whose grammar is ready to the scheduler; a grammar that failed ends its request."""
+        for request, error in self.grammar_queue.ready():
+            if error is None:
+                self.scheduler.add(request)
+            else:
+                self.abort_request(request.group.request_id, error)
+
+    def _run(self, batch: SchedulerOutput) -> StepResult:
+        """Draft (with a draft model), run the step's forward, sample, and score prompts that asked for it."""
+        with torch.inference_mode():
+            if batch.drafts:
+                self.speculator.make_drafts(batch)
+            for observer in self.observers:
+                observer.before_forward(batch)
+            logits, inputs = self.runner.execute(batch)
+            for observer in self.observers:
+                observer.after_forward(batch, logits)
+            requests = inputs.sampling_requests
+            sampled, kept, rows = self._sample_tokens(logits, requests)
+            prompt_logprobs.record(logits[len(sampled.token_ids):], inputs.prompt_spans)
+        pooled = inputs.pooling.requests if inputs.pooling is not None else []
+        return StepResult(sampled, requests, kept, rows, pooled)
+
+    def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """End every request of a step whose forward failed (their proposals dropped); their final outputs."""
+        logger.exception("engine step failed")
+        for request in batch.requests:
+            request.spec_token_ids = []
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.cancel()
+        for request_id in dict.fromkeys(r.group.request_id for r in batch.requests):
+            self.abort_request(request_id, error=f"{type(exc).__name__}: {exc}")
+        return self.output_processor.take_pending()
+
+    def _forget_finished(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            if update.group_finished:
+                self.requests.pop(update.request.group.request_id, None)
+
+    def _sample_tokens(self, logits: torch.Tensor, requests: list[Request]
+                ) -> tuple[SamplerOutput, list[list[int]], list[int]]:
         """Sample the step's new tokens: per request, the tokens it keeps and the sampler row of the first."""
         if self.speculator is None or not any(r.spec_token_ids for r in requests):
-            sampled = sample(logits[: len(requests)], requests, self.grammar_mask(requests))
+            sampled = sample(logits[: len(requests)], requests, self.grammar_queue.fill_bitmask(requests))
             return sampled, [[token] for token in sampled.token_ids], list(range(len(requests)))
         # Constrained requests carry no proposals (see Scheduler.add_proposals): one row each, as the mask has.
         row_requests, extras = Speculator.expand_rows(requests)
         states = [Speculator.save_generator(r) for r in requests]
-        sampled = sample(logits[: len(row_requests)], row_requests, self.grammar_mask(row_requests), extras,
-                         Speculator.draft_rows(requests))
+        sampled = sample(logits[: len(row_requests)], row_requests, self.grammar_queue.fill_bitmask(row_requests),
+                         extras, Speculator.draft_rows(requests))
         kept, rows, row = [], [], 0
         for request, state in zip(requests, states):
             num_rows = len(request.spec_token_ids) + 1
@@ -551,114 +468,7 @@ class Engine:
             row += num_rows
         return sampled, kept, rows
 
-    def grammar_mask(self, rows: list[Request]) -> GrammarMask | None:
-        return self.grammars.fill_bitmask(rows) if self.grammars else None
-
-    def append_tokens(self, requests: list[Request], sampled: SamplerOutput, kept: list[list[int]],
-                      rows: list[int]) -> list[RequestOutput]:
-        """Append each request's kept tokens (sampler rows `rows[i]` onward) one by one, as if each came
-        from its own step: stop checks may end a request before its last kept token."""
-        outputs = []
-        now = time.time()
-        for i, request in enumerate(requests):
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            appended = []
-            for row, token in enumerate(kept[i], start=rows[i]):
-                request.output_token_ids.append(token)
-                appended.append(token)
-                if request.logprobs is not None:
-                    record_logprobs(request, sampled, row)
-                elif request.group.ranked:
-                    request.cumulative_logprob += sampled.logprobs[row]
-                self.check_stop(request, token)
-                if request.grammar is not None and not request.is_finished:
-                    self.advance_grammar(request, token)
-                if request.is_finished:
-                    break
-            if request.stream or request.group.finished:
-                outputs.extend(self.outputs_after(request, appended))
-        return outputs
-
-    def check_stop(self, request: Request, token: int) -> None:
-        stop_string = request.detokenizer.update([token]) if request.detokenizer else None
-        if stop_string is not None:
-            request.stop_reason = stop_string
-            self.finish(request, "stop")
-        elif token in request.stop_ids and request.num_output_tokens >= request.params.min_tokens:
-            request.stop_reason = None if token in self.eos_token_ids and token not in request.params.stop_token_ids \
-                else token
-            self.finish(request, "stop")
-        elif request.num_output_tokens >= request.max_tokens:
-            self.finish(request, "length")
-
-    def advance_grammar(self, request: Request, token: int) -> None:
-        """Move the request's matcher past `token`; a completed grammar ends the request even when
-        its stop token is not one the engine stops on (ignore_eos)."""
-        if not request.grammar.accept(token):  # only when the mask left nothing to pick (e.g. min_tokens)
-            request.error = f"token {token} does not fit the structured_outputs grammar"
-            self.finish(request, "abort")
-        elif request.grammar.is_terminated():
-            self.finish(request, "stop")
-
-    def finish(self, request: Request, reason: str) -> None:
-        request.finish_reason = reason
-        request.metrics.finished_time = time.time()
-        if request in self.compiling:  # never reached the scheduler
-            self.compiling.remove(request)
-            request.status = RequestStatus.FINISHED
-        else:
-            self.scheduler.finish(request)
-        if request.group.finished:
-            del self.requests[request.group.request_id]
-
-    def outputs_after(self, request: Request, delta_ids: list[int]) -> list[RequestOutput]:
-        """The user-facing outputs after `request` changed. For n > 1, every delta is attributable: an
-        output carries either the one sample that changed (with its delta) or, last of all, every sample
-        in index order (finished, no delta of its own)."""
-        group = request.group
-        if len(group.samples) == 1 or not group.finished:
-            return [self.make_output(request, [request], delta_ids)]
-        final = self.make_output(request, group.samples, [])
-        if not request.stream:
-            return [final]
-        return [self.make_output(request, [request], delta_ids, finished=False), final]
-
-    def make_output(self, request: Request, samples: list[Request], delta_ids: list[int],
-                    finished: bool | None = None) -> RequestOutput:
-        finished = request.group.finished if finished is None else finished
-        detok = request.detokenizer
-        delta = detok.take_delta(request.is_finished) if detok and (delta_ids or len(samples) == 1) else ""
-        return RequestOutput(
-            request_id=request.group.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions_of(samples),
-            finished=finished,
-            metrics=request.metrics,
-            num_cached_tokens=request.group.leader.num_cached_tokens,
-            prompt_logprobs=request.group.leader.prompt_logprobs,
-            error=request.error,
-            delta_text=delta,
-            delta_token_ids=delta_ids,
-        )
-
     # ---------------------------------------------------------------- stats
-
-    def record_utilisation(self) -> None:
-        """Tokens stored / slots allocated, counting a block shared by several requests once."""
-        allocated = self.kv.slots_in_use()
-        if not allocated:
-            return
-        bs = self.kv.block_size
-        filled: dict[int, int] = {}
-        for request in self.scheduler.running:
-            computed = request.num_computed_tokens
-            for table in request.block_tables:
-                for i, block_id in enumerate(table[: -(-computed // bs)]):
-                    filled[block_id] = max(filled.get(block_id, 0), min(bs, computed - i * bs))
-        filled.pop(self.kv.null_block, None)  # a window group's freed entries
-        self.utilisation_samples.append(sum(filled.values()) / allocated)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes when no request holds blocks (else nothing changes); returns whether
@@ -666,7 +476,7 @@ class Engine:
         return self.kv.pool.reset_prefix_cache()
 
     def stats(self) -> dict[str, float]:
-        samples = self.utilisation_samples
+        samples = self.scheduler.utilisation_samples
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -678,57 +488,24 @@ class Engine:
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
             "prefix_cache_hit_tokens": self.kv.hit_tokens,
             "prefix_cache_queried_tokens": self.kv.queried_tokens,  # to combine hit rates across engines
-            "num_computed_tokens": self.num_computed_tokens,
-            **self.group_stats(),
+            "num_computed_tokens": self.scheduler.num_computed_tokens,
+            **group_stats(self.kv),
             **(self.speculator.stats() if self.speculator else speculation_stats(0, 0, 0)),
         }
 
-    def group_stats(self) -> dict[str, float]:
-        """Blocks in use and the window of each layer group, when window layers free their blocks (a model
-        without windows has one group: kv_blocks_total - kv_blocks_free)."""
-        groups = self.kv.groups
-        if not groups.frees_blocks:
-            return {}
-        stats: dict[str, float] = {"kv_num_groups": groups.num_groups}
-        for g, (group, used) in enumerate(zip(groups.groups, self.kv.blocks_per_group())):
-            stats[f"kv_group_{g}_blocks"] = used
-            stats[f"kv_group_{g}_window"] = group.window or 0  # 0: full attention
-            stats[f"kv_group_{g}_layers"] = len(group.layers)
-        return stats
 
-
-def completions_of(samples: list[Request]) -> list[CompletionOutput]:
-    """The completions an output carries; a best_of group keeps its best samples, best first, indexed 0..n-1."""
-    group = samples[0].group
-    if not group.ranked or len(samples) == 1:
-        return [completion_of(r) for r in samples]
-    return [completion_of(r, index=i) for i, r in enumerate(group.selected())]
-
-
-def completion_of(request: Request, index: int | None = None) -> CompletionOutput:
-    return CompletionOutput(
-        index=request.index if index is None else index,
-        text=request.detokenizer.output_text if request.detokenizer else "",
-        token_ids=list(request.output_token_ids),
-        cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
-        logprobs=request.logprobs,
-        finish_reason=request.finish_reason,
-        stop_reason=request.stop_reason,
-    )
-
-
-def record_logprobs(request: Request, sampled: SamplerOutput, row: int) -> None:
-    token = sampled.token_ids[row]
-    chosen = sampled.logprobs[row]
-    entry = {token: Logprob(chosen)}
-    k = request.params.logprobs or 0
-    if k and sampled.top_ids is not None:
-        for rank, (tid, lp) in enumerate(zip(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k]), start=1):
-            entry.setdefault(tid, Logprob(lp, rank))
-            if tid == token:
-                entry[tid].rank = rank
-    request.logprobs.append(entry)
-    request.cumulative_logprob += chosen
+def group_stats(kv: KVCacheManager) -> dict[str, float]:
+    """Blocks in use and the window of each layer group, when window layers free their blocks (a model
+    without windows has one group: kv_blocks_total - kv_blocks_free)."""
+    groups = kv.groups
+    if not groups.frees_blocks:
+        return {}
+    stats: dict[str, float] = {"kv_num_groups": groups.num_groups}
+    for g, (group, used) in enumerate(zip(groups.groups, kv.blocks_per_group())):
+        stats[f"kv_group_{g}_blocks"] = used
+        stats[f"kv_group_{g}_window"] = group.window or 0  # 0: full attention
+        stats[f"kv_group_{g}_layers"] = len(group.layers)
+    return stats
 
 
 def find_eos_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:

@@ -1,9 +1,12 @@
-"""The package's modules import each other without a cycle, function-level imports included. Imports
+"""The package's modules import each other without a cycle, function-level imports included, and so do its
+parts: the sub-packages (`core`, `model`, `sampling`, ...), the integrations and the top-level modules
+(`engine`, `config`, ...) form layers, none importing one that imports it back through any module. Imports
 under `if TYPE_CHECKING:` are left out: they name types for annotations and never run."""
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import paged_backend
@@ -88,9 +91,59 @@ def import_graph() -> dict[str, set[str]]:
     return {name: imported_modules(name, path, set(files)) for name, path in files.items()}
 
 
+def part_of(module: str) -> str:
+    """The part a module belongs to: its sub-package (`paged_backend.core`, `paged_backend.integrations`), or
+    itself for a top-level module and for the package root."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def part_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between parts: an edge where any module of one imports any module of another."""
+    parts: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        edges = parts.setdefault(part_of(module), set())
+        edges.update(part_of(t) for t in targets)
+    for part, edges in parts.items():
+        edges.discard(part)
+    return parts
+
+
+def importers_of(graph: dict[str, set[str]], source: str, target: str) -> list[str]:
+    """Which modules of part `source` import part `target` (to name the edges of a cycle)."""
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() if part_of(m) == source
+                  for t in targets if part_of(t) == target)
+
+
 def test_the_package_has_no_import_cycle() -> None:
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_parts_have_no_import_cycle() -> None:
+    graph = import_graph()
+    cycle = find_cycle(part_graph(graph))
+    edges = [importers_of(graph, a, b) for a, b in itertools.pairwise(cycle)] if cycle else []
+    assert cycle is None, "import cycle between parts: " + " -> ".join(cycle) + f" through {edges}"
+
+
+def test_the_part_graph_joins_modules_by_part() -> None:
+    graph = {"paged_backend.core.a": {"paged_backend.core.b", "paged_backend.config"},
+             "paged_backend.core.b": set(),
+             "paged_backend.config": {"paged_backend.speculative.c"},
+             "paged_backend.speculative.c": {"paged_backend.core.b"}}
+    parts = part_graph(graph)
+    assert parts["paged_backend.core"] == {"paged_backend.config"}  # within a part is no edge
+    assert find_cycle(parts) == ["paged_backend.config", "paged_backend.speculative", "paged_backend.core",
+                                 "paged_backend.config"]
+    assert find_cycle(graph) is None  # the modules alone have no cycle
+
+
+def test_entrypoints_import_nothing_of_the_integrations() -> None:
+    """The integrations are built on the entrypoints (LLM, AsyncEngine, the EngineClient protocol), never the
+    other way round."""
+    graph = import_graph()
+    assert not importers_of(graph, "paged_backend.entrypoints", "paged_backend.integrations")
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
@@ -101,6 +154,6 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 def test_the_walk_sees_function_level_imports() -> None:
     graph = import_graph()
     assert "paged_backend.engine" in graph["paged_backend.entrypoints.llm"]
-    assert "paged_backend.entrypoints.llm" in graph["paged_backend.entrypoints.cli"]  # imported inside a function
+    assert "paged_backend.entrypoints.llm" in graph["paged_backend.integrations.cli"]  # imported inside a function
     assert "paged_backend.model.cuda_graphs" not in graph["paged_backend.model.model_runner"]  # TYPE_CHECKING
     assert len(graph) > 60

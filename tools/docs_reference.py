@@ -76,7 +76,7 @@ def speculative_config_table() -> str:
 
 def command_help() -> str:
     """`paged-backend <command> --help` of every command, as the parser prints it."""
-    from paged_backend.entrypoints.cli import build_parser
+    from paged_backend.integrations.cli import build_parser
 
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

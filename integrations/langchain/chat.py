@@ -40,11 +40,8 @@ from langchain_core.utils.function_calling import (
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict
 
-from paged_backend import SamplingParams
-
-from ..chat import render_chat
-from ..logprobs import chat_logprobs
-from ..reasoning import (
+from paged_backend.entrypoints.chat import render_chat
+from paged_backend.entrypoints.reasoning import (
     AUTO,
     ReasoningParser,
     ReasoningStream,
@@ -52,6 +49,9 @@ from ..reasoning import (
     reasoning_tokens,
     resolve_reasoning_parser,
 )
+from paged_backend.sampling.sampling_params import SamplingParams
+
+from ..logprobs import chat_logprobs
 from ..structured import (
     add_json_instruction,
     after_thinking,
@@ -318,7 +318,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
     def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]],
                template_kwargs: dict[str, Any] | None = None) -> str:
         """Through the shared renderer and its tool policy: tools the template cannot render are
-        described Hermes style in the system turn (integrations/chat.py)."""
+        described Hermes style in the system turn (paged_backend/entrypoints/chat.py)."""
         return render_chat(self.tokenizer_, conversation, tools or None, chat_template=self.chat_template,
                            template_kwargs=template_kwargs, tokenize=False)
 

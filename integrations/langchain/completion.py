@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from paged_backend import CompletionOutput, RequestOutput
+from paged_backend.core.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass(slots=True)

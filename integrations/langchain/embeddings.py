@@ -14,8 +14,9 @@ from typing import Any, Literal
 from langchain_core.embeddings import Embeddings
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from paged_backend import AsyncEngine, RequestOutput
+from paged_backend.core.outputs import RequestOutput
 from paged_backend.core.pooling import PoolingParams
+from paged_backend.entrypoints.async_engine import AsyncEngine
 from paged_backend.entrypoints.engine_client import EngineClient
 
 from .engines import get_async_engine

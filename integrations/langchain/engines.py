@@ -10,7 +10,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from paged_backend import DEFAULT_MODEL, LLM, AsyncEngine, Engine
+from paged_backend.engine import Engine
+from paged_backend.entrypoints.async_engine import AsyncEngine
+from paged_backend.entrypoints.llm import LLM
+from paged_backend.model.default_model import DEFAULT_MODEL
 
 _lock = threading.Lock()
 # key -> AsyncEngine. One AsyncEngine per Engine: two stepping threads would corrupt it.

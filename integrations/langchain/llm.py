@@ -18,7 +18,8 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
-from paged_backend import CompletionOutput, RequestOutput, SamplingParams
+from paged_backend.core.outputs import CompletionOutput, RequestOutput
+from paged_backend.sampling.sampling_params import SamplingParams
 
 from ..logprobs import completion_logprobs, positions
 from .options import PagedOptions

@@ -10,9 +10,10 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from paged_backend import AsyncEngine, SamplingParams
+from paged_backend.entrypoints.async_engine import AsyncEngine
 from paged_backend.integrations.options.schema import options_model
 from paged_backend.integrations.options.vocabularies import LANGCHAIN
+from paged_backend.sampling.sampling_params import SamplingParams
 
 from .engines import describe_model, get_async_engine
 

@@ -13,10 +13,11 @@ import queue
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
-from paged_backend import RequestOutput, SamplingParams
+from paged_backend.core.outputs import RequestOutput
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.entrypoints.engine_client import EngineClient, Prompt
 from paged_backend.model.lora import LoRASpec
+from paged_backend.sampling.sampling_params import SamplingParams
 
 
 def stream_outputs(client: EngineClient, prompt: Prompt, params: SamplingParams,

@@ -19,9 +19,12 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from paged_backend import LLM, AsyncEngine, RequestOutput, SamplingParams
+from paged_backend.core.outputs import RequestOutput
 from paged_backend.core.pooling import PoolingParams
 from paged_backend.core.request import LogitsProcessor
+from paged_backend.entrypoints.async_engine import AsyncEngine
+from paged_backend.entrypoints.llm import LLM
+from paged_backend.sampling.sampling_params import SamplingParams
 
 from .replica_loras import ReplicaAdapters, ShippedLoRA
 

@@ -1,8 +1,8 @@
 """ReplicaFront: what a set of replicas looks like from the client: one model's tokenizer and limits,
 and the replicas' stats summed.
 
-It tokenizes and checks requests on the client with the replicas' own tokenizer and limits and the
-engine's own checks (`paged_backend.core.request_checks`), so a bad request is refused before it
+It tokenizes and checks requests on the client with the replicas' own tokenizer and limits through the
+engine's own input processor (`paged_backend.input_processor`), so a bad request is refused before it
 travels, with the message one engine would give. `ReplicatedAsyncEngine` answers the `EngineClient`
 protocol through it.
 """
@@ -15,9 +15,9 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from paged_backend import SamplingParams
-from paged_backend.core.pooling import PoolingParams, check_pooling
-from paged_backend.core.request_checks import check_request, tokenize_prompt
+from paged_backend.core.pooling import PoolingParams
+from paged_backend.input_processor import InputProcessor
+from paged_backend.sampling.sampling_params import SamplingParams
 
 from .replica import Prompt, ReplicaInfo
 from .router import Router
@@ -38,21 +38,20 @@ class ReplicaFront:
         self.context_note = first.context_note
         self.hidden_size = first.hidden_size
         self.embedding_sizes = first.embedding_sizes
+        self.inputs = InputProcessor(first.tokenizer, max_model_len=first.max_model_len, vocab_size=first.vocab_size,
+                                     context_note=first.context_note, hidden_size=first.hidden_size,
+                                     embedding_sizes=first.embedding_sizes, eos_token_ids=first.eos_token_ids)
         self.replicas = replicas
         self.router = router
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, prompt)
+        return self.inputs.tokenize(prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        has_tokenizer = self.tokenizer is not None
-        check_request(token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                      has_tokenizer=has_tokenizer, can_constrain=has_tokenizer, context_note=self.context_note)
+        self.inputs.validate(token_ids, params)
 
     def validate_pooling(self, token_ids: list[int], pooling: PoolingParams) -> None:
-        check_pooling(token_ids, pooling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                      hidden_size=self.hidden_size, embedding_sizes=self.embedding_sizes,
-                      context_note=self.context_note)
+        self.inputs.validate_pooling(token_ids, pooling)
 
     def stats(self) -> dict[str, Any]:
         """The live replicas' stats summed (ratios weighted by blocks), plus each replica's own."""

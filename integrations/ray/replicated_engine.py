@@ -29,12 +29,12 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
-from paged_backend import RequestOutput, SamplingParams
-from paged_backend.core.outputs import failed_output
+from paged_backend.core.outputs import RequestOutput, failed_output
 from paged_backend.core.pooling import PoolingParams
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.entrypoints.engine_client import Sink
 from paged_backend.model.lora import LoRASpec
+from paged_backend.sampling.sampling_params import SamplingParams
 
 from .background_loop import BackgroundLoop
 from .errors import NoLiveReplicaError, first_line

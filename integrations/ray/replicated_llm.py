@@ -8,13 +8,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from paged_backend import RequestOutput, SamplingParams
+from paged_backend.core.outputs import RequestOutput
 from paged_backend.entrypoints.llm import (
+    checked_token_ids,
     normalise_loras,
     normalise_params,
     normalise_prompts,
 )
 from paged_backend.model.lora import LoRASpec, portable_source
+from paged_backend.sampling.sampling_params import SamplingParams
 
 from .replica import Prompt
 from .replicated_engine import DEFAULT_TIMEOUT_S, ReplicatedAsyncEngine
@@ -54,11 +56,7 @@ class ReplicatedLLM:
         prompts = normalise_prompts(prompts)
         params = normalise_params(sampling_params, len(prompts))
         loras = normalise_loras(lora, len(prompts))
-        for i, (prompt, p, adapter) in enumerate(zip(prompts, params, loras)):
-            try:
-                self.aengine.validate(self.aengine.tokenize(prompt)[1], p, adapter)
-            except ValueError as exc:
-                raise ValueError(f"prompt {i}: {exc}") from None
+        checked_token_ids(self.aengine.tokenize, self.aengine.validate, prompts, params, loras)
         with tqdm(total=len(prompts), disable=not use_tqdm, desc="Generating", unit="req") as bar:
             return self.aengine.loop().run(self.aengine.run_batch(prompts, params, lambda: bar.update(1), loras))
 

@@ -24,16 +24,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_backend import SamplingParams
-
-from ..hermes import CallDelta
-from ..reasoning import (
+from paged_backend.entrypoints.reasoning import (
     ReasoningParser,
     ReasoningStream,
     budget_processor,
     prompt_tail,
     reasoning_tokens,
 )
+from paged_backend.sampling.sampling_params import SamplingParams
+
+from ..hermes import CallDelta
 from ..structured import ToolSchemaError, after_thinking, check_tool_schemas
 from ..tool_parsers import ToolParser, keeps_special_tokens
 from .errors import bad_request

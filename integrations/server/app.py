@@ -11,8 +11,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from paged_backend.entrypoints.engine_client import EngineClient
+from paged_backend.entrypoints.reasoning import resolve_reasoning_parser
 
-from ..reasoning import resolve_reasoning_parser
 from ..tool_parsers import AUTO, resolve_tool_parser
 from .chat import create_chat_completion
 from .completions import create_completion

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 
-from paged_backend import (
+from paged_backend.core.outputs import RequestOutput
+from paged_backend.entrypoints.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
-    RequestOutput,
-    SamplingParams,
+    PromptBeams,
+    advance,
+    finalise,
 )
-from paged_backend.entrypoints.beam_search import PromptBeams, advance, finalise
 from paged_backend.entrypoints.engine_client import EngineClient
+from paged_backend.sampling.sampling_params import SamplingParams
 
 from .errors import APIError
 from .metrics import ServerMetrics

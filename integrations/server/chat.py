@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from paged_backend import RequestOutput
+from paged_backend.core.outputs import RequestOutput
 
 from ..hermes import CallDelta, new_call_id
 from ..logprobs import chat_logprobs, positions

@@ -1,18 +1,19 @@
-"""The server's side of chat rendering: the shared renderer (`integrations/chat.py`, which holds the
+"""The server's side of chat rendering: the shared renderer (`paged_backend/entrypoints/chat.py`, which holds the
 tool policy) with its errors as OpenAI 400s naming the field."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..chat import (
+from paged_backend.entrypoints.chat import (
     HERMES_TOOL_PROMPT,
     ChatInputError,
     Message,
     UnsupportedContent,
     add_tool_prompt,
 )
-from ..chat import render_chat as render_shared
+from paged_backend.entrypoints.chat import render_chat as render_shared
+
 from .errors import bad_request, not_supported
 
 __all__ = ["HERMES_TOOL_PROMPT", "add_tool_prompt", "render_chat"]

@@ -47,7 +47,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_parser_flags(parser: argparse.ArgumentParser) -> None:
     """The model's reasoning and tool-call formats (docs/reasoning.md, docs/tool-calling.md)."""
-    from paged_backend.integrations.reasoning import AUTO, NONE, reasoning_parser_names
+    from paged_backend.entrypoints.reasoning import AUTO, NONE, reasoning_parser_names
     from paged_backend.integrations.tool_parsers import tool_parser_names
 
     group = parser.add_argument_group("reasoning and tool calls")
@@ -81,7 +81,9 @@ def run_serve(args: argparse.Namespace) -> None:
     except ImportError as exc:
         raise ImportError("`serve` needs the serve extra: pip install 'paged-backend[serve]'") from exc
 
-    from paged_backend import DEFAULT_MODEL, LLM, AsyncEngine
+    from paged_backend.entrypoints.async_engine import AsyncEngine
+    from paged_backend.entrypoints.llm import LLM
+    from paged_backend.model.default_model import DEFAULT_MODEL
 
     from .app import create_app
 

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from paged_backend import RequestOutput
+from paged_backend.core.outputs import RequestOutput
 
 from ..logprobs import completion_logprobs, positions, token_text
 from .errors import APIError, bad_request, request_field

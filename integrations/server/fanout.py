@@ -18,9 +18,10 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from paged_backend import RequestOutput, SamplingParams
+from paged_backend.core.outputs import RequestOutput
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.entrypoints.engine_client import EngineClient
+from paged_backend.sampling.sampling_params import SamplingParams
 
 from .errors import APIError
 from .metrics import ServerMetrics

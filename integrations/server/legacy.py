@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from paged_backend import BeamSearchParams
+from paged_backend.entrypoints.beam_search import BeamSearchParams
 from paged_backend.integrations.options.vocabularies import SAMPLING_PARAMS
 
 from .beam import beam_search

@@ -23,10 +23,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from paged_backend.integrations.options.vocabularies import OPENAI
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from paged_backend import RequestOutput
+from paged_backend.core.outputs import RequestOutput
+from paged_backend.integrations.options.vocabularies import OPENAI
 
 from ..hermes import CallDelta
 from ..structured import chosen_tool_name, forced_tool_spec

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from paged_backend import RequestOutput
+from paged_backend.core.outputs import RequestOutput
 from paged_backend.entrypoints.engine_client import EngineClient
 
 PREFIX = "paged_backend"

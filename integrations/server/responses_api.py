@@ -28,7 +28,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from paged_backend import RequestOutput
+from paged_backend.core.outputs import RequestOutput
 
 from ..hermes import CallDelta, new_call_id
 from ..structured import (

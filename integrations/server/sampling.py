@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from paged_backend import SamplingParams
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.entrypoints.engine_client import EngineClient
 from paged_backend.integrations.options.translation import Translation
 from paged_backend.integrations.options.vocabularies import OPENAI, SEED_MAX, SEED_MIN
+from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
 from .errors import APIError, bad_request

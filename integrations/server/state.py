@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged_backend.entrypoints.engine_client import EngineClient
+from paged_backend.entrypoints.reasoning import ReasoningParser
 
-from ..reasoning import ReasoningParser
 from ..tool_parsers import HERMES, ToolParser
 from .errors import APIError
 from .metrics import ServerMetrics

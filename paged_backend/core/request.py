@@ -11,13 +11,13 @@ import torch
 
 from paged_backend.core.outputs import Logprob, RequestMetrics, SampleLogprobs
 from paged_backend.core.request_group import RequestGroup
-from paged_backend.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from paged_backend.core.pooling import PoolingParams
     from paged_backend.model.lora import LoRAAdapter
     from paged_backend.sampling.detokenizer import IncrementalDetokenizer
     from paged_backend.sampling.grammar import GrammarState
+    from paged_backend.sampling.sampling_params import SamplingParams
 
 # vLLM's form: the request's output token ids so far and its logits row [V], returning the row to sample from.
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]

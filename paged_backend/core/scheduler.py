@@ -8,26 +8,26 @@ running request is preempted: its blocks are freed and it is recomputed later fr
 With LoRA, a waiting request whose adapter has no device slot free stays waiting, and others may pass
 it, except onto the one slot chosen to drain for it (see `lora_blocks`): a stream of requests for
 loaded adapters cannot keep it waiting for ever.
+
+After the step the scheduler takes in its result (`update_from_output`): progress, tokens appended one at a
+time with their stop checks and grammar, finished requests freed, speculative tails trimmed.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
-from paged_backend.config import EngineConfig
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.request import Request, RequestStatus
-from paged_backend.model.lora import LoRASlots
-from paged_backend.speculative.speculation import Speculator
+from paged_backend.core.scheduler_output import SchedulerOutput
+from paged_backend.core.step_result import RequestUpdate, StepResult
 
-
-class ScheduledBatch(NamedTuple):
-    requests: list[Request]
-    num_new_tokens: list[int]  # proposals included
-    # Indices of requests whose `num_new_tokens - 1` proposals a draft model makes before the forward.
-    drafts: list[int]
+if TYPE_CHECKING:  # built by the engine and handed in; the scheduler only reads and calls them
+    from paged_backend.config import EngineConfig
+    from paged_backend.model.lora import LoRASlots
+    from paged_backend.speculative.speculation import Speculator
 
 
 class Scheduler:
@@ -41,6 +41,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
+        self.utilisation_samples: list[float] = []  # per step: tokens stored / slots allocated
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -48,8 +50,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch([], [], [])
+    def schedule(self) -> SchedulerOutput:
+        batch = SchedulerOutput([], [], [])
         preemptions_before = self.num_preemptions
         budget = self.schedule_running(batch, self.max_tokens)
         # After a preemption the cache is full: admitting new work would only preempt again.
@@ -59,7 +61,7 @@ class Scheduler:
             self.add_proposals(batch)
         return batch
 
-    def add_proposals(self, batch: ScheduledBatch) -> None:
+    def add_proposals(self, batch: SchedulerOutput) -> None:
         """Proposed tokens ride along with decoding requests in the room the step has left (the speculator's
         policy, within the token budget); they never preempt anything or push a request past max_tokens.
         N-gram proposals are made here; a draft model's are only counted here (their blocks allocated) and
@@ -89,7 +91,7 @@ class Scheduler:
                 batch.num_new_tokens[i] += n
                 room -= n
 
-    def schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def schedule_running(self, batch: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -105,7 +107,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def schedule_waiting(self, batch: SchedulerOutput, budget: int) -> None:
         draining = 0  # the LoRA slot held back for a request that found none free (0: none so far this step)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
@@ -176,8 +178,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request) -> None:
-        """Remove a request wherever it is and free its blocks."""
+    def finish(self, request: Request, reason: str | None = None) -> None:
+        """Remove a request wherever it is and free its blocks; `reason` (stop, length, abort) is recorded."""
+        if reason is not None:
+            request.finish_reason = reason
+            request.metrics.finished_time = time.time()
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.release(request)
@@ -191,3 +196,102 @@ class Scheduler:
         if self.lora is not None:
             self.lora.release(request.lora_slot)
             request.lora_slot = 0
+
+    # ---------------------------------------------------------------- after the step
+
+    def update_from_output(self, batch: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
+        """Take in one step's result: progress, then each sampling request's kept tokens appended one by one,
+        as if each came from its own step (a stop may end it before its last kept token), then the pooling
+        requests whose whole prompt is computed finished. Finished requests leave and free their blocks; with
+        speculation the others keep only the blocks their tokens fill. One update per changed request."""
+        self.advance(batch, result)
+        now = time.time()
+        updates = [self.append_tokens(request, tokens, row, now)
+                   for request, tokens, row in zip(result.sampling_requests, result.kept, result.rows)]
+        updates += self.finish_pooled(result.pooled)
+        if self.speculator is not None:
+            for request in result.sampling_requests:
+                if not request.is_finished:  # the next step allocates the room its own proposals need
+                    self.kv.trim(request, request.num_tokens)
+        return updates
+
+    def advance(self, batch: SchedulerOutput, result: StepResult) -> None:
+        """Each request's progress by the tokens it computed (of its proposals, only the kept ones: the K/V of
+        the others is overwritten later) and its full blocks registered in the prefix cache; the draft's
+        progress follows the target's."""
+        kept_of = dict(zip(result.sampling_requests, result.kept)) if self.speculator else None
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            if request.spec_token_ids:  # progress counts the last token and the kept proposals only
+                n -= len(request.spec_token_ids) - (len(kept_of[request]) - 1)
+                request.spec_token_ids = []
+            request.num_computed_tokens += n
+            if request.pooling is None:  # a pooling request leaves no KV behind
+                self.kv.cache_full_blocks(request)
+        if batch.drafts:
+            self.speculator.draft.settle()
+        self.num_computed_tokens += sum(batch.num_new_tokens)
+        self.record_utilisation()
+
+    def append_tokens(self, request: Request, tokens: list[int], row: int, now: float) -> RequestUpdate:
+        """Append the request's kept tokens until one ends it; the update says what it appended."""
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        appended = []
+        for token in tokens:
+            request.output_token_ids.append(token)
+            appended.append(token)
+            self.check_stop(request, token)
+            if request.grammar is not None and not request.is_finished:
+                self.advance_grammar(request, token)
+            if request.is_finished:
+                break
+        return RequestUpdate(request, appended, row, request.group.finished)
+
+    def check_stop(self, request: Request, token: int) -> None:
+        """End the request at a stop string (its incremental detokenizer finds them), a stop token (eos, or
+        one of the caller's, once min_tokens are out) or max_tokens."""
+        stop_string = request.detokenizer.update([token]) if request.detokenizer else None
+        if stop_string is not None:
+            request.stop_reason = stop_string
+            self.finish(request, "stop")
+        elif token in request.stop_ids and request.num_output_tokens >= request.params.min_tokens:
+            # A stop token of the caller's is the stop reason; eos (the other stop ids) is none.
+            request.stop_reason = token if token in request.params.stop_token_ids else None
+            self.finish(request, "stop")
+        elif request.num_output_tokens >= request.max_tokens:
+            self.finish(request, "length")
+
+    def advance_grammar(self, request: Request, token: int) -> None:
+        """Move the request's matcher past `token`; a completed grammar ends the request even when
+        its stop token is not one the engine stops on (ignore_eos)."""
+        if not request.grammar.accept(token):  # only when the mask left nothing to pick (e.g. min_tokens)
+            request.error = f"token {token} does not fit the structured_outputs grammar"
+            self.finish(request, "abort")
+        elif request.grammar.is_terminated():
+            self.finish(request, "stop")
+
+    def finish_pooled(self, requests: list[Request]) -> list[RequestUpdate]:
+        """Finish the pooling requests whose whole prompt is computed (their blocks freed; the output
+        processor makes their embedding)."""
+        updates = []
+        for request in requests:
+            if request.num_computed_tokens < request.num_tokens or request.is_finished:
+                continue
+            self.finish(request, "stop")
+            updates.append(RequestUpdate(request, [], 0, request.group.finished))
+        return updates
+
+    def record_utilisation(self) -> None:
+        """Tokens stored / slots allocated, counting a block shared by several requests once."""
+        allocated = self.kv.slots_in_use()
+        if not allocated:
+            return
+        bs = self.kv.block_size
+        filled: dict[int, int] = {}
+        for request in self.running:
+            computed = request.num_computed_tokens
+            for table in request.block_tables:
+                for i, block_id in enumerate(table[: -(-computed // bs)]):
+                    filled[block_id] = max(filled.get(block_id, 0), min(bs, computed - i * bs))
+        filled.pop(self.kv.null_block, None)  # a window group's freed entries
+        self.utilisation_samples.append(sum(filled.values()) / allocated)

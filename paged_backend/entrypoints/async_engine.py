@@ -93,7 +93,7 @@ class AsyncEngine:
         `logits_processor` runs on the engine thread (see `Engine.add_request`); `lora` names an adapter."""
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
-        self.engine.validate(token_ids, params)
+        self.engine.inputs.validate(token_ids, params)
         adapter = self.engine.resolve_lora(lora)
         request_id = request_id if request_id is not None else f"async-{next(self.ids)}"
         self.commands.put(("add", (request_id, text if text is not None else token_ids, token_ids, params, sink,
@@ -123,25 +123,25 @@ class AsyncEngine:
         """Validate in the caller's thread (a bad request raises here), then queue it for the engine."""
         pooling = pooling or PoolingParams()
         text, token_ids = self.tokenize(prompt)
-        self.engine.validate_pooling(token_ids, pooling)
+        self.engine.inputs.validate_pooling(token_ids, pooling)
         request_id = request_id if request_id is not None else f"async-{next(self.ids)}"
         self.commands.put(("pool", (request_id, text if text is not None else token_ids, token_ids, pooling, sink)))
         self.wakeup.set()
         return request_id
 
     def validate_pooling(self, token_ids: list[int], pooling: PoolingParams) -> None:
-        self.engine.validate_pooling(token_ids, pooling)
+        self.engine.inputs.validate_pooling(token_ids, pooling)
 
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
         self.wakeup.set()
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return self.engine.tokenize(prompt)
+        return self.engine.inputs.tokenize(prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams, lora: LoRASpec | None = None) -> None:
         self.engine.resolve_lora(lora)
-        self.engine.validate(token_ids, params)
+        self.engine.inputs.validate(token_ids, params)
 
     def stats(self) -> dict[str, Any]:
         """`Engine.stats()`, computed on the engine thread between two steps, so a metrics scrape never

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,8 +18,8 @@ from paged_backend.entrypoints.beam_search import (
     BeamSearchParams,
     beam_search,
 )
-from paged_backend.integrations.chat import render_chat
-from paged_backend.integrations.reasoning import (
+from paged_backend.entrypoints.chat import render_chat
+from paged_backend.entrypoints.reasoning import (
     budget_processor,
     prompt_tail,
     resolve_reasoning_parser,
@@ -163,8 +162,8 @@ class LLM:
         token_ids = []
         for i, prompt in enumerate(prompts):
             try:
-                token_ids.append(engine.tokenize(prompt)[1])
-                engine.validate_pooling(token_ids[-1], pooling)
+                token_ids.append(engine.inputs.tokenize(prompt)[1])
+                engine.inputs.validate_pooling(token_ids[-1], pooling)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
         ids = [engine.add_pooling_request(prompt, pooling, prompt_token_ids=ids) for prompt, ids in zip(prompts, token_ids)]
@@ -177,8 +176,8 @@ class LLM:
         token_lists = []
         for i, prompt in enumerate(normalise_prompts(prompts)):
             try:
-                _, ids = self.engine.tokenize(prompt)
-                self.engine.validate(ids, SamplingParams(max_tokens=params.max_tokens))
+                _, ids = self.engine.inputs.tokenize(prompt)
+                self.engine.inputs.validate(ids, SamplingParams(max_tokens=params.max_tokens))
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
             token_lists.append(ids)
@@ -200,7 +199,7 @@ class LLM:
         thinking_token_budget: int | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation (OpenAI-shaped messages) through the chat template and generate.
-        `tools` (OpenAI function tools) follow the shared tool policy (integrations/chat.py): rendered
+        `tools` (OpenAI function tools) follow the shared tool policy (paged_backend/entrypoints/chat.py): rendered
         by a template that supports tools, else described Hermes style in the system turn; past
         assistant `tool_calls` and `tool` results are rendered the same way. With a reasoning parser,
         each completion's thinking is in `reasoning` and its `text` is the answer alone;
@@ -238,14 +237,12 @@ class LLM:
         engine = self.engine
         loras = loras or [None] * len(prompts)
         processors = processors or [None] * len(prompts)
-        token_ids = []
-        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
-            try:
-                token_ids.append(engine.tokenize(prompt)[1])
-                engine.validate(token_ids[-1], p)
-                engine.resolve_lora(lora)
-            except ValueError as exc:
-                raise ValueError(f"prompt {i}: {exc}") from None
+
+        def check(token_ids: list[int], p: SamplingParams, lora: LoRASpec | None) -> None:
+            engine.inputs.validate(token_ids, p)
+            engine.resolve_lora(lora)
+
+        token_ids = checked_token_ids(engine.inputs.tokenize, check, prompts, params, loras)
         ids = [engine.add_request(prompt, p, stream=False, prompt_token_ids=ids, lora=lora, logits_processor=proc)
                for prompt, p, ids, lora, proc in zip(prompts, params, token_ids, loras, processors)]
         return self.collect(ids, use_tqdm, "Generating")
@@ -286,6 +283,21 @@ def normalise_params(params: SamplingParams | Sequence[SamplingParams] | None, n
     return params
 
 
+def checked_token_ids(tokenize: Callable[[Prompt], tuple[str | None, list[int]]],
+                      check: Callable[[list[int], SamplingParams, LoRASpec | None], None], prompts: list[Prompt],
+                      params: list[SamplingParams], loras: list[LoRASpec | None]) -> list[list[int]]:
+    """Every prompt's token ids, each prompt checked before any is queued, so a bad one raises ValueError
+    naming its index without leaving half a batch behind."""
+    token_ids = []
+    for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
+        try:
+            token_ids.append(tokenize(prompt)[1])
+            check(token_ids[-1], p, lora)
+        except ValueError as exc:
+            raise ValueError(f"prompt {i}: {exc}") from None
+    return token_ids
+
+
 def normalise_loras(lora: LoRASpec | Sequence[LoRASpec | None] | None, n: int) -> list[LoRASpec | None]:
     if lora is None or isinstance(lora, (str, LoRARequest)):
         return [lora] * n
@@ -293,10 +305,6 @@ def normalise_loras(lora: LoRASpec | Sequence[LoRASpec | None] | None, n: int) -
     if len(loras) != n:
         raise ValueError(f"got {len(loras)} LoRA choices for {n} prompts")
     return loras
-
-
-def engine_config_fields() -> list[str]:
-    return [f.name for f in dataclasses.fields(EngineConfig)]
 
 
 def run_worker(model: Any, tokenizer: Any, kwargs: dict, size: int) -> None:

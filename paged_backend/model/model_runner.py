@@ -18,7 +18,7 @@ import torch
 
 from paged_backend.core.pooling import PoolingRows, pooling_rows
 from paged_backend.core.request import Request
-from paged_backend.core.scheduler import ScheduledBatch
+from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.kernels import AttentionMetadata
 from paged_backend.kernels.torch_single_row import single_row_step
 from paged_backend.model import compilation, custom_ops, lora
@@ -63,7 +63,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # replays padded decode steps on CUDA, once captured
         self.compiled_structure: tuple | None = None  # the model's structure its forward was compiled for
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepInputs]:
+    def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run one forward; return the kept logits and the step's inputs: the first rows are those of
         `inputs.sampling_requests` (the requests that reach their last token; 1 + its proposals for a request
         carrying proposed tokens), then those of `inputs.prompt_spans`.
@@ -174,7 +174,7 @@ class ModelRunner:
         with lora.step_context(step):
             return self.run_model(input_ids, position_ids, logits_indices, metadata)
 
-    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare_inputs(self, batch: SchedulerOutput) -> StepInputs:
         requests, counts = batch.requests, np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=len(requests))
         ends = starts + counts

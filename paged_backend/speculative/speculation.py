@@ -47,7 +47,7 @@ from paged_backend.speculative.ngram_proposer import propose_ngram
 from paged_backend.speculative.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from paged_backend.core.scheduler import ScheduledBatch
+    from paged_backend.core.scheduler_output import SchedulerOutput
     from paged_backend.speculative.draft_proposer import DraftProposer
 
 MAX_BACKOFF = 4  # a request whose proposals keep failing sits out at most 2**4 - 1 steps between tries
@@ -99,7 +99,7 @@ class Speculator:
         tokens = np.array(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
         return propose_ngram(tokens, self.config.prompt_lookup_max, self.config.prompt_lookup_min, k)
 
-    def make_drafts(self, batch: ScheduledBatch) -> None:
+    def make_drafts(self, batch: SchedulerOutput) -> None:
         """The draft model's proposals for the requests the scheduler counted them for, in batched forwards."""
         requests = [batch.requests[i] for i in batch.drafts]
         counts = [batch.num_new_tokens[i] - 1 for i in batch.drafts]

@@ -10,7 +10,10 @@ from paged_backend.core.outputs import RequestMetrics
 from paged_backend.core.request import Request
 from paged_backend.core.request_group import RequestGroup
 from paged_backend.core.scheduler import Scheduler
+from paged_backend.core.scheduler_output import SchedulerOutput
+from paged_backend.core.step_result import StepResult
 from paged_backend.model.lora import LoRAAdapter, LoRASlots
+from paged_backend.sampling.sampler import SamplerOutput
 from paged_backend.sampling.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -294,3 +297,57 @@ def test_only_the_slot_chosen_to_drain_is_held_back():
     names, _ = step(scheduler)
     assert "b" in names and "c1" not in names  # C's slot went to B; C now waits for a slot in turn
     assert scheduler.lora.loaded[1:] == [ADAPTERS["A"], ADAPTERS["B"]]
+
+
+# ---------------------------------------------------------------- taking in a step's result
+
+
+def decode_to_the_end(scheduler: Scheduler, tokens: list[list[int]]):
+    """Schedule one step and take in a result keeping `tokens[i]` for the i-th scheduled request."""
+    batch = scheduler.schedule()
+    sampled = SamplerOutput([t for kept in tokens for t in kept])
+    rows = [sum(len(kept) for kept in tokens[:i]) for i in range(len(tokens))]
+    return scheduler.update_from_output(batch, StepResult(sampled, batch.requests, tokens, rows, []))
+
+
+def test_a_step_result_appends_stops_and_frees():
+    scheduler = make_scheduler(num_blocks=8)
+    short, long_ = make_request("short", 4, 1), make_request("long", 4, 3)
+    for request in (short, long_):
+        scheduler.add(request)
+    updates = decode_to_the_end(scheduler, [[5], [6]])
+    assert [(u.request.request_id, u.new_token_ids, u.row) for u in updates] == [("short", [5], 0), ("long", [6], 1)]
+    assert short.is_finished and short.finish_reason == "length" and short.metrics.finished_time is not None
+    assert not short.block_ids and scheduler.running == [long_]
+    assert long_.num_computed_tokens == 4 and long_.metrics.first_token_time is not None
+    assert scheduler.num_computed_tokens == 8 and len(scheduler.utilisation_samples) == 1
+
+
+def test_kept_tokens_after_a_stop_are_not_appended():
+    scheduler = make_scheduler(num_blocks=8)
+    request = make_request("a", 4, 10)
+    request.stop_ids = frozenset({9})
+    scheduler.add(request)
+    scheduler.schedule()  # the prompt
+    request.num_computed_tokens = 4
+    updates = scheduler.update_from_output(SchedulerOutput([request], [0], []),
+                                           StepResult(SamplerOutput([3, 9, 4]), [request], [[3, 9, 4]], [0], []))
+    assert updates[0].new_token_ids == [3, 9] and request.output_token_ids == [3, 9]
+    assert request.finish_reason == "stop" and request.stop_reason is None  # a stop id not of the caller's: eos
+
+
+def test_a_group_is_finished_once_when_its_samples_end_in_one_step():
+    """Both samples of an n = 2 group end in the same step: only the later one's update finishes the group,
+    so the group's final output is made once."""
+    scheduler = make_scheduler(num_blocks=8)
+    group = RequestGroup("g")
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    # The second sample waits for the leader's prompt, so the leader runs a step ahead and one token longer.
+    samples = [Request(f"g#{i}", None, [1, 2, 3, 4], params, max_tokens, frozenset(), RequestMetrics(0.0),
+                       group=group) for i, max_tokens in enumerate((2, 1))]
+    for sample in samples:
+        scheduler.add(sample)
+    assert [u.group_finished for u in decode_to_the_end(scheduler, [[5]])] == [False]
+    updates = decode_to_the_end(scheduler, [[6], [7]])
+    assert [u.request.request_id for u in updates] == ["g#0", "g#1"] and group.finished
+    assert [u.group_finished for u in updates] == [False, True]

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from paged_backend.integrations.chat import render_chat
-
 from paged_backend import SamplingParams
+from paged_backend.entrypoints.chat import render_chat
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

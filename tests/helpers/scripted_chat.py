@@ -8,10 +8,10 @@ import json
 from typing import Any
 
 import torch
-from paged_backend.integrations.chat import add_tool_prompt, render_chat
 
 from helpers.server import build_chat_tokenizer, tiny_llama
 from paged_backend import LLM
+from paged_backend.entrypoints.chat import add_tool_prompt, render_chat
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

@@ -31,7 +31,7 @@ from paged_backend.integrations.server.sampling import to_sampling_params
 from pydantic import ConfigDict, ValidationError
 
 from paged_backend import EngineConfig, SamplingParams, StructuredOutputsParams
-from paged_backend.entrypoints.cli import build_parser, make_params
+from paged_backend.integrations.cli import build_parser, make_params
 
 # A value for each option that differs from its field's default, in the option's own vocabulary.
 VALUES = {

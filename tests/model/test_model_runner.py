@@ -12,7 +12,7 @@ from helpers.tolerances import tolerance
 from paged_backend.config import EngineConfig
 from paged_backend.core.outputs import RequestMetrics
 from paged_backend.core.request import Request
-from paged_backend.core.scheduler import ScheduledBatch
+from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.engine import Engine
 from paged_backend.model.model_runner import ModelRunner, StepInputs
 from paged_backend.sampling.sampling_params import SamplingParams
@@ -41,7 +41,7 @@ def test_a_mixed_batch_is_packed_into_hand_computed_inputs():
     chunk = make_request("chunk", list(range(40, 50)), 4, [7, 2, 9])
     # a whole 3-token prompt (samples)
     whole = make_request("whole", [60, 61, 62], 0, [1])
-    inputs = packing_runner().prepare_inputs(ScheduledBatch([decode, chunk, whole], [1, 5, 3], []))
+    inputs = packing_runner().prepare_inputs(SchedulerOutput([decode, chunk, whole], [1, 5, 3], []))
     meta = inputs.metadata
     assert inputs.input_ids.tolist() == [[20, 44, 45, 46, 47, 48, 60, 61, 62]]
     assert inputs.position_ids.tolist() == [[6, 4, 5, 6, 7, 8, 0, 1, 2]]
@@ -60,7 +60,7 @@ def test_proposed_tokens_are_packed_after_the_last_token_and_each_keeps_a_logits
     prefill = make_request("prefill", [1, 2, 3, 4, 5], 0, [0, 1])
     speculating = make_request("spec", [7, 8, 9], 3, [4, 6], output=[10])
     speculating.spec_token_ids = [11, 12]
-    inputs = packing_runner().prepare_inputs(ScheduledBatch([prefill, speculating], [5, 3], []))
+    inputs = packing_runner().prepare_inputs(SchedulerOutput([prefill, speculating], [5, 3], []))
     assert inputs.input_ids.tolist() == [[1, 2, 3, 4, 5, 10, 11, 12]]
     assert inputs.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5]]
     assert inputs.metadata.slot_mapping.tolist() == [0, 1, 2, 3, 4, 4 * 4 + 3, 6 * 4 + 0, 6 * 4 + 1]
@@ -70,7 +70,7 @@ def test_proposed_tokens_are_packed_after_the_last_token_and_each_keeps_a_logits
 
 def test_a_step_of_only_partial_chunks_keeps_one_logits_row_and_samples_nothing():
     chunk = make_request("chunk", list(range(12)), 0, [0, 1])
-    inputs = packing_runner().prepare_inputs(ScheduledBatch([chunk], [6], []))
+    inputs = packing_runner().prepare_inputs(SchedulerOutput([chunk], [6], []))
     assert inputs.sampling_requests == [] and inputs.logits_indices.tolist() == [5]
 
 
@@ -91,7 +91,7 @@ def test_the_packed_forward_gives_the_dense_forward_logits_at_the_kept_positions
         for request, n in zip(requests, counts):
             assert engine.kv.allocate_slots(request, n)
         with torch.inference_mode():
-            logits, inputs = engine.runner.execute(ScheduledBatch(requests, counts, []))
+            logits, inputs = engine.runner.execute(SchedulerOutput(requests, counts, []))
         for request, n in zip(requests, counts):
             request.num_computed_tokens += n
         return logits, inputs

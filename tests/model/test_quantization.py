@@ -80,7 +80,7 @@ def test_model_quantized_by_a_transformers_quantizer(tmp_path: Path) -> None:
 def test_cli_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from paged_backend.entrypoints import cli
+    from paged_backend.integrations import cli
 
     parser = argparse.ArgumentParser()
     cli.add_model_arguments(parser)

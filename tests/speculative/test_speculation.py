@@ -588,8 +588,8 @@ def test_metrics_report_speculation(llama):
 
 def test_serve_takes_a_speculative_config(monkeypatch):
     pytest.importorskip("uvicorn")
-    import paged_backend
-    from paged_backend.entrypoints.cli import build_parser
+    from paged_backend.entrypoints import llm
+    from paged_backend.integrations.cli import build_parser
 
     seen = {}
 
@@ -600,7 +600,7 @@ def test_serve_takes_a_speculative_config(monkeypatch):
         seen.update(config)
         raise Loaded
 
-    monkeypatch.setattr(paged_backend, "LLM", fake_llm)
+    monkeypatch.setattr(llm, "LLM", fake_llm)  # the server's command builds its LLM from there
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
     args = build_parser().parse_args(["serve", "--speculative-config", json.dumps(spec)])
     with pytest.raises(Loaded):

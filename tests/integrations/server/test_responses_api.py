@@ -176,7 +176,7 @@ def test_the_serve_command_sizes_the_store(monkeypatch) -> None:
     import uvicorn
     from paged_backend.integrations.server import cli
 
-    import paged_backend
+    from paged_backend.entrypoints import async_engine, llm
 
     parser = argparse.ArgumentParser()
     cli.add_serve_arguments(parser)
@@ -197,8 +197,8 @@ def test_the_serve_command_sizes_the_store(monkeypatch) -> None:
         def shutdown(self) -> None:
             pass
 
-    monkeypatch.setattr(paged_backend, "LLM", FakeLLM)
-    monkeypatch.setattr(paged_backend, "AsyncEngine", FakeAsyncEngine)
+    monkeypatch.setattr(llm, "LLM", FakeLLM)  # the server's command builds them from their modules
+    monkeypatch.setattr(async_engine, "AsyncEngine", FakeAsyncEngine)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.setdefault("app", app))
     cli.run_serve(parser.parse_args(["--max-stored-responses", "7"]))
     assert served["app"].state.responses.max_responses == 7

@@ -1,17 +1,18 @@
-"""The shared chat renderer and its one tool policy (integrations/chat.py), on small templates."""
+"""The shared chat renderer and its one tool policy (paged_backend/entrypoints/chat.py), on small templates."""
 
 from __future__ import annotations
 
 import pytest
 import transformers as tf
-from paged_backend.integrations.chat import (
+from tokenizers import Tokenizer, models
+
+from paged_backend.entrypoints.chat import (
     HERMES_TOOL_PROMPT,
     ChatInputError,
     UnsupportedContent,
     render_chat,
     renders_tools,
 )
-from tokenizers import Tokenizer, models
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

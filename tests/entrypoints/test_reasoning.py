@@ -7,7 +7,8 @@ import random
 
 import pytest
 import torch
-from paged_backend.integrations.reasoning import (
+
+from paged_backend.entrypoints.reasoning import (
     ReasoningStream,
     budget_processor,
     detect_reasoning_parser,

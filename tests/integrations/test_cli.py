@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "paged_backend.entrypoints.cli", *args], input=stdin, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "paged_backend.integrations.cli", *args], input=stdin, capture_output=True,
                           text=True, timeout=240)
 
 

@@ -1,0 +1,84 @@
+"""The engine reads along its seams: a small public surface, a step that fits in one screen, and a hook
+that lets a benchmark watch each step's forward without patching the engine's parts."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+from helpers.engine import greedy, mixed_prompts, run_to_completion
+from helpers.models import build
+
+from paged_backend import Engine, EngineConfig
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ENGINE_PARTS = {"runner", "scheduler", "kv", "cache", "speculator", "output_processor", "inputs", "grammar_queue"}
+
+
+def public_members(cls: type) -> list[str]:
+    """Methods and properties a caller may use (properties count: they are calls too)."""
+    return sorted(name for name, value in vars(cls).items()
+                  if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property)))
+
+
+def test_the_engine_has_at_most_15_public_members() -> None:
+    names = public_members(Engine)
+    assert len(names) <= 15, names
+
+
+def test_the_step_reads_in_one_screen() -> None:
+    lines = inspect.getsource(Engine.step).splitlines()
+    assert len(lines) <= 25, f"Engine.step has {len(lines)} lines"
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []  # (hook, scheduled tokens, logits rows or -1)
+
+    def before_forward(self, batch) -> None:
+        self.calls.append(("before", sum(batch.num_new_tokens), -1))
+
+    def after_forward(self, batch, logits) -> None:
+        self.calls.append(("after", sum(batch.num_new_tokens), logits.shape[0]))
+
+
+def test_a_step_observer_sees_every_forward() -> None:
+    engine = Engine(build("llama"), config=EngineConfig(num_kv_blocks=64, max_num_batched_tokens=16))
+    recorder = Recorder()
+    engine.observers.append(recorder)
+    prompts = mixed_prompts(3)
+    for prompt in prompts:
+        engine.add_request(prompt, greedy(4))
+    outputs = run_to_completion(engine)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outputs.values())
+    hooks = [call[0] for call in recorder.calls]
+    assert hooks == ["before", "after"] * (len(hooks) // 2) and hooks
+    tokens = [call[1] for call in recorder.calls if call[0] == "after"]
+    assert sum(tokens) == engine.stats()["num_computed_tokens"]  # every forward, each seen once
+    assert all(rows >= 1 for hook, _, rows in recorder.calls if hook == "after")
+
+
+def patched_engine_parts(path: Path) -> list[str]:
+    """Assignments in a script to an attribute of one of an engine's parts (`engine.runner.execute = ...`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute) \
+                    and target.value.attr in ENGINE_PARTS:
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(target)}")
+    return found
+
+
+def test_no_benchmark_patches_the_engine_parts() -> None:
+    scripts = sorted(BENCHMARKS.glob("*.py"))
+    assert scripts
+    assert [hit for path in scripts for hit in patched_engine_parts(path)] == []
+
+
+def test_the_patch_finder_finds_a_patch(tmp_path: Path) -> None:
+    script = tmp_path / "bench.py"
+    script.write_text("engine.runner.execute = wrapped\nengine.observers.append(recorder)\n")
+    assert patched_engine_parts(script) == ["bench.py:1 engine.runner.execute"]
