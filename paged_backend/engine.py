@@ -39,7 +39,7 @@ from paged_backend.core.request import LogitsProcessor, Request, RequestStatus
 from paged_backend.core.request_checks import check_request, tokenize_prompt
 from paged_backend.core.request_group import RequestGroup
 from paged_backend.core.scheduler import Scheduler
-from paged_backend.model import compilation, cuda_graphs
+from paged_backend.model import compilation, cuda_graphs, fused_projections
 from paged_backend.model.decode_padding import DecodePadding
 from paged_backend.model.lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec
 from paged_backend.model.model_check import prepare_model, temperature_tuning_limit, usable_context
@@ -85,6 +85,7 @@ class Engine:
         # refused model is left as it came.
         check_step_size(self.config, text_config)
         shape = prepare_model(model, text_config.num_hidden_layers, self.config.self_check)
+        fused = fused_projections.fuse_for_engine(model, self.config.fuse_projections)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.model_states = ModelStates(model)  # the user may change the model between calls
@@ -119,6 +120,7 @@ class Engine:
         self.loras, lora_slots = self.enable_lora(model)
         self.scheduler = Scheduler(self.config, self.kv, self.speculator, lora_slots)
         self.runner = ModelRunner(model, self.cache, publish_step, lora_slots)
+        self.runner.fused = fused
         if pad:
             self.runner.padding = self.make_padding(shape, scratch_block=num_blocks)
         self.compile_s: float | None = None  # seconds the compile and warm-up took, when compiled
