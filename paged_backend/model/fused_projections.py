@@ -8,23 +8,26 @@ benchmarks/fused_projections.py measures whole one-stream decodes, eager and com
 
 The model's code is not changed: transformers' attention still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)`.
 Inside an engine step (`step()`), the first of a group's projections called with `x` multiplies `x` by the
-group's stacked weight once (`FusedGroup`), returns its own columns and keeps the others for the next calls
-with the same `x`; a call with another input (a model that feeds its projections differently) computes
-afresh, so the values are the projections' own in every case. Outside a step (`forward`, `generate`,
-training) each projection runs its own forward, as before.
+group's stacked weight once (`FusedGroup`: dense, torchao's per-row int8 or this engine's int4 weights),
+returns its own columns and keeps the others for the next calls with the same `x`; a call with another
+input (a model that feeds its projections differently) computes afresh, so the values are the projections'
+own in every case. Outside a step (`forward`, `generate`, training) each projection runs its own forward.
 
-The stacked weight is the engine's own, and the projections' weights become views of it (dense weights
-through `.data`, so each parameter keeps its identity and an in-place update of one, `load_state_dict`
-or an optimizer step, updates the stack): no weight is held twice, `state_dict()` and `save_pretrained`
-see the same names, shapes and values. Int4 layers share their codes and dense copy the same way; their
-per-group scales are kept twice (an eighth of a byte per weight, under 5 % of the layer's memory), since
-the int4 kernel reads them as one contiguous `[groups, out, 2]` block, which a column slice is not.
+The stacked weight is the engine's own, and the projections' weights become views of it: dense weights
+through `.data`, so each parameter keeps its identity and an in-place update of one (`load_state_dict`, an
+optimizer step) updates the stack; torchao int8 weights as new parameters over views of the stacked codes,
+scales and zero points (`.data` cannot swap a tensor subclass's contents). So no weight is held twice, and
+`state_dict()` and `save_pretrained` see the same names, shapes and values. Int4 layers share their codes
+and dense copy the same way; their per-group scales are kept twice (an eighth of a byte per weight, under
+5 % of the layer's memory), since the int4 kernel reads them as one contiguous `[groups, out, 2]` block,
+which a column slice is not.
 
 A LoRA hook on a projection still adds its delta: the hook runs on the projection's own call, with its
 input, on the columns it returns. Not fused (and logged): tensor parallelism (each rank's shards pass
 through transformers' own hooks), PEFT tuner layers (their adapters switch inside the projection), weights
-of other kinds (torchao's int8 tensors), and projections that differ in input size, dtype, device, bias or,
-for int4, in a way the kernel's packed rows cannot be stacked (its rows are packed in blocks).
+of other kinds (other torchao tensors, int8 with activation quantization), and projections that differ in
+input size, dtype, device or bias, or whose int4 rows the kernel's packing cannot stack (it packs rows in
+blocks).
 """
 
 from __future__ import annotations
@@ -175,6 +178,11 @@ def views_rows(group: FusedGroup, member: nn.Module, start: int, size: int) -> b
     stack = group.stack
     if isinstance(stack, DenseStack):
         pairs = [(member.weight, stack.weight)] + ([(member.bias, stack.bias)] if stack.bias is not None else [])
+        if is_torchao_int8(stack.weight):
+            if not is_torchao_int8(member.weight):
+                return False
+            pairs[0:1] = [(getattr(member.weight, name), getattr(stack.weight, name)) for name in INT8_ROWS
+                          if getattr(stack.weight, name, None) is not None]
     else:
         pairs = [(member.dense, stack.dense), (member.packed, stack.packed)]
         if stack.bias is not None:
@@ -203,8 +211,12 @@ def refusal(members: list[nn.Module]) -> str | None:
     kinds = {type(m) for m in members}
     if kinds == {nn.Linear}:
         weights = [m.weight for m in members]
-        if any(type(w) not in (torch.Tensor, nn.Parameter) for w in weights):
-            return f"weights of kind {type(weights[0]).__name__} (only plain tensors and int4 layers are fused)"
+        if all(is_torchao_int8(w) for w in weights):
+            if any(not per_row_int8(w) for w in weights):
+                return "torchao int8 weights with a zero point, activation quantization or other than per-row scales"
+        elif any(type(w) not in (torch.Tensor, nn.Parameter) for w in weights):
+            return (f"weights of kind {type(weights[0]).__name__} (plain tensors, torchao's per-row int8 tensors and "
+                    "int4 layers are fused)")
         if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
             return "projections of different input sizes, dtypes or devices"
         if len({m.bias is None for m in members}) != 1:
@@ -234,8 +246,41 @@ def fuse_group(members: list[nn.Module]) -> None:
         member.forward = functools.partial(member_forward, group, index, member)
 
 
+def is_torchao_int8(weight: torch.Tensor) -> bool:
+    """torchao's int8 weight-only tensor (`quantization="int8"`), by name: torchao is optional."""
+    return type(weight).__name__ == "Int8Tensor" and type(weight).__module__.startswith("torchao")
+
+
+INT8_ROWS = ("qdata", "scale", "zero_point")  # a torchao int8 weight's tensors with a row per output row
+
+
+def per_row_int8(weight: torch.Tensor) -> bool:
+    """An int8 weight with a scale (and zero point) per output row and no activation quantization: its rows
+    stack as they are."""
+    extras = ("act_quant_scale", "act_quant_zero_point", "act_pre_scale", "act_quant_kwargs")
+    rows = [getattr(weight, name, None) for name in INT8_ROWS]
+    return (all(getattr(weight, name, None) is None for name in extras)
+            and list(weight.block_size) == [1, weight.shape[1]]
+            and all(t is None or t.shape[0] == weight.shape[0] for t in rows))
+
+
+def int8_rows(like: torch.Tensor, rows: slice | None = None, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """A torchao int8 tensor like `like`: its rows `rows`, as views, or `parts` stacked."""
+    tensors = {}
+    for name in INT8_ROWS:
+        if getattr(like, name, None) is None:
+            continue
+        tensors[name] = getattr(like, name)[rows] if parts is None else torch.cat([getattr(p, name) for p in parts])
+    qdata = tensors.pop("qdata")
+    return type(like)(qdata, tensors.pop("scale"), [1, qdata.shape[1]], like.dtype, **tensors)
+
+
 def dense_stack(members: list[nn.Linear]) -> DenseStack:
-    weight = torch.cat([m.weight.detach() for m in members])
+    first = members[0].weight
+    if is_torchao_int8(first):
+        weight = int8_rows(first, parts=[m.weight for m in members])
+    else:
+        weight = torch.cat([m.weight.detach() for m in members])
     bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
     return DenseStack(weight, bias)
 
@@ -243,7 +288,13 @@ def dense_stack(members: list[nn.Linear]) -> DenseStack:
 def share_rows(member: nn.Module, stack: nn.Module | DenseStack, start: int, size: int) -> None:
     """Make `member`'s weight tensors the rows `start:start + size` of the stack's."""
     if isinstance(stack, DenseStack):
-        member.weight.data = stack.weight[start:start + size]
+        if is_torchao_int8(stack.weight):
+            # A new parameter: `.data` cannot swap a tensor subclass's contents (a quantized model built for the
+            # engine, whose parameters no optimizer holds).
+            rows = int8_rows(stack.weight, rows=slice(start, start + size))
+            member.weight = nn.Parameter(rows, requires_grad=False)
+        else:
+            member.weight.data = stack.weight[start:start + size]
         if stack.bias is not None:
             member.bias.data = stack.bias[start:start + size]
         return

@@ -205,13 +205,21 @@ def test_peft_tuner_layers_are_left_unfused():
     assert all("kinds" in why for why in report.skipped.values())
 
 
-def test_torchao_int8_weights_are_left_unfused():
+def test_torchao_int8_projections_fuse_sharing_their_codes():
     pytest.importorskip("torchao")
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     model = build("llama")
     quantize_(model, Int8WeightOnlyConfig())
-    report = fuse_projections(model)
-    assert report.groups == 0
-    assert all("Int8Tensor" in why for why in report.skipped.values())
-    assert "left unfused" in report.describe()
+    before = {k: v.dequantize() if hasattr(v, "dequantize") else v.clone() for k, v in model.state_dict().items()}
+    prompts = mixed_prompts(6)
+    _, unfused = engine_tokens(model, prompts, fuse_projections=False)
+    engine, fused = engine_tokens(model, prompts)
+    assert fused == unfused and len(groups_of(model)) == 4
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(v.dequantize() if hasattr(v, "dequantize") else v, before[k]) for k, v in after.items())
+    for group in groups_of(model):
+        for member, start in zip(group.members, group.offsets):
+            assert member.weight.qdata.data_ptr() == group.stack.weight.qdata[start].data_ptr()
+    assert engine.runner.model_unchanged()
