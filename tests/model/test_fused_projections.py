@@ -224,3 +224,12 @@ def test_torchao_int8_projections_fuse_sharing_their_codes():
             assert member.weight.qdata.data_ptr() == group.stack.weight.qdata[start].data_ptr()
     assert engine.runner.model_unchanged()
 
+
+
+def test_tensor_parallel_engines_leave_projections_unfused(monkeypatch, caplog):
+    model = build("llama")
+    monkeypatch.setattr(fused_projections.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(fused_projections.dist, "get_world_size", lambda: 2)
+    with caplog.at_level(logging.INFO, logger="paged_backend.model.fused_projections"):
+        assert not fused_projections.fuse_for_engine(model, True)
+    assert "not under tensor parallelism" in caplog.text and groups_of(model) == []
