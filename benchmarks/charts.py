@@ -267,6 +267,14 @@ def startup_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
                    ("warm starts loaded every graph", str(r["warm_loaded_every_graph"]))]
 
 
+def fused_projections_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [(f"{mode}: one stream, fused / unfused projections (medians)",
+             f"{number(m['fused'])} / {number(m['unfused'])} tok/s, ratio {number(m['ratio'], 2)}x (median of "
+             f"{r['repeats']} per-run ratios)") for mode, m in r["medians"].items()]
+    return rows + [("same tokens fused and unfused", ", ".join(f"{mode}: {same}" for mode, same in r["same_tokens"].items())),
+                   ("weights", f"{r['dtype']}, int4: {r['int4_weights']}; {r['tokens']} tokens per run")]
+
+
 def gpu_check_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     steps = r.get("steps", {})
     if "variants" not in steps:
@@ -284,6 +292,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "structured": structured_figures, "stats_scrape": stats_scrape_figures, "speculative": speculative_figures,
     "lora": lora_figures, "quality": quality_figures, "cpu_vs_llamacpp": cpu_vs_llamacpp_figures,
     "sliding_window_memory": sliding_window_figures, "startup": startup_figures, "gpu_check": gpu_check_figures,
+    "fused_projections": fused_projections_figures,
 }
 
 

@@ -37,6 +37,10 @@ class EngineConfig:
     # Compile the model forward at start-up: True, False, or None (on CPU, unless PAGED_BACKEND_COMPILE=0 or no
     # C++ compiler is installed; see compilation.py). Compiled graphs are kept on disk: later starts load them.
     compile: bool | None = None
+    # Run each layer's q/k/v projections as one matmul and its gate/up projections as one (fused_projections.py;
+    # the model's weights become views of the stacked copy). False runs each projection by itself, as the
+    # model's own code does: for comparing against the unfused engine or ruling fusion out while debugging.
+    fuse_projections: bool = True
     # LoRA adapters chosen per request (lora.py): at most max_loras distinct adapters run at once (more wait),
     # each of rank at most max_lora_rank. With LoRA the step runs eagerly.
     enable_lora: bool = False

@@ -32,7 +32,7 @@ from paged_backend.core.scheduler import Scheduler
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.step_result import RequestUpdate, StepResult
 from paged_backend.input_processor import InputProcessor, Prompt
-from paged_backend.model import compilation, cuda_graphs
+from paged_backend.model import compilation, cuda_graphs, fused_projections
 from paged_backend.model.decode_padding import DecodePadding
 from paged_backend.model.lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec
 from paged_backend.model.model_check import prepare_model, temperature_tuning_limit, usable_context
@@ -89,6 +89,7 @@ class Engine:
         # refused model is left as it came.
         check_step_size(self.config, text_config)
         shape = prepare_model(model, text_config.num_hidden_layers, self.config.self_check)
+        fused = fused_projections.fuse_for_engine(model, self.config.fuse_projections)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.model_states = ModelStates(model)  # the user may change the model between calls
@@ -123,6 +124,7 @@ class Engine:
         self.loras, lora_slots = self._enable_lora(model)
         self.scheduler = Scheduler(self.config, self.kv, self.speculator, lora_slots)
         self.runner = ModelRunner(model, self.cache, publish_step, lora_slots)
+        self.runner.fused = fused
         if pad:
             self.runner.padding = self._make_padding(shape, scratch_block=num_blocks)
         self.compile_s: float | None = None  # seconds the compile and warm-up took, when compiled

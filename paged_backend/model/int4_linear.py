@@ -75,6 +75,17 @@ class Int4Linear(QuantizedLinear):
         codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).view_as(weight)
         return cls(codes, scales, low, linear.bias, linear.weight.dtype)
 
+    @classmethod
+    def stacked(cls, layers: list[Int4Linear]) -> Int4Linear:
+        """One layer computing `layers` side by side (their outputs concatenated), from their packed codes,
+        scales and dense copies as they are (fused_projections.py); `packed_rows_stack` says when it can."""
+        stack = cls.__new__(cls)
+        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+        QuantizedLinear.__init__(stack, torch.cat([layer.dense for layer in layers]), bias, layers[0].dense.dtype)
+        stack.register_buffer("packed", torch.cat([layer.packed for layer in layers]))
+        stack.register_buffer("scales_and_zeros", torch.cat([layer.scales_and_zeros for layer in layers], 1))
+        return stack
+
     def quantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         out = torch._weight_int4pack_mm_for_cpu(cast_to(rows, COMPUTE_DTYPE), self.packed, GROUP_SIZE,
                                                 self.scales_and_zeros)
@@ -82,6 +93,22 @@ class Int4Linear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={GROUP_SIZE}"
+
+
+_stackable: dict[tuple[tuple[int, ...], int], bool] = {}
+
+
+def packed_rows_stack(out_features: list[int], in_features: int) -> bool:
+    """Whether layers of these output sizes (and this input size) packed one by one, concatenated, equal them
+    packed together. The kernel packs output rows in blocks (64 on the CPUs measured), so sizes that are
+    multiples of the block stack; the answer is found by packing, not assumed, on the CPU that runs."""
+    key = (tuple(out_features), in_features)
+    if key not in _stackable:
+        generator = torch.Generator().manual_seed(0)  # not the global one: a user's seeded run stays as it was
+        codes = [torch.randint(0, 16, (n, in_features), dtype=torch.int32, generator=generator) for n in out_features]
+        alone = torch.cat([torch._convert_weight_to_int4pack_for_cpu(c, 1) for c in codes])
+        _stackable[key] = torch.equal(alone, torch._convert_weight_to_int4pack_for_cpu(torch.cat(codes), 1))
+    return _stackable[key]
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

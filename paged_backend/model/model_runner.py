@@ -21,7 +21,7 @@ from paged_backend.core.request import Request
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.kernels import AttentionMetadata
 from paged_backend.kernels.torch_single_row import single_row_step
-from paged_backend.model import compilation, custom_ops, lora
+from paged_backend.model import compilation, custom_ops, fused_projections, lora
 from paged_backend.model.paged_cache import PagedCache
 from paged_backend.model.small_step_linear import small_step_linear
 from paged_backend.sampling.prompt_logprobs import PromptSpan, wanted_targets
@@ -62,6 +62,7 @@ class ModelRunner:
         self.padding: DecodePadding | None = None  # pads decode-only steps, when the engine asks
         self.graphs: DecodeGraphs | None = None  # replays padded decode steps on CUDA, once captured
         self.compiled_structure: tuple | None = None  # the model's structure its forward was compiled for
+        self.fused = False  # steps run the model's projections fused (fused_projections.py), as the engine set
 
     def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run one forward; return the kept logits and the step's inputs: the first rows are those of
@@ -119,15 +120,16 @@ class ModelRunner:
         if self.single_row and not eager and input_ids.shape[-1] == 1:
             extra["paged_single_row"] = single_row_step(metadata, self.cache.kv)
         forward = partial(compilation.logits_of, self.model) if eager else self.forward_model
-        logits = forward(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            cache=self.cache,
-            use_cache=True,
-            paged_cache=self.cache,
-            logits_to_keep=logits_indices,
-            **extra,
-        )
+        with fused_projections.step(self.fused):
+            logits = forward(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                cache=self.cache,
+                use_cache=True,
+                paged_cache=self.cache,
+                logits_to_keep=logits_indices,
+                **extra,
+            )
         return logits[0]
 
     @property
@@ -142,7 +144,10 @@ class ModelRunner:
         return self.compiled and self.device.type == "cpu" and self.cache.kv_scales is None and not self.cache.grouped
 
     def model_unchanged(self) -> bool:
-        """Whether the compiled forward still fits the model (compilation.structure_of); always, when eager."""
+        """Whether the compiled forward still fits the model (compilation.structure_of; always, when eager) and
+        its fused projections still compute the model's own weights (not replaced since)."""
+        if self.fused and not fused_projections.fusion_intact(self.model):
+            return False
         return not self.compiled or compilation.structure_of(self.model) == self.compiled_structure
 
     def compile(self) -> compilation.CompileReport:
@@ -154,7 +159,8 @@ class ModelRunner:
         # single_row says it; otherwise grouping changes no graph (the op reads the groups from the step context).
         settings = {"shapes": shapes, "kv": [list(cache.kv.shape[:3]), cache.kv.shape[4], str(cache.kv.dtype)],
                     "kv_scales": cache.kv_scales is not None, "block_size": cache.block_size,
-                    "single_row": self.device.type == "cpu" and cache.kv_scales is None and not cache.grouped}
+                    "single_row": self.device.type == "cpu" and cache.kv_scales is None and not cache.grouped,
+                    "fused_projections": len(fused_projections.groups_of(self.model)) if self.fused else 0}
 
         def warm(forward: compilation.CompiledForward, title: str) -> float:
             self.forward_model = forward
