@@ -47,6 +47,7 @@ from paged_backend.model.model_loader import check_architecture, eager_type_reas
 from paged_backend.model.model_runner import ModelRunner, StepInputs
 from paged_backend.model.model_state import ModelStates
 from paged_backend.model.paged_cache import KVShape, PagedCache
+from paged_backend.model.recurrent_state import hybrid_state
 from paged_backend.parallel.step_protocol import agree_on_blocks
 from paged_backend.sampling import prompt_logprobs
 from paged_backend.sampling.detokenizer import IncrementalDetokenizer
@@ -85,6 +86,8 @@ class Engine:
         # refused model is left as it came.
         check_step_size(self.config, text_config)
         shape = prepare_model(model, text_config.num_hidden_layers, self.config.self_check)
+        # A hybrid model's recurrent layers keep a state per running request (recurrent_state.py); None otherwise.
+        self.recurrent, state_slots = hybrid_state(model, self.config, compilation.eager_reason() is not None)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.model_states = ModelStates(model)  # the user may change the model between calls
@@ -111,14 +114,16 @@ class Engine:
         if draft is not None:  # as many blocks: the draft reads and writes through the target's block tables
             draft.allocate(num_blocks + pad, self.config.block_size, kv_dtype, param.device,
                            self.config.max_num_batched_tokens)
-        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
-                                 self.cache.groups, self.config.max_num_batched_tokens)
+        self.kv = KVCacheManager(num_blocks, self.config.block_size,
+                                 self.config.enable_prefix_caching and self.recurrent is None,  # no state for a prefix
+                                 self.cache.groups, self.config.max_num_batched_tokens, state_slots)
         self.context_note = ""  # why the context is shorter than the model's positions, when it is
         self.max_model_len = self.resolve_max_model_len(text_config, draft)
         self.speculator = Speculator(spec, draft) if spec is not None else None
         self.loras, lora_slots = self.enable_lora(model)
         self.scheduler = Scheduler(self.config, self.kv, self.speculator, lora_slots)
         self.runner = ModelRunner(model, self.cache, publish_step, lora_slots)
+        self.runner.recurrent = self.recurrent
         if pad:
             self.runner.padding = self.make_padding(shape, scratch_block=num_blocks)
         self.compile_s: float | None = None  # seconds the compile and warm-up took, when compiled
@@ -197,6 +202,8 @@ class Engine:
         """Pad decode-only steps: where they are captured (CUDA), or anywhere when the config says so."""
         config = self.config
         if not config.cuda_graph_sizes or config.pad_decode is False:
+            return False
+        if self.recurrent is not None:  # padding rows would need state slots of their own
             return False
         if config.enable_lora:  # the LoRA hooks run per step (eagerly): a captured step would leave them out
             logger.info("CUDA graphs: LoRA steps run eagerly and unpadded")
@@ -680,8 +687,17 @@ class Engine:
             "prefix_cache_queried_tokens": self.kv.queried_tokens,  # to combine hit rates across engines
             "num_computed_tokens": self.num_computed_tokens,
             **self.group_stats(),
+            **self.recurrent_stats(),
             **(self.speculator.stats() if self.speculator else speculation_stats(0, 0, 0)),
         }
+
+    def recurrent_stats(self) -> dict[str, float]:
+        """A hybrid model's state slots (prefix caching is off for it: prefix_caching_enabled 0)."""
+        if self.recurrent is None:
+            return {}
+        slots = self.kv.state_slots
+        return {"prefix_caching_enabled": 0, "recurrent_slots_total": slots.num_slots,
+                "recurrent_slots_free": slots.num_free, "recurrent_state_bytes": self.recurrent.nbytes}
 
     def group_stats(self) -> dict[str, float]:
         """Blocks in use and the window of each layer group, when window layers free their blocks (a model

@@ -111,7 +111,7 @@ class ShapeProbe(PackedStepCache):
     def __init__(self) -> None:
         super().__init__()
         self.seen: dict[int, tuple[int, int, torch.dtype]] = {}
-        self.routes: dict[int, str] = {}  # layer -> "interface" or "adapter"
+        self.routes: dict[int, str] = {}  # layer -> "interface", "adapter" or "recurrent" (a hybrid's mixer)
         self.windows: dict[int, int | None] = {}  # layer -> the sliding window its attention was given
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -155,6 +155,8 @@ def check_every_layer_driven(model: torch.nn.Module, probe: ShapeProbe, num_laye
     whose attention did not receive the engine's step: that layer would attend over the step's
     own tokens only and produce wrong text without any error."""
     for layer in range(num_layers):
+        if probe.routes.get(layer) == "recurrent" and layer not in probe.seen:
+            continue  # a hybrid model's recurrent mixer: its state lives in state slots, not K/V
         if layer not in probe.seen:
             reason = "never wrote its keys and values through the cache"
         elif layer not in probe.routes:

@@ -8,7 +8,16 @@ forward that hands the step on. The engine calls
 `install_adapters(model)`; `model_loader.SUPPORTED` includes every registered type.
 """
 
-from paged_backend.model.adapters import baichuan, bloom, falcon, mpt, stablelm  # noqa: F401  (each registers its adapter)
+from paged_backend.model.adapters import (  # noqa: F401  (each registers its adapter)
+    baichuan,
+    bloom,
+    falcon,
+    falcon_h1,
+    granitemoehybrid,
+    lfm2,
+    mpt,
+    stablelm,
+)
 from paged_backend.model.adapters.registry import (
     ADAPTERS,
     Adapter,
