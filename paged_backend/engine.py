@@ -21,7 +21,7 @@ from paged_backend.config import (
     DEFAULT_CUDA_KV_FRACTION,
     EngineConfig,
 )
-from paged_backend.core.kv_cache_groups import CacheGroups, one_group, plan_groups
+from paged_backend.core.kv_cache_groups import CacheGroups, plan_groups
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.outputs import (
     CompletionOutput,
@@ -110,7 +110,7 @@ class Engine:
                                     null_block=num_blocks)
         else:
             # A padded decode step's padding rows write to one block beyond those the block pool hands out.
-            self.cache = PagedCache(shape, num_blocks + pad, self.config.block_size, kv_dtype, param.device)
+            self.cache = PagedCache(shape, num_blocks + pad, self.config.block_size, kv_dtype, param.device, groups)
         if draft is not None:  # as many blocks: the draft reads and writes through the target's block tables
             draft.allocate(num_blocks + pad, self.config.block_size, kv_dtype, param.device,
                            self.config.max_num_batched_tokens)
@@ -146,13 +146,14 @@ class Engine:
         """The layer groups of the KV cache: per window, so window layers free their old blocks
         (kv_cache_groups.py), unless the model has no window or this engine needs one block table for all
         layers; then one group keeping every block, as a model without windows has."""
-        groups = plan_groups(list(shape.layer_windows))
+        # A hybrid model's recurrent layers (no_kv_layers) keep no K/V: the pages hold its attention layers only.
+        groups = plan_groups(list(shape.layer_windows), shape.no_kv_layers)
         if not groups.frees_blocks:
-            return one_group(shape.num_layers)
+            return groups
         reason = self.window_memory_refusal(pad, draft)
         if reason is not None:
             logger.info("sliding windows: every layer keeps every block (%s)", reason)
-            return one_group(shape.num_layers)
+            return plan_groups([None] * shape.num_layers, shape.no_kv_layers)
         return groups
 
     def window_memory_refusal(self, pad: bool, draft: DraftProposer | None) -> str | None:

@@ -28,12 +28,15 @@ class KVShape:
     head_dim: int
     # Each layer's sliding window as its attention received it (None: full attention); () when not probed.
     layer_windows: tuple[int | None, ...] = ()
+    # Layers that keep no K/V: a hybrid model's recurrent layers, whose state lives in state slots.
+    no_kv_layers: tuple[int, ...] = ()
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of one block in every layer, stored as `dtype` (int8: plus a scale per token and head)."""
+        """K and V of one block in every layer that keeps K/V, stored as `dtype` (int8: plus a scale per token
+        and head)."""
         elem = torch.empty((), dtype=dtype).element_size()
         row = self.head_dim * elem + (SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
-        return 2 * self.num_layers * self.num_kv_heads * block_size * row
+        return 2 * (self.num_layers - len(self.no_kv_layers)) * self.num_kv_heads * block_size * row
 
 
 class PackedStepCache(Cache):
@@ -90,8 +93,9 @@ class PagedCache(PackedStepCache):
 
     @property
     def grouped(self) -> bool:
-        """Whether layers read their own group's block tables (else every layer reads the one table)."""
-        return self.groups.num_groups > 1 or self.groups.frees_blocks
+        """Whether layers read their own group's block tables and cache positions (else every layer reads the one
+        table, layer `l` at `kv[l]`): several groups, a window group, or a hybrid's group of its attention layers."""
+        return self.groups.num_groups > 1 or self.groups.frees_blocks or not self.groups.every_layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Hand the new K/V `[1, KVH, T, D]` back unwritten: the attention function that receives them
@@ -147,7 +151,8 @@ def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
             f"K/V of one shape; saw shapes (kv_heads, head_dim) {sorted(shapes)}"
         )
     (heads, head_dim), = shapes
-    return KVShape(num_layers, heads, head_dim, tuple(probe.windows.get(layer) for layer in range(num_layers)))
+    no_kv = tuple(layer for layer in range(num_layers) if layer not in probe.seen)  # recurrent (checked above)
+    return KVShape(num_layers, heads, head_dim, tuple(probe.windows.get(layer) for layer in range(num_layers)), no_kv)
 
 
 def check_every_layer_driven(model: torch.nn.Module, probe: ShapeProbe, num_layers: int) -> None:

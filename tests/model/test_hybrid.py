@@ -156,3 +156,13 @@ def test_self_check_refuses_a_mixer_that_forgets_its_state(name, monkeypatch):
     with pytest.raises(UnsupportedArchitectureError, match="logits differ"):
         Engine(model, None, EngineConfig(num_kv_blocks=16))
     assert not any(hasattr(m, "_paged_original_forward") for m in model.modules())
+
+
+def test_recurrent_layers_keep_no_kv(model):
+    """The pages hold the attention layer alone: a K/V budget buys blocks of one layer, not of three."""
+    engine = Engine(model, None, EngineConfig(kv_cache_bytes=1 << 20, block_size=4))
+    shape = engine.cache.shape
+    assert shape.no_kv_layers == (0, 2) and engine.cache.kv.shape[0] == 1
+    per_block = 2 * shape.num_kv_heads * 4 * shape.head_dim * 4  # K and V of one layer, fp32
+    assert shape.bytes_per_block(4, torch.float32) == per_block
+    assert engine.kv.pool.num_blocks == (1 << 20) // per_block
