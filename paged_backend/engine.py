@@ -22,7 +22,7 @@ from paged_backend.config import (
     DEFAULT_CUDA_KV_FRACTION,
     EngineConfig,
 )
-from paged_backend.core.kv_cache_groups import CacheGroups, one_group, plan_groups
+from paged_backend.core.kv_cache_groups import CacheGroups, plan_groups
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.outputs import RequestOutput
 from paged_backend.core.pooling import PoolingParams, matryoshka_dimensions
@@ -41,6 +41,7 @@ from paged_backend.model.model_runner import ModelRunner, StepInputs
 from paged_backend.model.model_state import ModelStates
 from paged_backend.model.paged_cache import KVShape, PagedCache
 from paged_backend.output_processor import OutputProcessor
+from paged_backend.model.recurrent_state import hybrid_state
 from paged_backend.parallel.step_protocol import agree_on_blocks
 from paged_backend.sampling import prompt_logprobs
 from paged_backend.sampling.grammar_queue import GrammarQueue
@@ -90,6 +91,8 @@ class Engine:
         check_step_size(self.config, text_config)
         shape = prepare_model(model, text_config.num_hidden_layers, self.config.self_check)
         fused = fused_projections.fuse_for_engine(model, self.config.fuse_projections)
+        # A hybrid model's recurrent layers keep a state per running request (recurrent_state.py); None otherwise.
+        self.recurrent, state_slots = hybrid_state(model, self.config, compilation.eager_reason() is not None)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.model_states = ModelStates(model)  # the user may change the model between calls
@@ -112,12 +115,13 @@ class Engine:
                                     null_block=num_blocks)
         else:
             # A padded decode step's padding rows write to one block beyond those the block pool hands out.
-            self.cache = PagedCache(shape, num_blocks + pad, self.config.block_size, kv_dtype, param.device)
+            self.cache = PagedCache(shape, num_blocks + pad, self.config.block_size, kv_dtype, param.device, groups)
         if draft is not None:  # as many blocks: the draft reads and writes through the target's block tables
             draft.allocate(num_blocks + pad, self.config.block_size, kv_dtype, param.device,
                            self.config.max_num_batched_tokens)
-        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
-                                 self.cache.groups, self.config.max_num_batched_tokens)
+        self.kv = KVCacheManager(num_blocks, self.config.block_size,
+                                 self.config.enable_prefix_caching and self.recurrent is None,  # no state for a prefix
+                                 self.cache.groups, self.config.max_num_batched_tokens, state_slots)
         self.context_note = ""  # why the context is shorter than the model's positions, when it is
         self.max_model_len = self._resolve_max_model_len(text_config, draft)
         self.speculator = Speculator(spec, draft) if spec is not None else None
@@ -125,6 +129,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.kv, self.speculator, lora_slots)
         self.runner = ModelRunner(model, self.cache, publish_step, lora_slots)
         self.runner.fused = fused
+        self.runner.recurrent = self.recurrent
         if pad:
             self.runner.padding = self._make_padding(shape, scratch_block=num_blocks)
         self.compile_s: float | None = None  # seconds the compile and warm-up took, when compiled
@@ -149,13 +154,14 @@ class Engine:
         """The layer groups of the KV cache: per window, so window layers free their old blocks
         (kv_cache_groups.py), unless the model has no window or this engine needs one block table for all
         layers; then one group keeping every block, as a model without windows has."""
-        groups = plan_groups(list(shape.layer_windows))
+        # A hybrid model's recurrent layers (no_kv_layers) keep no K/V: the pages hold its attention layers only.
+        groups = plan_groups(list(shape.layer_windows), shape.no_kv_layers)
         if not groups.frees_blocks:
-            return one_group(shape.num_layers)
+            return groups
         reason = self._window_memory_refusal(pad, draft)
         if reason is not None:
             logger.info("sliding windows: every layer keeps every block (%s)", reason)
-            return one_group(shape.num_layers)
+            return plan_groups([None] * shape.num_layers, shape.no_kv_layers)
         return groups
 
     def _window_memory_refusal(self, pad: bool, draft: DraftProposer | None) -> str | None:
@@ -205,6 +211,8 @@ class Engine:
         """Pad decode-only steps: where they are captured (CUDA), or anywhere when the config says so."""
         config = self.config
         if not config.cuda_graph_sizes or config.pad_decode is False:
+            return False
+        if self.recurrent is not None:  # padding rows would need state slots of their own
             return False
         if config.enable_lora:  # the LoRA hooks run per step (eagerly): a captured step would leave them out
             logger.info("CUDA graphs: LoRA steps run eagerly and unpadded")
@@ -492,8 +500,17 @@ class Engine:
             "prefix_cache_queried_tokens": self.kv.queried_tokens,  # to combine hit rates across engines
             "num_computed_tokens": self.scheduler.num_computed_tokens,
             **group_stats(self.kv),
+            **self._recurrent_stats(),
             **(self.speculator.stats() if self.speculator else speculation_stats(0, 0, 0)),
         }
+
+    def _recurrent_stats(self) -> dict[str, float]:
+        """A hybrid model's state slots (prefix caching is off for it: prefix_caching_enabled 0)."""
+        if self.recurrent is None:
+            return {}
+        slots = self.kv.state_slots
+        return {"prefix_caching_enabled": 0, "recurrent_slots_total": slots.num_slots,
+                "recurrent_slots_free": slots.num_free, "recurrent_state_bytes": self.recurrent.nbytes}
 
 
 def group_stats(kv: KVCacheManager) -> dict[str, float]:

@@ -105,6 +105,7 @@ def supported_models_table() -> str:
 
     from paged_backend.model.adapters import ADAPTERS
     from paged_backend.model.model_loader import SUPPORTED
+    from paged_backend.model.recurrent_state import STATE_LAYOUTS
 
     tested = tested_configurations()
     rows = ["| `model_type` | transformers class | attention reaches the paged cache through | tiny test models |",
@@ -116,6 +117,9 @@ def supported_models_table() -> str:
             source = f"`{adapter.paged_forward.__module__.replace('.', '/')}.py`"
             route = (f"the interface, with an adapter that hands the step on ({source})" if adapter.uses_interface
                      else f"an adapter ({source}) that calls the paged kernels")
+            if model_type in STATE_LAYOUTS:
+                route = (f"the interface; its recurrent layers run from state slots through an adapter ({source}); "
+                         "no prefix caching")
         models = ", ".join(f"`{name}`" for name in tested.get(model_type, [])) or "synthetic checkpoints (`tests/helpers/adapters.py`)"
         rows.append(f"| `{model_type}` | `{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, '(remote code)')}` | {route} | {models} |")
     return "\n".join(rows)

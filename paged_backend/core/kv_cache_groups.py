@@ -15,6 +15,8 @@ layer; a model whose layers all slide alike gets one group of all its layers. A 
 multiple of `group_size` leaves positions of its last group's pages unused.
 
 A model without windows gets one group of every layer: its pages are exactly the blocks it always had.
+A hybrid model's recurrent layers keep no K/V (their state lives in state slots): they belong to no group and
+have no position in the pages.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ class CacheGroups:
         return len(self.layer_group)
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V (all but a hybrid model's recurrent ones)."""
+        return sum(len(group.layers) for group in self.groups)
+
+    @property
+    def every_layer(self) -> bool:
+        """Whether layer `l` sits at position `l` of the pages: the layout of a cache without groups, where layer `l`
+        is `kv[l]`."""
+        return self.layer_position == tuple(range(self.num_layers))
+
+    @property
     def num_groups(self) -> int:
         return len(self.groups)
 
@@ -59,8 +72,8 @@ class CacheGroups:
         return any(group.window is not None for group in self.groups)
 
     def pages_for(self, num_blocks: int) -> int:
-        """Pages holding the memory of `num_blocks` blocks of every layer."""
-        return num_blocks * self.num_layers // self.group_size
+        """Pages holding the memory of `num_blocks` blocks of every layer that keeps K/V."""
+        return num_blocks * self.num_kv_layers // self.group_size
 
     def blocks_alone(self, num_tokens: int, step_tokens: int, block_size: int) -> int:
         """Pages a lone request holds at its largest, when it has `num_tokens` tokens and a step computes
@@ -83,13 +96,15 @@ def one_group(num_layers: int) -> CacheGroups:
                        (0,) * num_layers, tuple(range(num_layers)))
 
 
-def plan_groups(windows: list[int | None]) -> CacheGroups:
-    """Groups for layers with these windows (None: full attention), in layer order within each kind."""
-    if all(window is None for window in windows):
+def plan_groups(windows: list[int | None], no_kv_layers: tuple[int, ...] = ()) -> CacheGroups:
+    """Groups for layers with these windows (None: full attention), in layer order within each kind; the layers
+    `no_kv_layers` (a hybrid's recurrent ones) in none (their group and position entries are 0, never read)."""
+    if not no_kv_layers and all(window is None for window in windows):
         return one_group(len(windows))
     kinds: dict[int | None, list[int]] = {}
     for layer, window in enumerate(windows):
-        kinds.setdefault(window, []).append(layer)
+        if layer not in no_kv_layers:
+            kinds.setdefault(window, []).append(layer)
     size = min(len(layers) for layers in kinds.values())
     groups: list[LayerGroup] = []
     layer_group = [0] * len(windows)

@@ -25,6 +25,7 @@ import struct
 from paged_backend.core.block_pool import BlockHash, BlockKey, BlockPool
 from paged_backend.core.kv_cache_groups import CacheGroups, LayerGroup, one_group
 from paged_backend.core.request import Request
+from paged_backend.core.state_slots import StateSlots
 
 # A context no request reaches: the capacity of a cache whose every group slides (a lone request never
 # outgrows its windows).
@@ -47,16 +48,19 @@ def hash_block(key: BlockKey) -> BlockHash:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 groups: CacheGroups | None = None, max_step_tokens: int | None = None) -> None:
+                 groups: CacheGroups | None = None, max_step_tokens: int | None = None,
+                 state_slots: StateSlots | None = None) -> None:
         """`groups`: the layer groups (None: one group of every layer, keeping every block). `max_step_tokens`:
         the most tokens one step computes for a request, which a window group must hold besides its
-        window (None: a whole request's)."""
+        window (None: a whole request's). `state_slots`: a hybrid model's recurrent-state slots, one held by
+        each request from its first blocks until they are freed (None: the model has no recurrent layers)."""
         self.block_size = block_size
         self.groups = groups or one_group(1)
         self.pool = BlockPool(num_blocks, self.groups.num_groups)
         self.null_block = num_blocks  # the page after the pool's: what freed window entries point at
         self.max_step_tokens = max_step_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = state_slots
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -192,7 +196,15 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the request's block tables to hold `num_new_tokens` more computed tokens; False if full.
-        First, each window group frees the blocks that fell out of its window."""
+        First, each window group frees the blocks that fell out of its window. A hybrid model's request
+        also takes its recurrent-state slot with its first blocks."""
+        if not self.grow_tables(request, num_new_tokens):
+            return False
+        if self.state_slots is not None and request.state_slot is None:
+            request.state_slot = self.state_slots.allocate()
+        return True
+
+    def grow_tables(self, request: Request, num_new_tokens: int) -> bool:
         if not self.groups.frees_blocks:
             needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
             if needed <= 0:
@@ -246,6 +258,9 @@ class KVCacheManager:
             self.pool.free([b for b in reversed(table) if b != self.null_block])
         request.block_tables = [[] for _ in request.block_tables]
         request.block_hashes = []
+        if request.state_slot is not None:
+            self.state_slots.free(request.state_slot)
+            request.state_slot = None
 
     def blocks_per_group(self) -> list[int]:
         """Blocks in use by each layer group (a block shared by several requests counted once)."""

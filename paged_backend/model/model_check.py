@@ -6,7 +6,9 @@ self-check catches anything else that makes paged logits differ (a new architect
 tested yet), for the price of three small forwards. Attention sinks (gpt-oss) take part in every
 row, so the check covers them as it is; a chunked-attention model (Llama 4) runs the check with its
 chunk shrunk to CHECK_CHUNK positions, so both sequences cross a chunk boundary, in prefill and in
-the cached chunk and decode step alike. A model that fails either is put back exactly
+the cached chunk and decode step alike. A hybrid model's recurrent layers run from state slots of their own
+(recurrent_state.py), so the check covers a chunk that continues a state and a decode step that advances one.
+A model that fails either is put back exactly
 as it came (attention implementation, adapters) and refused with `UnsupportedArchitectureError`.
 """
 
@@ -26,6 +28,7 @@ from paged_backend.model.adapters import install_adapters, uninstall_adapters
 from paged_backend.model.attention import ATTENTION_NAME, register
 from paged_backend.model.model_runner import ModelRunner, StepInputs
 from paged_backend.model.paged_cache import KVShape, PagedCache, probe_kv_shape
+from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep, state_layout
 
 # Largest |paged - dense| logit difference accepted, relative to the largest |dense logit| (at least
 # 1): fp32 differs only by summation order; half precisions round every layer's activations.
@@ -130,11 +133,16 @@ def paged_logits(model: PreTrainedModel, shape: KVShape, seqs: list[torch.Tensor
     num_blocks = 1 + max(b for table in CHECK_TABLES for b in table)
     cache = PagedCache(shape, num_blocks, CHECK_BLOCK_SIZE, dtype, device)
     runner = ModelRunner(model, cache)
-    return torch.cat([runner.forward(step_inputs(step, seqs, device)) for step in CHECK_STEPS])
+    layout = state_layout(model.config.get_text_config())
+    if layout is not None:  # a hybrid model: sequence i in state slot i
+        runner.recurrent = RecurrentState(layout, len(seqs), dtype, device)
+    return torch.cat([runner.forward(step_inputs(step, seqs, device, layout is not None)) for step in CHECK_STEPS])
 
 
-def step_inputs(step: tuple[tuple[int, int], ...], seqs: list[torch.Tensor], device: torch.device) -> StepInputs:
-    """One packed step `[(start, end) per sequence]` as the model runner would build it."""
+def step_inputs(step: tuple[tuple[int, int], ...], seqs: list[torch.Tensor], device: torch.device,
+                recurrent: bool = False) -> StepInputs:
+    """One packed step `[(start, end) per sequence]` as the model runner would build it (with `recurrent`,
+    sequence i's state in slot i)."""
     def on_device(values) -> torch.Tensor:
         return torch.tensor(values, device=device)
 
@@ -161,7 +169,9 @@ def step_inputs(step: tuple[tuple[int, int], ...], seqs: list[torch.Tensor], dev
     ids = torch.cat([seqs[i][lo:hi] for i, (lo, hi) in enumerate(step)])
     return StepInputs(input_ids=ids[None], position_ids=on_device(positions)[None],
                       logits_indices=torch.arange(len(ids), device=device), sampling_requests=[],
-                      metadata=metadata)
+                      metadata=metadata,
+                      recurrent=RecurrentStep(tuple(starts), tuple(lo for lo, _ in step),
+                                              tuple(range(len(step)))) if recurrent else None)
 
 
 def usable_context(text_config) -> tuple[int, str] | None:

@@ -93,6 +93,15 @@ SUPPORTED: frozenset[str] = INTERFACE_TYPES | ADAPTED_TYPES
 EAGER_TYPES: dict[str, str] = {
     "llama4_text": "Llama 4's forward does not compile under the engine's dynamic shapes (inductor fails to lower "
                    "the reshape of its attention output in steps of more than one token), so it runs eagerly",
+    "lfm2": "its short-convolution layers run each sequence of a step from its state slot in a Python loop over "
+            "the step's sequences (recurrent_state.py), which a graph compiled for every step would not hold, so "
+            "it runs eagerly",
+    "granitemoehybrid": "its Mamba-2 layers run each sequence of a step from its state slot in a Python loop over "
+                        "the step's sequences (recurrent_state.py), which a graph compiled for every step would not "
+                        "hold, so it runs eagerly",
+    "falcon_h1": "its Mamba-2 mixers run each sequence of a step from its state slot in a Python loop over the "
+                 "step's sequences (recurrent_state.py), which a graph compiled for every step would not hold, so "
+                 "it runs eagerly",
 }
 
 # Model types users ask about that are refused, with the reason (an unlisted type gets a generic one).
@@ -105,12 +114,6 @@ UNSUPPORTED_REASONS: dict[str, str] = {
               "supported) and pass the loaded model",
     "qwen3_next": "it is a hybrid model whose gated delta-net (linear attention) layers keep a recurrent state per "
                   "sequence, which the paged engine does not hold yet",
-    "granitemoehybrid": "it is a hybrid model whose Mamba-2 layers keep a recurrent state per sequence, which the "
-                        "paged engine does not hold yet",
-    "falcon_h1": "it is a hybrid model whose Mamba-2 mixers (beside attention in every layer) keep a recurrent "
-                 "state per sequence, which the paged engine does not hold yet",
-    "lfm2": "it is a hybrid model whose short convolution layers keep a state per sequence, which the paged "
-            "engine does not hold yet",
 }
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {

@@ -23,6 +23,7 @@ from paged_backend.kernels import AttentionMetadata
 from paged_backend.kernels.torch_single_row import single_row_step
 from paged_backend.model import compilation, custom_ops, fused_projections, lora
 from paged_backend.model.paged_cache import PagedCache
+from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep, recurrent_context
 from paged_backend.model.small_step_linear import small_step_linear
 from paged_backend.sampling.prompt_logprobs import PromptSpan, wanted_targets
 
@@ -47,6 +48,8 @@ class StepInputs(NamedTuple):
     group_metadata: tuple[AttentionMetadata, ...] | None = None
     # The rows the step's pooling requests take from the final hidden states (None: no pooling request).
     pooling: PoolingRows | None = None
+    # A hybrid model's step (recurrent_state.py): each sequence's segment, progress and state slot. None: no state.
+    recurrent: RecurrentStep | None = None
 
 
 class ModelRunner:
@@ -63,6 +66,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # replays padded decode steps on CUDA, once captured
         self.compiled_structure: tuple | None = None  # the model's structure its forward was compiled for
         self.fused = False  # steps run the model's projections fused (fused_projections.py), as the engine set
+        self.recurrent: RecurrentState | None = None  # a hybrid model's recurrent-layer state, when it has one
 
     def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run one forward; return the kept logits and the step's inputs: the first rows are those of
@@ -82,7 +86,7 @@ class ModelRunner:
         groups = self.cache.groups if inputs.group_metadata is not None else None
         with (custom_ops.step_context(inputs.metadata, self.cache.kv, self.cache.kv_scales, inputs.group_metadata,
                                       groups),
-              lora.step_context(inputs.lora)):
+              lora.step_context(inputs.lora), recurrent_context(self.recurrent, inputs.recurrent)):
             if inputs.pooling is not None:
                 return self.forward_pooling(inputs)
             logits = self.graphs.replay(inputs) if self.graphs is not None and inputs.real_rows is not None else None
@@ -209,7 +213,16 @@ class ModelRunner:
             group_metadata=(self.group_metadata(requests, tables, positions, starts, counts, metadata)
                             if self.cache.grouped else None),
             pooling=pooling_rows(requests, starts, ends, query_start_loc, self.to_device),
+            recurrent=self.recurrent_step(requests, starts, query_start_loc),
         )
+
+    def recurrent_step(self, requests: list[Request], starts: np.ndarray, query_start_loc: np.ndarray
+                       ) -> RecurrentStep | None:
+        """A hybrid model's step: where each request's tokens sit, what it had computed, and its state slot."""
+        if self.recurrent is None:
+            return None
+        return RecurrentStep(tuple(query_start_loc.tolist()), tuple(starts.tolist()),
+                             tuple(r.state_slot for r in requests))
 
     def group_metadata(self, requests: list[Request], first_tables: np.ndarray, positions: np.ndarray,
                        starts: np.ndarray, counts: np.ndarray, first: AttentionMetadata) -> tuple[AttentionMetadata, ...]:

@@ -31,6 +31,8 @@ class KVShape:
     # A latent cache (multi-head latent attention, latent_cache.py): one row of `head_dim` per token and layer,
     # whose first `latent_value_dim` entries are also its value. None: separate K and V rows.
     latent_value_dim: int | None = None
+    # Layers that keep no K/V: a hybrid model's recurrent layers, whose state lives in state slots.
+    no_kv_layers: tuple[int, ...] = ()
 
     @property
     def planes(self) -> int:
@@ -38,11 +40,11 @@ class KVShape:
         return 2 if self.latent_value_dim is None else 1
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """K and V (or the latent) of one block in every layer, stored as `dtype` (int8: plus a scale per token
-        and head)."""
+        """K and V (or the latent) of one block in every layer that keeps them, stored as `dtype` (int8: plus a
+        scale per token and head)."""
         elem = torch.empty((), dtype=dtype).element_size()
         row = self.head_dim * elem + (SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
-        return self.planes * self.num_layers * self.num_kv_heads * block_size * row
+        return self.planes * (self.num_layers - len(self.no_kv_layers)) * self.num_kv_heads * block_size * row
 
 
 class PackedStepCache(Cache):
@@ -100,8 +102,9 @@ class PagedCache(PackedStepCache):
 
     @property
     def grouped(self) -> bool:
-        """Whether layers read their own group's block tables (else every layer reads the one table)."""
-        return self.groups.num_groups > 1 or self.groups.frees_blocks
+        """Whether layers read their own group's block tables and cache positions (else every layer reads the one
+        table, layer `l` at `kv[l]`): several groups, a window group, or a hybrid's group of its attention layers."""
+        return self.groups.num_groups > 1 or self.groups.frees_blocks or not self.groups.every_layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Hand the new K/V `[1, KVH, T, D]` back unwritten: the attention function that receives them
@@ -121,7 +124,7 @@ class ShapeProbe(PackedStepCache):
     def __init__(self) -> None:
         super().__init__()
         self.seen: dict[int, tuple[int, int, torch.dtype]] = {}
-        self.routes: dict[int, str] = {}  # layer -> "interface" or "adapter"
+        self.routes: dict[int, str] = {}  # layer -> "interface", "adapter" or "recurrent" (a hybrid's mixer)
         self.windows: dict[int, int | None] = {}  # layer -> the sliding window its attention was given
         self.latent_value_dims: dict[int, int] = {}  # layer -> its latent's value width, for a latent cache
 
@@ -168,8 +171,9 @@ def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
         raise UnsupportedArchitectureError(
             f"{type(model).__name__}: the paged cache needs every layer to cache one kind of row; layers "
             f"{sorted(probe.latent_value_dims)} of {num_layers} cache a latent (value widths {sorted(latent)})")
+    no_kv = tuple(layer for layer in range(num_layers) if layer not in probe.seen)  # recurrent (checked above)
     return KVShape(num_layers, heads, head_dim, tuple(probe.windows.get(layer) for layer in range(num_layers)),
-                   latent.pop() if latent else None)
+                   latent_value_dim=latent.pop() if latent else None, no_kv_layers=no_kv)
 
 
 def check_every_layer_driven(model: torch.nn.Module, probe: ShapeProbe, num_layers: int) -> None:
@@ -177,6 +181,8 @@ def check_every_layer_driven(model: torch.nn.Module, probe: ShapeProbe, num_laye
     whose attention did not receive the engine's step: that layer would attend over the step's
     own tokens only and produce wrong text without any error."""
     for layer in range(num_layers):
+        if probe.routes.get(layer) == "recurrent" and layer not in probe.seen:
+            continue  # a hybrid model's recurrent mixer: its state lives in state slots, not K/V
         if layer not in probe.seen:
             reason = "never wrote its keys and values through the cache"
         elif layer not in probe.routes:

@@ -90,6 +90,24 @@ CONFIGS = {
     "deepseek_v3_plain": lambda: _auto("deepseek_v3", **_deepseek_v3_common(), q_lora_rank=None,
                                        rope_interleave=False,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Hybrid: short-convolution layers (a state of the last conv_L_cache - 1 inputs per sequence) around an
+    # attention layer.
+    "lfm2": lambda: _auto("lfm2", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                          layer_types=["conv", "full_attention", "conv"]),
+    # Hybrid: Mamba-2 layers (a convolution window and an SSM state per sequence; 8-token scan chunks, so prompts
+    # span several) around a rotary attention layer, with a mixture of experts.
+    "granitemoehybrid": lambda: _auto("granitemoehybrid", num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                      position_embedding_type="rope", mamba_n_heads=8, mamba_d_head=16,
+                                      mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=8, num_local_experts=4,
+                                      num_experts_per_tok=2, shared_intermediate_size=64),
+    # Hybrid: every layer runs attention and a Mamba-2 mixer side by side (µP multipliers off their defaults,
+    # gated RMS norm on, 8-token scan chunks).
+    "falcon_h1": lambda: _auto("falcon_h1", num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
+                               mamba_d_head=8, mamba_d_ssm=64, mamba_d_state=16, mamba_n_groups=1,
+                               mamba_chunk_size=8, mamba_rms_norm=True, attention_in_multiplier=0.8,
+                               ssm_out_multiplier=0.7, ssm_in_multiplier=1.2,
+                               ssm_multipliers=[1.0, 0.9, 1.1, 1.0, 0.8]),
     # Its decoder layer drops forward keywords on the way to attention: runs through its adapter.
     "stablelm": lambda: tf.StableLmConfig(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
                                           **_common()),
@@ -109,7 +127,7 @@ def _deepseek_v3_common() -> dict:
 
 def _auto(model_type: str, **kwargs) -> tf.PretrainedConfig:
     """A tiny config of a type without a config class exported at the top level, with in-vocabulary special ids."""
-    return tf.AutoConfig.for_model(model_type, pad_token_id=0, bos_token_id=1, eos_token_id=2, **_common(), **kwargs)
+    return tf.AutoConfig.for_model(model_type, pad_token_id=0, bos_token_id=1, eos_token_id=2, **{**_common(), **kwargs})
 
 
 def build(arch: str, seed: int = 0) -> tf.PreTrainedModel:

@@ -14,6 +14,9 @@ from paged_backend.model.adapters import (  # noqa: F401  (each registers its ad
     bloom,
     deepseek_v3,
     falcon,
+    falcon_h1,
+    granitemoehybrid,
+    lfm2,
     mpt,
     stablelm,
 )

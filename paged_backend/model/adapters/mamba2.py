@@ -1,0 +1,39 @@
+"""Mamba-2 mixers of hybrid models (Granite 4.0 hybrid, Falcon-H1), run from state slots.
+
+Per sequence and layer a Mamba-2 mixer keeps the last `mamba_d_conv` inputs of its causal convolution and an
+SSM state `[heads, head_dim, d_state]` (fp32, as transformers keeps it). transformers 5.25 factors the mixer's
+cache use into `causal_conv1d_forward` and `mamba2_scan_forward`, which reach the cache through a handful of
+methods; the paged forward runs the mixer's own forward on each sequence of the packed row with a `SlotView`
+(recurrent_state.py) as that cache. That is transformers' own torch path: its chunked scan for a prefill
+chunk (from the slot's state when the sequence continues), its one-token recurrence for a decode token. The
+price is one mixer call per sequence of the step (its projections included) instead of one per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paged_backend.model.paged_cache import PackedStepCache, ShapeProbe
+from paged_backend.model.recurrent_state import StateSpec, slot_views
+
+
+def mamba2_layout(config, layers: list[int], inner: int) -> dict[int, tuple[StateSpec, ...]]:
+    """The state of each of `layers`, Mamba-2 mixers with `inner` channels before their output projection."""
+    conv_dim = inner + 2 * config.mamba_n_groups * config.mamba_d_state
+    conv = StateSpec((conv_dim, config.mamba_d_conv))
+    ssm = StateSpec((config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state), torch.float32)
+    return {layer: (conv, ssm) for layer in layers}
+
+
+def paged_forward(module: nn.Module, cache: PackedStepCache, hidden_states: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """`hidden_states [1, T, hidden]` of the packed step -> the mixer's output `[1, T, hidden]`."""
+    forward = module._paged_original_forward
+    if isinstance(cache, ShapeProbe):  # the start-up probe: one sequence from a zero state
+        cache.reached(module.layer_idx, "recurrent")
+        return forward(hidden_states, cache=None)
+    out = torch.empty_like(hidden_states)
+    for lo, hi, view in slot_views(module.layer_idx):
+        out[:, lo:hi] = forward(hidden_states[:, lo:hi], cache=view)
+    return out
