@@ -339,7 +339,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
     def stream_state(self, call: PreparedCall) -> StreamState:
         """With a reasoning parser, the thinking streams apart; with tools, only certain content streams,
         and each call's name and arguments as they are written; what is left comes parsed in the last chunk."""
-        thinking = ReasoningStream(call.reasoning, call.opened) if call.reasoning else None
+        thinking = call.reasoning.stream(call.opened) if call.reasoning else None
         if not call.tools:
             return StreamState(thinking, None)
         if call.own_parser:  # transformers' parser runs on the whole text: hold everything back

@@ -26,7 +26,6 @@ from typing import Any
 
 from paged_backend.entrypoints.reasoning import (
     ReasoningParser,
-    ReasoningStream,
     budget_processor,
     prompt_tail,
     reasoning_tokens,
@@ -128,7 +127,7 @@ class AnswerStream:
 
     def __init__(self, plan: AnswerPlan) -> None:
         self.plan = plan
-        self.thinking = ReasoningStream(plan.reasoning, plan.opened) if plan.reasoning else None
+        self.thinking = plan.reasoning.stream(plan.opened) if plan.reasoning else None
         self.tools = ToolCallStreamer(plan.tool_parser, plan.tools, plan.prefix) if plan.tool_parser else None
 
     def push(self, delta: str) -> Pieces:

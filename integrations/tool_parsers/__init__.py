@@ -21,13 +21,15 @@ from .base import (
     content_so_far,
     keeps_special_tokens,
 )
+from .harmony import HarmonyParser
 from .hermes import HermesParser
 from .llama3_json import Llama3JsonParser
 from .mistral import MistralParser
 from .qwen3_coder import Qwen3CoderParser
 
 PARSERS: dict[str, ToolParser] = {parser.name: parser for parser in
-                                  (HermesParser(), Llama3JsonParser(), MistralParser(), Qwen3CoderParser())}
+                                  (HermesParser(), Llama3JsonParser(), MistralParser(), Qwen3CoderParser(),
+                                                HarmonyParser())}
 AUTO = "auto"
 HERMES = PARSERS["hermes"]
 
@@ -60,6 +62,8 @@ def detect_tool_parser(chat_template: Any) -> ToolParser | None:
         found.append("mistral")
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
         found.append("llama3_json")
+    if "<|channel|>" in chat_template and "<|message|>" in chat_template:
+        found.append("harmony")  # gpt-oss: calls are messages to functions.NAME
     return PARSERS[found[0]] if len(found) == 1 else None
 
 

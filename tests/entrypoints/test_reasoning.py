@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from paged_backend.entrypoints.reasoning import (
-    ReasoningStream,
     budget_processor,
     detect_reasoning_parser,
     get_reasoning_parser,
@@ -17,7 +16,7 @@ from paged_backend.entrypoints.reasoning import (
     resolve_reasoning_parser,
 )
 
-QWEN3, R1, MISTRAL = (get_reasoning_parser(n) for n in ("qwen3", "deepseek_r1", "mistral"))
+QWEN3, R1, MISTRAL, HARMONY = (get_reasoning_parser(n) for n in ("qwen3", "deepseek_r1", "mistral", "harmony"))
 
 CASES = [
     (QWEN3, False, "<think>\nLet me see.\n</think>\n\nThe answer is 4.", "Let me see.\n", "The answer is 4."),
@@ -27,6 +26,11 @@ CASES = [
     (R1, R1.opens_thinking("<|Assistant|>"), "Let me see.</think>\n\n4", "Let me see.", "4"),  # R1: open by default
     (MISTRAL, False, "[THINK]Hmm.[/THINK]Yes.", "Hmm.", "Yes."),
     (QWEN3, False, "a <think>b</think> c </think>d<think>e", "be", "a c d"),  # stray markers are dropped too
+    # gpt-oss (harmony): the analysis channel is the thinking, the final channel the answer.
+    (HARMONY, False, "<|channel|>analysis<|message|>Let me see.<|end|><|start|>assistant<|channel|>final<|message|>4",
+     "Let me see.", "4"),
+    (HARMONY, True, "Let me see.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>", "Let me see.", "4"),
+    (HARMONY, False, "<|channel|>final<|message|>4", None, "4"),
 ]
 
 
@@ -46,7 +50,7 @@ def chunkings(text: str) -> list[list[str]]:
 def test_split_streamed_or_not(parser, opened: bool, text: str, reasoning, content: str) -> None:
     assert parser.split(text, opened) == (reasoning, content)
     for pieces in chunkings(text):
-        stream = ReasoningStream(parser, opened)
+        stream = parser.stream(opened)
         outs = [stream.push(p) for p in pieces] + [stream.finish()]
         assert "".join(o.reasoning for o in outs) == (reasoning or "")
         assert "".join(o.content for o in outs) == content
@@ -66,7 +70,7 @@ def test_detection_and_names() -> None:
     assert detect_reasoning_parser("{{ '<｜Assistant｜>' }}{{ c.split('</think>')[-1] }}<think>") is R1
     assert detect_reasoning_parser("{{ messages }}") is None
     assert detect_reasoning_parser("<think></think>[THINK][/THINK]") is None  # two formats: not unambiguous
-    with pytest.raises(ValueError, match="reasoning_parser='nope'.*known: \\['deepseek_r1', 'mistral', 'qwen3'\\]"):
+    with pytest.raises(ValueError, match="reasoning_parser='nope'.*known: \\['deepseek_r1', 'harmony', 'mistral', 'qwen3'\\]"):
         get_reasoning_parser("nope")
     assert resolve_reasoning_parser("none", None) is None and resolve_reasoning_parser(None, None) is None
 

@@ -20,20 +20,34 @@ from paged_backend import LLM
 
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|python_tag|>", "[ARGS]", "[THINK]", "[/THINK]"]
 SPECIAL_MARKERS = ["[TOOL_CALLS]"]  # a control token in Mistral's tokenizers: decoding drops it unless told not to
+HARMONY_MARKERS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
 
 
 def marker_tokenizer(corpus: list[str], chat_template: str) -> tf.PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer with ChatML specials and every format's markers as single tokens."""
+    fast = bpe_tokenizer(corpus, chat_template, ["<|im_start|>", "<|im_end|>"], eos="<|im_end|>")
+    fast.add_tokens(MARKERS)
+    fast.add_tokens(SPECIAL_MARKERS, special_tokens=True)
+    return fast
+
+
+def harmony_tokenizer(corpus: list[str], chat_template: str) -> tf.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with gpt-oss's harmony markers as special tokens, as in gpt-oss's own:
+    `<|return|>` is its EOS; `harmony_llm` makes `<|call|>` a stop token too, as gpt-oss's generation config does."""
+    fast = bpe_tokenizer(corpus, chat_template, HARMONY_MARKERS, eos="<|return|>")
+    fast.add_special_tokens({"additional_special_tokens": [t for t in HARMONY_MARKERS if t != "<|return|>"]})
+    return fast
+
+
+def bpe_tokenizer(corpus: list[str], chat_template: str, specials: list[str], eos: str) -> tf.PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(corpus, trainer)
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|im_end|>",
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, pad_token=eos,
                                       chat_template=chat_template)
-    fast.add_tokens(MARKERS)
-    fast.add_tokens(SPECIAL_MARKERS, special_tokens=True)
     return fast
 
 
@@ -56,6 +70,13 @@ def tiny_model(tokenizer, seed: int = 0) -> tf.PreTrainedModel:
 
 def tiny_llm(tokenizer) -> LLM:
     return LLM(tiny_model(tokenizer), tokenizer, num_kv_blocks=128)
+
+
+def harmony_llm(tokenizer) -> LLM:
+    """A tiny model over `harmony_tokenizer` that stops at `<|return|>` and at `<|call|>`."""
+    model = tiny_model(tokenizer)
+    model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>")]
+    return LLM(model, tokenizer, num_kv_blocks=128)
 
 
 def force(row: torch.Tensor, token: int) -> torch.Tensor:

@@ -62,6 +62,13 @@ EXAMPLES = [
                     "<parameter=location>\nSan Francisco, CA, USA\n</parameter>\n<parameter=unit>\ncelsius\n"
                     "</parameter>\n</function>\n</tool_call>"),
      "Sure.", [("get_current_temperature", SF), ("get_current_temperature", SF_UNIT)]),
+    # gpt-oss's harmony format (OpenAI's harmony guide): a commentary message to functions.NAME, JSON body,
+    # ended by <|call|>; the recipient may stand before the channel, and the stop token may be dropped.
+    ("harmony", ('<|channel|>commentary to=functions.get_current_temperature <|constrain|>json<|message|>'
+                '{"location": "San Francisco, CA, USA"}<|call|>'), None, [("get_current_temperature", SF)]),
+    ("harmony", ('<|start|>assistant to=functions.get_current_temperature<|channel|>commentary json<|message|>'
+                '{"location": "San Francisco, CA, USA", "unit": "celsius"}'), None,
+     [("get_current_temperature", SF_UNIT)]),
 ]
 
 
@@ -112,6 +119,9 @@ def test_documented_examples_parse_streamed_or_not(parser_name: str, text: str, 
     ("mistral", "[TOOL_CALLS] [{\"name\": \"get_current_temperature\", \"arguments\": {\"location\""),
     ("mistral", "[TOOL_CALLS]get_current_temperature{\"location\": \"SF\"}"),
     ("qwen3_coder", "<tool_call>\n<parameter=location>\nSF\n</parameter>\n</tool_call>"),
+    ("harmony", '<|channel|>commentary to=functions.get_current_temperature <|constrain|>json<|message|>{"location": '),
+    ("harmony", '<|channel|>commentary to=browser.search <|constrain|>json<|message|>{"query": "SF"}<|call|>'),
+    ("harmony", '<|channel|>commentary to=functions.get_current_temperature<|message|>["SF"]<|call|>'),
 ])
 def test_a_malformed_call_is_left_as_text(parser_name: str, text: str) -> None:
     parser = get_tool_parser(parser_name)
@@ -136,6 +146,8 @@ FORCED = {
     "mistral": '[{"name": "get_current_temperature", "arguments": {"location": "SF", "days": 2}}]',
     "qwen3_coder": "<tool_call>\n<function=get_current_temperature>\n<parameter=location>SF</parameter>\n"
                    "<parameter=days>2</parameter>\n</function>\n</tool_call>",
+    "harmony": ('<|channel|>commentary to=functions.get_current_temperature <|constrain|>json<|message|>'
+                '{"location": "SF", "days": 2}'),
 }
 
 
@@ -156,6 +168,7 @@ def test_forced_call_grammars_hold_each_format(parser_name: str) -> None:
     ("{{ '<tool_call>\n<function=' }}", "qwen3_coder"),
     ("{{ '[AVAILABLE_TOOLS]' + (tools | tojson) + '[TOOL_CALLS]' }}", "mistral"),
     ("{{ '<|start_header_id|>ipython<|end_header_id|>' }}{{ '<|python_tag|>' }}", "llama3_json"),
+    ("{{ '<|start|>assistant<|channel|>' + m.channel + '<|message|>' }}", "harmony"),
     ("{{ messages }}", None),
     ("{{ '<tool_call>[TOOL_CALLS]' }}", None),  # two formats named: not unambiguous
 ])
@@ -165,7 +178,7 @@ def test_the_template_names_the_format(template: str, expected: str | None) -> N
 
 
 def test_unknown_names_and_the_default() -> None:
-    with pytest.raises(ValueError, match="tool_call_parser='nope'.*known: \\['hermes', 'llama3_json'"):
+    with pytest.raises(ValueError, match="tool_call_parser='nope'.*known: \\['harmony', 'hermes', 'llama3_json'"):
         get_tool_parser("nope")
 
     class Plain:

@@ -1,6 +1,7 @@
 """Reasoning parsers: which markers a model family writes its thinking between, by name.
 
-A reasoning model writes `<think> ... </think>` (or `[THINK] ... [/THINK]`) before its answer. A
+A reasoning model writes `<think> ... </think>` (or `[THINK] ... [/THINK]`, or gpt-oss's harmony
+`analysis` channel) before its answer. A
 parser names the markers and whether the thinking is open when no start marker was written (a
 DeepSeek-R1 template opens it in the prompt; so may Qwen3's or SmolLM3's, but they usually let the
 model write `<think>` itself). Whether a given prompt left the thinking open is read from the prompt
@@ -12,38 +13,10 @@ chat template only when its markers say so unambiguously.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass(frozen=True, slots=True)
-class ReasoningParser:
-    name: str
-    start: str  # the marker that opens the thinking
-    end: str  # the marker that closes it; the answer follows
-    open_by_default: bool = False  # thinking without a start marker (the prompt is assumed to open it)
-
-    @property
-    def markers(self) -> tuple[str, str]:
-        return self.start, self.end
-
-    def opens_thinking(self, prompt_tail: str) -> bool:
-        """Whether a prompt ending in `prompt_tail` leaves the model inside its thinking: its last marker
-        is an unclosed start (or, for a parser open by default, no marker closed it)."""
-        start, end = prompt_tail.rfind(self.start), prompt_tail.rfind(self.end)
-        if start > end:
-            return True
-        return self.open_by_default and end < 0
-
-    def split(self, text: str, opened: bool = False) -> tuple[str | None, str]:
-        """(reasoning or None, content) of a finished answer: the same split a stream gives."""
-        from .stream import ReasoningStream
-
-        stream = ReasoningStream(self, opened)
-        first, second = stream.push(text), stream.finish()
-        reasoning = first.reasoning + second.reasoning
-        return (reasoning if stream.reasoned else None), first.content + second.content
-
+from .base import ReasoningParser
+from .harmony import HARMONY, mentions_channels
 
 THINK = {"start": "<think>", "end": "</think>"}
 PARSERS: dict[str, ReasoningParser] = {
@@ -53,6 +26,8 @@ PARSERS: dict[str, ReasoningParser] = {
     "qwen3": ReasoningParser("qwen3", **THINK),
     # Mistral's Magistral: [THINK] ... [/THINK].
     "mistral": ReasoningParser("mistral", start="[THINK]", end="[/THINK]"),
+    # gpt-oss: harmony's analysis channel is the thinking, its final channel the answer (reasoning/harmony.py).
+    "harmony": HARMONY,
 }
 AUTO, NONE = "auto", "none"
 
@@ -74,7 +49,10 @@ def detect_reasoning_parser(chat_template: Any) -> ReasoningParser | None:
     """The parser a chat template's markers name, or None when it names none or more than one."""
     if not isinstance(chat_template, str):
         return None
-    found = {p.start for p in PARSERS.values() if p.start in chat_template and p.end in chat_template}
+    found = {p.start for p in PARSERS.values()
+             if p is not HARMONY and p.start in chat_template and p.end in chat_template}
+    if mentions_channels(chat_template):
+        return HARMONY if not found else None
     if found == {"<think>"} and "｜Assistant｜" in chat_template:
         # DeepSeek's templates: some versions open <think> in the prompt, older ones leave the model to
         # think without writing it; both close it with </think>.

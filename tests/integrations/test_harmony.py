@@ -1,0 +1,168 @@
+"""gpt-oss's harmony format read by both parsers together, as every chat-shaped route reads an answer
+(`AnswerPlan`): analysis to the reasoning, final to the content, calls to functions as tool calls,
+streamed in any chunking and at once alike, and no markup in the content; the thinking budget and
+the reasoning-token count on harmony's markers; a forced call's grammar after the thinking; the
+markers kept through decoding; detection from a gpt-oss-like template."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from helpers.scripted import HARMONY_MARKERS, harmony_tokenizer
+from paged_backend.entrypoints.harmony import read_messages
+from paged_backend.entrypoints.reasoning import (
+    budget_processor,
+    detect_reasoning_parser,
+    get_reasoning_parser,
+    reasoning_tokens,
+)
+from paged_backend.integrations.server.answer import AnswerPlan
+from paged_backend.integrations.structured import after_thinking, forced_tool_spec
+from paged_backend.integrations.tool_parsers import detect_tool_parser, get_tool_parser, keeps_special_tokens
+from xgrammar.testing import _is_grammar_accept_string
+
+HARMONY, CALLS = get_reasoning_parser("harmony"), get_tool_parser("harmony")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOLS = [WEATHER]
+THINK = "<|channel|>analysis<|message|>The user asks for the weather. I should call get_weather.<|end|>"
+CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+        '{"city": "Paris"}<|call|>')
+REASONING = "The user asks for the weather. I should call get_weather."
+PARIS = [("get_weather", {"city": "Paris"})]
+# A gpt-oss-like template: harmony's headers, a developer message with the tools, `<|start|>assistant` to answer.
+TEMPLATE = ("{% if tools %}{{ '<|start|>developer<|message|># Tools\n' + (tools | tojson) + '<|end|>' }}{% endif %}"
+            "{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + (m['content'] or '') + '<|end|>' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"
+            "{# a past thinking: <|channel|>analysis<|message|> #}")
+
+# (answer, opened, reasoning, content, calls)
+CASES = [
+    (THINK + "<|start|>assistant<|channel|>final<|message|>It is sunny.", False, REASONING, "It is sunny.", []),
+    ("<|channel|>final<|message|>It is sunny.<|return|>", False, None, "It is sunny.", []),
+    (THINK + CALL, False, REASONING, None, PARIS),
+    # a preamble to the user on the commentary channel before the call, and the stop token dropped
+    (THINK + "<|start|>assistant<|channel|>commentary<|message|>Checking the weather.<|end|>" + CALL[:-len("<|call|>")],
+     False, REASONING, "Checking the weather.", PARIS),
+    # the recipient before the channel, as gpt-oss's template renders past calls
+    ('<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json'
+     '<|message|>{"city": "Paris"}<|call|>', False, "Hmm.", None, PARIS),
+    # the prompt opened the thinking
+    ("Hmm.<|end|><|start|>assistant<|channel|>final<|message|>Yes.", True, "Hmm.", "Yes.", []),
+    # cut short by max_tokens inside a header: the thinking so far, no markup
+    ("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|channel|>fi", False, "Hmm.", None, []),
+    # a model that writes no harmony at all: plain content
+    ("Just text.", False, None, "Just text.", []),
+]
+
+
+def chunkings(text: str) -> list[list[str]]:
+    ways = [[text], list(text)]
+    for seed in range(4):
+        rng, pieces, at = random.Random(seed), [], 0
+        while at < len(text):
+            step = rng.randint(1, 12)
+            pieces.append(text[at:at + step])
+            at += step
+        ways.append(pieces)
+    return ways
+
+
+def plan(opened: bool) -> AnswerPlan:
+    return AnswerPlan(HARMONY, opened, CALLS, TOOLS)
+
+
+@pytest.mark.parametrize(("text", "opened", "reasoning", "content", "calls"), CASES)
+def test_analysis_final_and_calls_split_streamed_or_not(text, opened, reasoning, content, calls) -> None:
+    got_reasoning, got_content, got_calls = plan(opened).split(text)
+    assert (got_reasoning, got_content) == (reasoning, content)
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    for pieces in chunkings(text):
+        stream = plan(opened).stream()
+        outs = [stream.push(p) for p in pieces] + [stream.finish()]
+        assert "".join(o.reasoning for o in outs) == (reasoning or "")
+        streamed_content = "".join(o.content for o in outs)
+        assert streamed_content.strip() == (content or "")
+        assert not any(marker in streamed_content for marker in HARMONY_MARKERS)
+        assert [(c.name, json.loads(c.arguments)) for c in outs[-1].tool_calls] == calls
+
+
+@pytest.mark.parametrize("broken", [
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": ',
+    '<|channel|>commentary to=python<|message|>print(1)<|call|>',
+])
+def test_a_malformed_call_comes_back_as_text(broken: str) -> None:
+    reasoning, content, calls = plan(False).split(THINK + "<|start|>assistant" + broken)
+    assert reasoning == REASONING and calls == [] and content.endswith(broken)
+
+
+def test_messages_keep_their_place_in_the_text() -> None:
+    text = THINK + CALL
+    messages, settled = read_messages(text)
+    assert settled == len(text) and [m.header.channel for m in messages] == ["analysis", "commentary"]
+    assert [text[m.start:m.stop] for m in messages] == [THINK, CALL]
+    assert messages[1].header.recipient == "functions.get_weather" and messages[1].header.content_type == "json"
+    _, settled = read_messages(THINK + "<|start|>assistant<|chan", complete=False)
+    assert settled == len(THINK)  # a header still being written is held back
+
+
+def test_the_prompt_opens_the_thinking_only_inside_an_analysis_message() -> None:
+    assert HARMONY.opens_thinking("<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>analysis<|message|>")
+    assert not HARMONY.opens_thinking("<|start|>user<|message|>Hi<|end|><|start|>assistant")
+    assert not HARMONY.opens_thinking("<|channel|>analysis<|message|>a<|end|><|start|>assistant")
+
+
+def test_detected_from_a_gpt_oss_template() -> None:
+    assert detect_reasoning_parser(TEMPLATE) is HARMONY and detect_tool_parser(TEMPLATE) is CALLS
+    assert detect_reasoning_parser(TEMPLATE + "<think></think>") is None  # two formats named: not unambiguous
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return harmony_tokenizer([THINK + CALL, "It is sunny in Paris. The weather is nice."] * 3, TEMPLATE)
+
+
+def test_the_markers_are_special_and_kept(tokenizer) -> None:
+    assert keeps_special_tokens(tokenizer, HARMONY.markers) and keeps_special_tokens(tokenizer, CALLS.markers)
+    ids = tokenizer.encode(THINK + CALL, add_special_tokens=False)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == THINK + CALL
+    assert "<|channel|>" not in tokenizer.decode(ids, skip_special_tokens=True)  # why the markers must be kept
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def forced(processor, output_ids: list[int], vocab: int) -> int | None:
+    row = processor(output_ids, torch.zeros(vocab))
+    return int(row.argmax()) if torch.isinf(row).any() else None
+
+
+def test_the_budget_closes_the_analysis_message(tokenizer) -> None:
+    vocab, end = len(tokenizer), ids(tokenizer, "<|end|><|start|>assistant")
+    closing = budget_processor(tokenizer, HARMONY, 2, opened=False)
+    thinking = ids(tokenizer, "<|channel|>analysis<|message|>") + ids(tokenizer, "The user")[:2]
+    assert forced(closing, thinking[:-1], vocab) is None
+    written = list(thinking)
+    for token in end:  # the end of the message and the next one's start, token by token
+        assert forced(closing, written, vocab) == token
+        written.append(token)
+    assert forced(closing, written, vocab) is None  # the model picks the next channel itself
+    assert reasoning_tokens(tokenizer, HARMONY, written + ids(tokenizer, "<|channel|>final<|message|>Hi"),
+                            opened=False) == len(written)
+
+
+def test_a_forced_call_grammar_follows_the_thinking() -> None:
+    grammar = after_thinking(forced_tool_spec(TOOLS, "required", True, CALLS), HARMONY.start, HARMONY.end,
+                             opened=False).grammar
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+    assert _is_grammar_accept_string(grammar, call)
+    assert _is_grammar_accept_string(grammar, THINK + "<|start|>assistant" + call)
+    assert not _is_grammar_accept_string(grammar, THINK + "<|start|>assistant<|channel|>final<|message|>Hi")
+    assert not _is_grammar_accept_string(grammar, call.replace("get_weather", "get_time"))
+    _, content, [parsed] = AnswerPlan(HARMONY, False, CALLS, TOOLS, forced=True).split(THINK + "<|start|>assistant"
+                                                                                      + call)
+    assert content is None and (parsed.name, json.loads(parsed.arguments)) == PARIS[0]
