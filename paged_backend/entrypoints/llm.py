@@ -215,10 +215,20 @@ class LLM:
         processors = self.budget_processors(thinking_token_budget, opened)
         outputs = self.run(prompts, normalise_params(sampling_params, len(prompts)), use_tqdm, None, processors)
         if self.reasoning is not None:
+            marked = any(marker in self.tokenizer.all_special_tokens for marker in self.reasoning.markers)
             for output, open_ in zip(outputs, opened):
                 for completion in output.outputs:
-                    completion.reasoning, completion.text = self.reasoning.split(completion.text, open_)
+                    text = self.marked_text(completion.token_ids) if marked else completion.text
+                    completion.reasoning, completion.text = self.reasoning.split(text, open_)
         return outputs
+
+    def marked_text(self, token_ids: Sequence[int]) -> str:
+        """A completion's text with its special tokens kept, for a reasoning format whose markers are special
+        tokens (gpt-oss's harmony: decoding drops them otherwise), less the EOS that ended it."""
+        ids = list(token_ids)
+        if ids and ids[-1] in self.engine.eos_token_ids:
+            ids.pop()
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def budget_processors(self, budget: int | None, opened: list[bool]) -> list[Any] | None:
         if budget is None:

@@ -4,7 +4,7 @@ thinking_token_budget closes the thinking through the engine's per-request logit
 from __future__ import annotations
 
 import pytest
-from helpers.scripted import marker_tokenizer, tiny_model
+from helpers.scripted import force, harmony_tokenizer, marker_tokenizer, tiny_model
 
 from paged_backend import LLM, SamplingParams
 
@@ -44,3 +44,24 @@ def test_without_a_parser_chat_is_unchanged_and_bad_options_are_named(tokenizer)
     with pytest.raises(ValueError, match="reasoning_parser='nope'"):
         LLM(tiny_model(tokenizer), tokenizer, num_kv_blocks=64, reasoning_parser="nope")
     assert LLM(tiny_model(tokenizer), tokenizer, num_kv_blocks=64, reasoning_parser="auto").reasoning.name == "qwen3"
+
+
+# gpt-oss's way: harmony's markers are special tokens, which decoding drops unless told to keep them.
+HARMONY_OPENED = ("{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}"
+                  "{% endfor %}{{ '<|start|>assistant<|channel|>analysis<|message|>' }}")
+
+
+def test_chat_splits_at_markers_that_are_special_tokens() -> None:
+    tokenizer = harmony_tokenizer(["Say hello. I think so. Hello there. assistant analysis final"] * 3, HARMONY_OPENED)
+    llm = LLM(tiny_model(tokenizer), tokenizer, num_kv_blocks=64, reasoning_parser="auto")
+    assert llm.reasoning.name == "harmony"
+    closing = tokenizer.encode("<|end|><|start|>assistant<|channel|>final<|message|>", add_special_tokens=False)
+    thought = tokenizer.encode(" I think so.", add_special_tokens=False)
+    answer = tokenizer.encode(" Hello there.", add_special_tokens=False)
+    script = thought + closing + answer
+    # A random model would never write the turn: a processor in place of chat's own (a thinking budget's) forces it.
+    llm.budget_processors = lambda budget, opened: [lambda ids, row: force(row, script[len(ids)]) for _ in opened]
+    [output] = llm.chat(HELLO, SamplingParams(temperature=0, max_tokens=len(script), ignore_eos=True), use_tqdm=False)
+    completion = output.outputs[0]
+    assert completion.token_ids == script
+    assert (completion.reasoning, completion.text) == (" I think so.", " Hello there.")
