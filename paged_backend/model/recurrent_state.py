@@ -110,12 +110,17 @@ def current_recurrent() -> tuple[RecurrentState, RecurrentStep]:
     return _current
 
 
+# Types whose recurrent mixers run their own projections per sequence (adapters/mamba2.py), not over the step's row.
+PER_SEQUENCE_PROJECTIONS = frozenset({"granitemoehybrid", "falcon_h1"})
+
+
 def hybrid_state(model: PreTrainedModel, config, tensor_parallel: bool) -> tuple[RecurrentState | None,
                                                                                  StateSlots | None]:
     """A hybrid model's recurrent state and its slots, one per request that can run (`config.max_num_seqs`);
     (None, None) for a model without recurrent layers. ValueError, naming the field, for what such a model
     cannot run: speculative decoding (a rejected proposal would have advanced the state past the kept
-    tokens, and a state cannot be rolled back) and tensor parallelism (the state is not sharded)."""
+    tokens, and a state cannot be rolled back), tensor parallelism (the state is not sharded) and, for the
+    Mamba-2 families, LoRA."""
     text_config = model.config.get_text_config()
     layout = state_layout(text_config)
     if layout is None:
@@ -126,6 +131,10 @@ def hybrid_state(model: PreTrainedModel, config, tensor_parallel: bool) -> tuple
                          "cannot take back the state of rejected proposals; run it without speculative decoding")
     if tensor_parallel:
         raise ValueError(f"{model_type} is a hybrid model: its recurrent state is not sharded for tensor parallelism")
+    if config.enable_lora and model_type in PER_SEQUENCE_PROJECTIONS:
+        raise ValueError(f"EngineConfig.enable_lora: {model_type}'s Mamba-2 mixers run their projections one sequence "
+                         "at a time, which the step's LoRA mask (one row per token of the whole step) does not follow; "
+                         "run it without LoRA")
     param = next(model.parameters())
     state = RecurrentState(layout, config.max_num_seqs, param.dtype, param.device)
     logger.info("hybrid model: %d recurrent layers, %d state slots (%.1f MiB); prefix caching off (a cached K/V "

@@ -129,6 +129,12 @@ def test_speculative_decoding_is_refused(model):
         Engine(model, None, EngineConfig(num_kv_blocks=16, speculative_config=spec))
 
 
+@pytest.mark.parametrize("arch", ["granitemoehybrid", "falcon_h1"])
+def test_lora_is_refused_where_mixers_project_per_sequence(arch):
+    with pytest.raises(ValueError, match=f"EngineConfig.enable_lora: {arch}'s Mamba-2 mixers"):
+        Engine(build(arch), None, EngineConfig(num_kv_blocks=16, enable_lora=True))
+
+
 def test_compile_and_padded_decode_stay_off(model, prompts, refs, caplog):
     """Its type is in EAGER_TYPES (the mixers loop over the step's sequences), and padding rows would need state
     slots: asked for both, the engine runs eagerly and unpadded, and says so."""
