@@ -29,5 +29,5 @@ def test_test_modules_live_in_the_folder_of_their_package() -> None:
     """Only whole-engine tests sit at the top; every other test module is in a package folder."""
     top = sorted(path.name for path in TESTS.glob("test_*.py"))
     assert top == ["test_bad_input.py", "test_benchmark_smoke.py", "test_engine_equivalence.py",
-                   "test_engine_shape.py", "test_import_cycles.py", "test_precision_benchmarks.py",
-                   "test_test_layout.py"]
+                   "test_engine_shape.py", "test_import_cycles.py", "test_packaging.py",
+                   "test_precision_benchmarks.py", "test_test_layout.py"]

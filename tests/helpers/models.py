@@ -147,3 +147,16 @@ def build_from_config(make_config, seed: int = 0) -> tf.PreTrainedModel:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def int4_llama() -> tf.PreTrainedModel:
+    """A llama whose projections stack as int4 (output sizes multiples of the kernel's 64-row blocks)."""
+    def config() -> tf.LlamaConfig:
+        return tf.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+    from paged_backend.model.quantization import quantize_int4
+
+    model = build_from_config(config)
+    quantize_int4(model)
+    return model

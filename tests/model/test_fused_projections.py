@@ -19,7 +19,7 @@ from helpers.engine import (
     run_to_completion,
 )
 from helpers.lora import peft_with_adapters
-from helpers.models import build, build_from_config
+from helpers.models import build, int4_llama
 
 from paged_backend import Engine, EngineConfig
 from paged_backend.model import fused_projections
@@ -134,17 +134,6 @@ def test_fusion_can_be_turned_off(caplog):
     assert "off (EngineConfig.fuse_projections=False)" in caplog.text
     assert not engine.runner.fused and groups_of(model) == []
     assert all("forward" not in vars(m) for m in model.modules())
-
-
-def int4_llama() -> tf.PreTrainedModel:
-    """A llama whose projections stack as int4 (output sizes multiples of the kernel's 64-row blocks)."""
-    def config() -> tf.LlamaConfig:
-        return tf.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-
-    model = build_from_config(config)
-    quantize_int4(model)
-    return model
 
 
 def test_int4_projections_fuse_sharing_their_codes():

@@ -15,8 +15,7 @@ from helpers.engine import (
     one_thread,
     run_to_completion,
 )
-from helpers.models import build
-from test_fused_projections import int4_llama
+from helpers.models import build, int4_llama
 from torch._dynamo.utils import counters
 
 from paged_backend import Engine, EngineConfig
