@@ -112,8 +112,9 @@ UNSUPPORTED_REASONS: dict[str, str] = {
     "llama4": "it is Llama 4's vision and text checkpoint; load its text model with transformers' "
               "AutoModelForCausalLM.from_pretrained (a Llama4ForCausalLM, model_type 'llama4_text', which is "
               "supported) and pass the loaded model",
-    "qwen3_next": "it is a hybrid model whose gated delta-net (linear attention) layers keep a recurrent state per "
-                  "sequence, which the paged engine does not hold yet",
+    "qwen3_next": "it is a hybrid model whose gated delta-net (linear attention) layers would need their own state "
+                  "update in the engine's recurrent state slots, which only short convolutions (lfm2) and Mamba-2 "
+                  "mixers (granitemoehybrid, falcon_h1) have",
 }
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
