@@ -100,15 +100,17 @@ _WHITESPACE = 'root ::= [ \\t\\r\\n]{0,4}'
 
 
 def after_thinking(spec: StructuredOutputsParams | None, start: str, end: str,
-                   opened: bool) -> StructuredOutputsParams | None:
+                   opened: bool, opening: str = "") -> StructuredOutputsParams | None:
     """`spec` with the model's thinking allowed before it: the answer's grammar starts after the end
     marker (an opened thinking must close; otherwise a thinking block is optional), so structured
-    outputs and forced calls hold the answer only."""
+    outputs and forced calls hold the answer only. `opening`: text the answer starts with before the
+    spec's own grammar (harmony's final-channel header)."""
     if spec is None:
         return None
     import xgrammar
     from xgrammar.structural_tag import (
         AnyTextFormat,
+        ConstStringFormat,
         GrammarFormat,
         OptionalFormat,
         SequenceFormat,
@@ -123,6 +125,8 @@ def after_thinking(spec: StructuredOutputsParams | None, start: str, end: str,
         TagFormat(begin="" if opened else start, content=AnyTextFormat(), end=end),
         GrammarFormat(grammar=_WHITESPACE)])
     answer = GrammarFormat(grammar=str(build_grammar(spec.key)))
+    if opening:
+        answer = SequenceFormat(elements=[ConstStringFormat(value=opening), answer])
     elements = [thinking if opened else OptionalFormat(content=thinking), answer]
     return StructuredOutputsParams(grammar=str(xgrammar.Grammar.from_structural_tag(
         StructuralTag(format=SequenceFormat(elements=elements)))))

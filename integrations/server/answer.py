@@ -28,7 +28,6 @@ from paged_backend.entrypoints.reasoning import (
     ReasoningParser,
     budget_processor,
     prompt_tail,
-    reasoning_tokens,
 )
 from paged_backend.sampling.sampling_params import SamplingParams
 
@@ -83,7 +82,7 @@ class AnswerPlan:
         return reasoning, content, calls
 
     def reasoning_tokens(self, tokenizer: Any, token_ids: list[int]) -> int:
-        return reasoning_tokens(tokenizer, self.reasoning, token_ids, self.opened) if self.reasoning else 0
+        return self.reasoning.reasoning_tokens(tokenizer, token_ids, self.opened) if self.reasoning else 0
 
     def stream(self) -> AnswerStream:
         return AnswerStream(self)
@@ -167,7 +166,11 @@ def hold_after_thinking(state: ServerState, plan: AnswerPlan, spec: Any) -> Any:
     """A structured-output spec (a forced call, a JSON format) held to the answer after the thinking:
     the model thinks whether or not its answer is split, so the server's parser decides."""
     thinker = state.reasoning_parser
-    return after_thinking(spec, thinker.start, thinker.end, plan.opened) if thinker is not None else spec
+    if thinker is None:
+        return spec
+    # A forced call's grammar writes its own header; a JSON answer opens as the format's answers do.
+    opening = "" if plan.forced else thinker.answer_opening
+    return after_thinking(spec, thinker.start, thinker.end, plan.opened, opening)
 
 
 def decode_markers(state: ServerState, plan: AnswerPlan, params: SamplingParams) -> SamplingParams:

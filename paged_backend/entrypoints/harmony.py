@@ -216,14 +216,15 @@ class Message:
         return bool(self.end)
 
 
-def read_messages(text: str, complete: bool = True) -> tuple[list[Message], int]:
+def read_messages(text: str, complete: bool = True, opened: bool = False) -> tuple[list[Message], int]:
     """The messages of `text` and where the settled text ends (the rest may still become a marker or
-    a header; nothing is left when `complete`). The last message may be open (`stop` where it ends so far)."""
-    scanner = HarmonyScanner()
+    a header; nothing is left when `complete`). The last message may be open (`stop` where it ends so far).
+    `opened`: the text starts inside an analysis message the prompt opened (its header is not in `text`)."""
+    scanner = HarmonyScanner.opened(ANALYSIS) if opened else HarmonyScanner()
+    messages: list[Message] = [Message(scanner.header)] if opened else []
     events = scanner.feed(text)
     if complete:
         events = events + scanner.close()
-    messages: list[Message] = []
     for event in events:
         if isinstance(event, Header):
             messages.append(Message(event, stop=event.at + len(event.raw)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import types
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from paged_backend.entrypoints.reasoning import (
 from paged_backend.integrations.server.answer import AnswerPlan
 from paged_backend.integrations.structured import after_thinking, forced_tool_spec
 from paged_backend.integrations.tool_parsers import detect_tool_parser, get_tool_parser, keeps_special_tokens
+from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 from xgrammar.testing import _is_grammar_accept_string
 
 HARMONY, CALLS = get_reasoning_parser("harmony"), get_tool_parser("harmony")
@@ -151,8 +153,46 @@ def test_the_budget_closes_the_analysis_message(tokenizer) -> None:
         assert forced(closing, written, vocab) == token
         written.append(token)
     assert forced(closing, written, vocab) is None  # the model picks the next channel itself
+    # the analysis message through its <|end|>; `<|start|>assistant` opens the final message
     assert reasoning_tokens(tokenizer, HARMONY, written + ids(tokenizer, "<|channel|>final<|message|>Hi"),
-                            opened=False) == len(written)
+                            opened=False) == len(written) - len(ids(tokenizer, "<|start|>assistant"))
+
+
+def test_reasoning_tokens_count_every_analysis_message(tokenizer) -> None:
+    again = "<|start|>assistant<|channel|>analysis<|message|>Paris then.<|end|>"
+    preamble = "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+    answer = "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>"
+    text = THINK + preamble + again + answer
+    thinking = len(ids(tokenizer, THINK)) + len(ids(tokenizer, again))
+    assert reasoning_tokens(tokenizer, HARMONY, ids(tokenizer, text), opened=False) == thinking
+    # a prompt that opened the analysis message: its first tokens are thinking without a header
+    opened = THINK.removeprefix("<|channel|>analysis<|message|>") + answer
+    assert reasoning_tokens(tokenizer, HARMONY, ids(tokenizer, opened), opened=True) == \
+        len(ids(tokenizer, THINK)) - len(ids(tokenizer, "<|channel|>analysis<|message|>"))
+    assert reasoning_tokens(tokenizer, HARMONY, ids(tokenizer, answer), opened=False) == 0
+    assert reasoning_tokens(tokenizer, HARMONY, ids(tokenizer, THINK + CALL), opened=False) == len(ids(tokenizer, THINK))
+
+
+def test_a_json_answer_after_the_thinking_opens_the_final_channel() -> None:
+    spec = after_thinking(StructuredOutputsParams(json={"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}),
+                          HARMONY.start, HARMONY.end, opened=False, opening=HARMONY.answer_opening)
+    answer = '<|channel|>final<|message|>{"city": "Paris"}'
+    assert _is_grammar_accept_string(spec.grammar, THINK + "<|start|>assistant" + answer)
+    assert _is_grammar_accept_string(spec.grammar, answer)  # no thinking at all
+    assert not _is_grammar_accept_string(spec.grammar, THINK + '<|start|>assistant{"city": "Paris"}')
+    assert plan(False).split(THINK + "<|start|>assistant" + answer)[:2] == (REASONING, '{"city": "Paris"}')
+
+
+@pytest.mark.parametrize(("forced_call", "opening"), [(False, "<|channel|>final<|message|>"), (True, "")])
+def test_the_server_opens_json_answers_but_not_forced_calls(monkeypatch, forced_call: bool, opening: str) -> None:
+    from paged_backend.integrations.server import answer
+
+    seen = {}
+    monkeypatch.setattr(answer, "after_thinking", lambda *args: seen.setdefault("args", args))
+    state = types.SimpleNamespace(reasoning_parser=HARMONY)
+    answer.hold_after_thinking(state, AnswerPlan(HARMONY, False, CALLS, TOOLS, forced=forced_call), "spec")
+    assert seen["args"] == ("spec", HARMONY.start, HARMONY.end, False, opening)
 
 
 def test_a_forced_call_grammar_follows_the_thinking() -> None:

@@ -8,8 +8,9 @@ format that is not a pair of markers (harmony's channels) subclasses it with its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .stream import ReasoningStream
@@ -21,6 +22,9 @@ class ReasoningParser:
     start: str  # the marker that opens the thinking
     end: str  # the marker that closes it; the answer follows
     open_by_default: bool = False  # thinking without a start marker (the prompt is assumed to open it)
+    # What a grammar-held answer (a JSON format, not a tool call) opens with after the thinking: harmony's
+    # final-channel header, which gpt-oss writes before any answer; nothing for a pair of markers.
+    answer_opening: str = ""
 
     @property
     def markers(self) -> tuple[str, str]:
@@ -39,6 +43,12 @@ class ReasoningParser:
         from .stream import ReasoningStream
 
         return ReasoningStream(self, opened)
+
+    def reasoning_tokens(self, tokenizer: Any, token_ids: Sequence[int], opened: bool = False) -> int:
+        """How many of an answer's tokens were thinking (usage's `reasoning_tokens`)."""
+        from .usage import marked_thinking_tokens
+
+        return marked_thinking_tokens(tokenizer, self, token_ids, opened)
 
     def split(self, text: str, opened: bool = False) -> tuple[str | None, str]:
         """(reasoning or None, content) of a finished answer: the same split a stream gives."""

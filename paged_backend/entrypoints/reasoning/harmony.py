@@ -8,14 +8,31 @@ answer next; no other markup reaches the content.
 
 The thinking opens with `<|channel|>analysis<|message|>` and closes with `<|end|><|start|>assistant`:
 a thinking budget forces that end, after which the model writes the next message's channel itself,
-and a grammar held to the answer (`after_thinking`) starts at that channel.
+and a grammar held to the answer (`after_thinking`) starts at that channel: a forced call's own header, or
+`answer_opening` (`<|channel|>final<|message|>`) before a JSON answer, as gpt-oss writes its answers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ..harmony import ANALYSIS, CHANNEL, END, MARKERS, MESSAGE, ROLE, START, End, HarmonyScanner, Header, Text
+from ..harmony import (
+    ANALYSIS,
+    CHANNEL,
+    END,
+    FINAL,
+    MARKERS,
+    MESSAGE,
+    ROLE,
+    START,
+    End,
+    HarmonyScanner,
+    Header,
+    Text,
+    read_messages,
+)
 from .base import ReasoningParser
 from .stream import Split
 
@@ -32,6 +49,19 @@ class HarmonyParser(ReasoningParser):
     def opens_thinking(self, prompt_tail: str) -> bool:
         """Whether the prompt ends inside an analysis message (`...<|channel|>analysis<|message|>`)."""
         return prompt_tail.rstrip().endswith(OPEN_THINKING)
+
+    def reasoning_tokens(self, tokenizer: Any, token_ids: Sequence[int], opened: bool = False) -> int:
+        """The tokens of every analysis message, its header and terminator included: gpt-oss may think again
+        after a preamble or a tool's answer, so the thinking is not one span. A token counts where its text
+        begins; the `<|start|>assistant` after an analysis message opens the next message and is not counted."""
+        pieces = tokenizer.batch_decode([[token] for token in token_ids], skip_special_tokens=False)
+        messages, _ = read_messages("".join(pieces), opened=opened)
+        spans = [(m.start, m.stop) for m in messages if m.header.channel == ANALYSIS and not m.header.is_call]
+        count, at = 0, 0
+        for piece in pieces:
+            count += any(start <= at < stop for start, stop in spans)
+            at += len(piece)
+        return count
 
     def stream(self, opened: bool = False) -> HarmonyStream:
         return HarmonyStream(opened)
@@ -78,7 +108,7 @@ class HarmonyStream:
             out.content += text
 
 
-HARMONY = HarmonyParser("harmony", start=OPEN_THINKING, end=CLOSE_THINKING)
+HARMONY = HarmonyParser("harmony", start=OPEN_THINKING, end=CLOSE_THINKING, answer_opening=f"{CHANNEL}{FINAL}{MESSAGE}")
 
 
 def mentions_channels(chat_template: str) -> bool:

@@ -10,9 +10,14 @@ from .parser import ReasoningParser
 
 
 def reasoning_tokens(tokenizer: Any, parser: ReasoningParser, token_ids: Sequence[int], opened: bool) -> int:
-    """The tokens from the start of the thinking through its end marker (all of them while it is
-    unclosed); 0 for an answer that never thought. Markers are found by their token ids, as the
-    model wrote them."""
+    """How many of `token_ids` (an answer) were thinking, as `parser`'s format marks it."""
+    return parser.reasoning_tokens(tokenizer, token_ids, opened)
+
+
+def marked_thinking_tokens(tokenizer: Any, parser: ReasoningParser, token_ids: Sequence[int], opened: bool) -> int:
+    """For a thinking between a pair of markers: the tokens from the start of the thinking through its end
+    marker (all of them while it is unclosed); 0 for an answer that never thought. Markers are found by
+    their token ids, as the model wrote them."""
     ids = list(token_ids)
     begin = 0
     if not opened:

@@ -74,8 +74,8 @@ def test_analysis_is_reasoning_and_final_is_content(served: Served) -> None:
     assert choice.message.model_extra["reasoning_content"] == THINKING and choice.finish_reason == "stop"
     assert streamed(served, THOUGHT) == (THINKING, ANSWER, {}, "stop")
     reply = ask(served, THOUGHT)
-    thinking = len(served.tokenizer.encode(f"<|channel|>analysis<|message|>{THINKING}<|end|><|start|>assistant",
-                                           add_special_tokens=False))
+    # the analysis message, header to terminator; `<|start|>assistant` opens the final message
+    thinking = len(served.tokenizer.encode(f"<|channel|>analysis<|message|>{THINKING}<|end|>", add_special_tokens=False))
     assert reply.usage.completion_tokens_details.reasoning_tokens == thinking
 
 
@@ -142,3 +142,22 @@ def test_responses_give_a_reasoning_item_and_a_function_call(served: Served) -> 
         calls = [item for item in reply.output if item.type == "function_call"]
         assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
         assert reply.output[0].type == "reasoning" and reply.output_text == ""
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}
+JSON_ANSWER = ('<|channel|>analysis<|message|>They want JSON.<|end|><|start|>assistant<|channel|>final<|message|>'
+               '{"city": "Rome"}')
+
+
+def test_a_json_answer_is_held_after_the_final_channel_s_header(served: Served) -> None:
+    # gpt-oss writes its final channel's header before a JSON answer too: a grammar that began the JSON
+    # right after the thinking would refuse the header (a request error) and push the model off its format
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    choice = ask(served, JSON_ANSWER, response_format=fmt).choices[0]
+    assert (choice.message.model_extra["reasoning"], json.loads(choice.message.content)) == \
+        ("They want JSON.", {"city": "Rome"})
+    served.app_client.script = JSON_ANSWER
+    reply = served.client().responses.create(model="tiny", input="Where?", max_output_tokens=80, text={
+        "format": {"type": "json_schema", "name": "city", "schema": CITY}})
+    assert json.loads(reply.output_text) == {"city": "Rome"} and reply.output[0].type == "reasoning"
+
