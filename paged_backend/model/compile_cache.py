@@ -14,6 +14,10 @@ Layout, under the project's cache folder (`PAGED_BACKEND_CACHE`):
     compiled/<key>/.lock          held while a process compiles, so a second one waits and then loads
     inductor/                     inductor's kernels, shared by every key
 
+Each upgrade, edit or new model makes a new key, so the folders of old keys would pile up (3-17 MB each for
+the default model): after keeping new graphs, the engine removes the least recently used key folders past
+the newest KEPT_KEYS (a load marks its folder used), skipping any whose lock another process holds.
+
 `<key>` hashes what changes a graph: torch, transformers, Python and this package's source, the CPU's
 instruction sets (inductor generates code for the one it runs on) or the GPU's compute capability, the
 model's class, config, modules, parameters and hooks, and the engine's settings that reach the graph (the
@@ -34,6 +38,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +52,7 @@ logger = logging.getLogger(__name__)
 # Setting it to 0 turns the on-disk graphs off: every start compiles (compile itself: PAGED_BACKEND_COMPILE).
 ENV_CACHE = "PAGED_BACKEND_COMPILE_CACHE"
 GRAPH_FILE = "graph-{}.pt"
+KEPT_KEYS = 16  # key folders kept under compiled/: models and settings in use stay, old versions' go
 
 
 def enabled() -> bool:
@@ -203,6 +209,41 @@ class GraphStore:
         if self.writable:
             for i, graph in enumerate(new, start=len(self.graphs)):
                 save_graph(graph, self.folder, i)
+            if new:
+                evict_unused(self.folder.parent, KEPT_KEYS, keep=self.folder)
+
+
+def mark_used(folder: Path) -> None:
+    """A key folder's modification time is when it was last compiled into or loaded from."""
+    with contextlib.suppress(OSError):  # a read-only cache: nothing is evicted from it either
+        os.utime(folder)
+
+
+def evict_unused(root: Path, kept: int, keep: Path) -> list[Path]:
+    """Remove the key folders under `root` past the `kept` most recently used (never `keep`, nor a folder whose
+    lock a process holds: it is compiling there); return those removed. Failures leave a folder in place."""
+    try:
+        folders = sorted((f for f in root.iterdir() if f.is_dir()), key=lambda f: f.stat().st_mtime, reverse=True)
+    except OSError:
+        return []
+    removed = []
+    for folder in folders[kept:]:
+        if folder != keep and remove_unlocked(folder):
+            removed.append(folder)
+    if removed:
+        logger.info("compile cache: removed %d unused graph folders from %s", len(removed), root)
+    return removed
+
+
+def remove_unlocked(folder: Path) -> bool:
+    """Remove `folder` when no process holds its lock (taken for the removal, so none starts compiling there)."""
+    try:
+        with open(folder / ".lock", "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(folder)
+            return True
+    except OSError:  # locked (BlockingIOError), or it cannot be removed
+        return False
 
 
 @contextlib.contextmanager
@@ -216,6 +257,7 @@ def graph_store(folder: Path, count: int) -> Iterator[GraphStore]:
             return
         graphs = load_graphs(folder, count)
         if graphs is not None:
+            mark_used(folder)
             yield GraphStore(folder, graphs, writable=False)
             return
         with compile_lock(folder) as writable:

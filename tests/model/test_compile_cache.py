@@ -3,6 +3,7 @@ load, or a folder that cannot be written, is a warning and a compile, never a cr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -131,3 +132,41 @@ def test_a_second_process_traces_nothing(tmp_path):
                                       text=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
     assert runs[0]["new_graphs"] > 0 and runs[0]["traced"] > 0
     assert runs[1] == {"new_graphs": 0, "traced": 0}
+
+
+def key_folders(root: Path, count: int) -> list[Path]:
+    """`count` key folders under `root`, each with its lock file, used from oldest to newest."""
+    folders = []
+    for i in range(count):
+        folder = root / f"key{i:02d}"
+        folder.mkdir(parents=True)
+        (folder / ".lock").touch()
+        (folder / "graph-0.pt").write_bytes(b"graph")
+        os.utime(folder, (1_000_000 + i, 1_000_000 + i))
+        folders.append(folder)
+    return folders
+
+
+def test_old_key_folders_are_evicted_but_not_the_current_or_a_locked_one(tmp_path):
+    import fcntl
+
+    folders = key_folders(tmp_path / "compiled", 20)
+    with open(folders[1] / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a process compiling into the second oldest
+        removed = compile_cache.evict_unused(tmp_path / "compiled", 16, keep=folders[0])
+    assert removed == [folders[3], folders[2]]  # the least recently used, less the current and the locked
+    assert [f.exists() for f in folders] == [True, True, False, False] + [True] * 16
+
+
+def test_keeping_new_graphs_evicts_and_a_load_marks_its_folder_used(tmp_path, monkeypatch):
+    root = tmp_path / "compiled"
+    old, used, new = key_folders(root, 3)
+    monkeypatch.setattr(compile_cache, "load_graphs", lambda folder, count: [object()] if folder == used else None)
+    monkeypatch.setattr(compile_cache, "inductor_folder", contextlib.nullcontext)
+    with compile_cache.graph_store(used, 1):
+        pass
+    assert used.stat().st_mtime > new.stat().st_mtime  # loaded just now: the most recently used
+    monkeypatch.setattr(compile_cache, "KEPT_KEYS", 2)
+    monkeypatch.setattr(compile_cache, "save_graph", lambda graph, folder, index: None)
+    compile_cache.GraphStore(new, [], writable=True).keep([object()])
+    assert not old.exists() and used.exists() and new.exists()
