@@ -283,10 +283,12 @@ class ChatPaged(PagedOptions, BaseChatModel):
         reasoning = resolve_reasoning_parser(self.reasoning_parser, self.tokenizer_)
         opened = reasoning is not None and reasoning.opens_thinking(prompt_text[-200:])
         tool_parser = resolve_tool_parser(self.tool_call_parser, self.tokenizer_)
-        shape = (forced_tool_spec(shown_tools, tool_choice, parallel_tool_calls, tool_parser)
-                 or response_format_spec(response_format))
+        forced = forced_tool_spec(shown_tools, tool_choice, parallel_tool_calls, tool_parser)
+        shape = forced or response_format_spec(response_format)
         if shape is not None and reasoning is not None:
-            shape = after_thinking(shape, reasoning.start, reasoning.end, opened)
+            # A forced call's grammar writes its own header; a JSON answer opens as the format's answers do.
+            opening = "" if forced is not None else reasoning.answer_opening
+            shape = after_thinking(shape, reasoning.start, reasoning.end, opened, opening)
         if shape is not None:
             if kwargs.get("structured_outputs", self.structured_outputs) is not None:
                 raise ValueError("structured_outputs cannot be combined with a forced tool call or a response_format")

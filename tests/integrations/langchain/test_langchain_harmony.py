@@ -66,3 +66,14 @@ def test_a_call_is_a_tool_call(scripted: ScriptedClient) -> None:
         assert reply.response_metadata["finish_reason"] == "stop"  # LangChain's own: the call is in tool_calls
     forced = chat(scripted, CALL).bind_tools([WEATHER], tool_choice="get_weather")
     assert [(c["name"], c["args"]) for c in forced.invoke(HELLO).tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_structured_output_follows_the_final_channel_s_header(scripted: ScriptedClient) -> None:
+    # gpt-oss opens its answer with the final channel's header, JSON or not: the schema holds what follows it
+    script = ('<|channel|>analysis<|message|>They want JSON.<|end|><|start|>assistant<|channel|>final<|message|>'
+              '{"city": "Paris"}')
+    schema = {"title": "weather", "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    model = chat(scripted, script).with_structured_output(schema, method="json_schema", include_raw=True)
+    reply = model.invoke(HELLO)
+    assert reply["parsed"] == {"city": "Paris"} and reply["raw"].additional_kwargs["reasoning_content"] == \
+        "They want JSON."
