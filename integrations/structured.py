@@ -95,43 +95,6 @@ def tool_call_grammar(tools_json: str, single: bool = False, parser_name: str = 
     return str(xgrammar.Grammar.from_structural_tag(StructuralTag(format=calls)))
 
 
-# Bounded, so a model cannot spend its tokens on blank lines before the answer.
-_WHITESPACE = 'root ::= [ \\t\\r\\n]{0,4}'
-
-
-def after_thinking(spec: StructuredOutputsParams | None, start: str, end: str,
-                   opened: bool, opening: str = "") -> StructuredOutputsParams | None:
-    """`spec` with the model's thinking allowed before it: the answer's grammar starts after the end
-    marker (an opened thinking must close; otherwise a thinking block is optional), so structured
-    outputs and forced calls hold the answer only. `opening`: text the answer starts with before the
-    spec's own grammar (harmony's final-channel header)."""
-    if spec is None:
-        return None
-    import xgrammar
-    from xgrammar.structural_tag import (
-        AnyTextFormat,
-        ConstStringFormat,
-        GrammarFormat,
-        OptionalFormat,
-        SequenceFormat,
-        StructuralTag,
-        TagFormat,
-    )
-
-    from paged_backend.sampling.structured_outputs import build_grammar
-
-    # Models write a line break or two between the end marker and the answer (Qwen3: "</think>\n\n").
-    thinking = SequenceFormat(elements=[
-        TagFormat(begin="" if opened else start, content=AnyTextFormat(), end=end),
-        GrammarFormat(grammar=_WHITESPACE)])
-    answer = GrammarFormat(grammar=str(build_grammar(spec.key)))
-    if opening:
-        answer = SequenceFormat(elements=[ConstStringFormat(value=opening), answer])
-    elements = [thinking if opened else OptionalFormat(content=thinking), answer]
-    return StructuredOutputsParams(grammar=str(xgrammar.Grammar.from_structural_tag(
-        StructuralTag(format=SequenceFormat(elements=elements)))))
-
-
 def add_json_instruction(messages: list[dict[str, Any]], schema: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Ask for JSON (following `schema`, if given) in the system turn, after the caller's own system text.
     The grammar holds the model to the shape; seeing the schema helps it choose sensible values."""

@@ -45,6 +45,7 @@ from paged_backend.entrypoints.reasoning import (
     AUTO,
     ReasoningParser,
     ReasoningStream,
+    after_thinking,
     budget_processor,
     reasoning_tokens,
     resolve_reasoning_parser,
@@ -54,7 +55,6 @@ from paged_backend.sampling.sampling_params import SamplingParams
 from ..logprobs import chat_logprobs
 from ..structured import (
     add_json_instruction,
-    after_thinking,
     check_tool_schemas,
     chosen_tool_name,
     forced_tool_spec,

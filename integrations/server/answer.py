@@ -26,13 +26,14 @@ from typing import Any
 
 from paged_backend.entrypoints.reasoning import (
     ReasoningParser,
+    after_thinking,
     budget_processor,
     prompt_tail,
 )
 from paged_backend.sampling.sampling_params import SamplingParams
 
 from ..hermes import CallDelta
-from ..structured import ToolSchemaError, after_thinking, check_tool_schemas
+from ..structured import ToolSchemaError, check_tool_schemas
 from ..tool_parsers import ToolParser, keeps_special_tokens
 from .errors import bad_request
 from .state import ServerState

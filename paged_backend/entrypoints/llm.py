@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from paged_backend.entrypoints.beam_search import (
 )
 from paged_backend.entrypoints.chat import render_chat
 from paged_backend.entrypoints.reasoning import (
+    after_thinking,
     budget_processor,
     prompt_tail,
     resolve_reasoning_parser,
@@ -213,7 +215,8 @@ class LLM:
         opened = [self.reasoning is not None and self.reasoning.opens_thinking(prompt_tail(self.tokenizer, p))
                   for p in prompts]
         processors = self.budget_processors(thinking_token_budget, opened)
-        outputs = self.run(prompts, normalise_params(sampling_params, len(prompts)), use_tqdm, None, processors)
+        params = self.held_after_thinking(normalise_params(sampling_params, len(prompts)), opened)
+        outputs = self.run(prompts, params, use_tqdm, None, processors)
         if self.reasoning is not None:
             marked = any(marker in self.tokenizer.all_special_tokens for marker in self.reasoning.markers)
             for output, open_ in zip(outputs, opened):
@@ -221,6 +224,16 @@ class LLM:
                     text = self.marked_text(completion.token_ids) if marked else completion.text
                     completion.reasoning, completion.text = self.reasoning.split(text, open_)
         return outputs
+
+    def held_after_thinking(self, params: list[SamplingParams], opened: list[bool]) -> list[SamplingParams]:
+        """With a reasoning parser, each request's structured outputs hold its answer, not its thinking: a
+        grammar from the first token would skip the thinking, or write the JSON inside one the prompt opened."""
+        if self.reasoning is None:
+            return params
+        parser = self.reasoning
+        return [p if p.structured_outputs is None else dataclasses.replace(p, structured_outputs=after_thinking(
+                    p.structured_outputs, parser.start, parser.end, open_, parser.answer_opening))
+                for p, open_ in zip(params, opened)]
 
     def marked_text(self, token_ids: Sequence[int]) -> str:
         """A completion's text with its special tokens kept, for a reasoning format whose markers are special

@@ -7,6 +7,7 @@ import pytest
 from helpers.scripted import force, harmony_tokenizer, marker_tokenizer, tiny_model
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
 # DeepSeek-R1's way: the generation prompt opens the thinking, and past answers lose theirs.
 R1_LIKE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'].split('</think>')[-1] + "
@@ -32,6 +33,19 @@ def test_chat_splits_the_thinking_and_the_budget_closes_it(tokenizer) -> None:
     assert "</think>" not in completion.text and "<think>" not in completion.text
     [none] = llm.chat(HELLO, params, use_tqdm=False, thinking_token_budget=0)
     assert none.outputs[0].token_ids[0] == end and none.outputs[0].reasoning == ""
+
+
+def test_structured_outputs_hold_the_answer_after_the_thinking(tokenizer) -> None:
+    # The prompt opened the thinking: a grammar from the first token would write the choice inside it
+    # (reasoning "yes", answer ""); held after the end marker, the thinking runs first and the answer obeys.
+    llm = LLM(tiny_model(tokenizer), tokenizer, num_kv_blocks=64, reasoning_parser="deepseek_r1")
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    params = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    [output] = llm.chat(HELLO, params, use_tqdm=False, thinking_token_budget=3)
+    completion = output.outputs[0]
+    assert completion.token_ids[3] == end and completion.finish_reason == "stop"
+    assert completion.text.strip() in ("yes", "no") and completion.reasoning == tokenizer.decode(completion.token_ids[:3])
+    assert params.structured_outputs.choice == ["yes", "no"]  # the caller's params are left as they were
 
 
 def test_without_a_parser_chat_is_unchanged_and_bad_options_are_named(tokenizer) -> None:

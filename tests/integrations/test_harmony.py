@@ -15,13 +15,14 @@ import torch
 from helpers.scripted import HARMONY_MARKERS, harmony_tokenizer
 from paged_backend.entrypoints.harmony import read_messages
 from paged_backend.entrypoints.reasoning import (
+    after_thinking,
     budget_processor,
     detect_reasoning_parser,
     get_reasoning_parser,
     reasoning_tokens,
 )
 from paged_backend.integrations.server.answer import AnswerPlan
-from paged_backend.integrations.structured import after_thinking, forced_tool_spec
+from paged_backend.integrations.structured import forced_tool_spec
 from paged_backend.integrations.tool_parsers import detect_tool_parser, get_tool_parser, keeps_special_tokens
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 from xgrammar.testing import _is_grammar_accept_string

@@ -9,33 +9,17 @@ recomputed (preempted) request sees the same decisions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .parser import ReasoningParser
+from .token_search import find, marker_ids
 
 # (output ids, logits row [V]) -> row: the engine's per-request processor (core/request.py), named here
 # without importing the engine, since front ends and LLM share this module.
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
-
-
-def marker_ids(tokenizer: Any, marker: str) -> list[int]:
-    return list(tokenizer.encode(marker, add_special_tokens=False))
-
-
-def find(ids: Sequence[int], pattern: list[int], start: int = 0) -> int:
-    """Index of the first occurrence of `pattern` in `ids` at or after `start`, or -1."""
-    first = pattern[0]
-    while True:
-        try:
-            at = ids.index(first, start)
-        except ValueError:
-            return -1
-        if list(ids[at:at + len(pattern)]) == pattern:
-            return at
-        start = at + 1
 
 
 def budget_processor(tokenizer: Any, parser: ReasoningParser, budget: int, opened: bool) -> LogitsProcessor:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .budget import find, marker_ids
-from .parser import ReasoningParser
+from .token_search import find, marker_ids
+
+if TYPE_CHECKING:
+    from .base import ReasoningParser
 
 
 def reasoning_tokens(tokenizer: Any, parser: ReasoningParser, token_ids: Sequence[int], opened: bool) -> int:

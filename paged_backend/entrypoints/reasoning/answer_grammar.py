@@ -1,0 +1,48 @@
+"""A grammar held to the answer, not the thinking: what structured outputs mean for a reasoning model.
+
+A JSON schema, a choice or a forced tool call describes the answer; a reasoning model writes its thinking
+first, between its markers, in words no grammar of the answer admits. `after_thinking` wraps a request's
+grammar so that the thinking runs free up to its end marker (it must close when the prompt opened it, and
+may be skipped otherwise) and the grammar holds what follows, as vLLM holds structured outputs only once
+the reasoning ended. Every front end with a reasoning parser (the server's routes, ChatPaged, `LLM.chat`)
+wraps its grammar this way.
+"""
+
+from __future__ import annotations
+
+from paged_backend.sampling.structured_outputs import StructuredOutputsParams
+
+# Bounded, so a model cannot spend its tokens on blank lines before the answer.
+_WHITESPACE = 'root ::= [ \\t\\r\\n]{0,4}'
+
+
+def after_thinking(spec: StructuredOutputsParams | None, start: str, end: str,
+                   opened: bool, opening: str = "") -> StructuredOutputsParams | None:
+    """`spec` with the model's thinking (between `start` and `end`) allowed before it: an opened thinking must
+    close, otherwise a thinking block is optional. `opening`: text the answer starts with before the spec's
+    own grammar (harmony's final-channel header)."""
+    if spec is None:
+        return None
+    import xgrammar
+    from xgrammar.structural_tag import (
+        AnyTextFormat,
+        ConstStringFormat,
+        GrammarFormat,
+        OptionalFormat,
+        SequenceFormat,
+        StructuralTag,
+        TagFormat,
+    )
+
+    from paged_backend.sampling.structured_outputs import build_grammar
+
+    # Models write a line break or two between the end marker and the answer (Qwen3: "</think>\n\n").
+    thinking = SequenceFormat(elements=[
+        TagFormat(begin="" if opened else start, content=AnyTextFormat(), end=end),
+        GrammarFormat(grammar=_WHITESPACE)])
+    answer = GrammarFormat(grammar=str(build_grammar(spec.key)))
+    if opening:
+        answer = SequenceFormat(elements=[ConstStringFormat(value=opening), answer])
+    elements = [thinking if opened else OptionalFormat(content=thinking), answer]
+    return StructuredOutputsParams(grammar=str(xgrammar.Grammar.from_structural_tag(
+        StructuralTag(format=SequenceFormat(elements=elements)))))
