@@ -3,10 +3,9 @@ never reach the content; detection from templates; the budget processor; reasoni
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from helpers.chunks import chunkings
 
 from paged_backend.entrypoints.reasoning import (
     budget_processor,
@@ -34,22 +33,10 @@ CASES = [
 ]
 
 
-def chunkings(text: str) -> list[list[str]]:
-    ways = [[text], list(text)]
-    for seed in range(5):
-        rng, pieces, at = random.Random(seed), [], 0
-        while at < len(text):
-            step = rng.randint(1, 6)
-            pieces.append(text[at:at + step])
-            at += step
-        ways.append(pieces)
-    return ways
-
-
 @pytest.mark.parametrize(("parser", "opened", "text", "reasoning", "content"), CASES)
 def test_split_streamed_or_not(parser, opened: bool, text: str, reasoning, content: str) -> None:
     assert parser.split(text, opened) == (reasoning, content)
-    for pieces in chunkings(text):
+    for pieces in chunkings(text, seeds=5, longest=6):
         stream = parser.stream(opened)
         outs = [stream.push(p) for p in pieces] + [stream.finish()]
         assert "".join(o.reasoning for o in outs) == (reasoning or "")

@@ -7,12 +7,21 @@ markers kept through decoding; detection from a gpt-oss-like template."""
 from __future__ import annotations
 
 import json
-import random
 import types
 
 import pytest
 import torch
+from helpers.chunks import chunkings
 from helpers.scripted import HARMONY_MARKERS, harmony_tokenizer
+from paged_backend.integrations.server.answer import AnswerPlan
+from paged_backend.integrations.structured import forced_tool_spec
+from paged_backend.integrations.tool_parsers import (
+    detect_tool_parser,
+    get_tool_parser,
+    keeps_special_tokens,
+)
+from xgrammar.testing import _is_grammar_accept_string
+
 from paged_backend.entrypoints.harmony import read_messages
 from paged_backend.entrypoints.reasoning import (
     after_thinking,
@@ -21,11 +30,7 @@ from paged_backend.entrypoints.reasoning import (
     get_reasoning_parser,
     reasoning_tokens,
 )
-from paged_backend.integrations.server.answer import AnswerPlan
-from paged_backend.integrations.structured import forced_tool_spec
-from paged_backend.integrations.tool_parsers import detect_tool_parser, get_tool_parser, keeps_special_tokens
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
-from xgrammar.testing import _is_grammar_accept_string
 
 HARMONY, CALLS = get_reasoning_parser("harmony"), get_tool_parser("harmony")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -62,18 +67,6 @@ CASES = [
 ]
 
 
-def chunkings(text: str) -> list[list[str]]:
-    ways = [[text], list(text)]
-    for seed in range(4):
-        rng, pieces, at = random.Random(seed), [], 0
-        while at < len(text):
-            step = rng.randint(1, 12)
-            pieces.append(text[at:at + step])
-            at += step
-        ways.append(pieces)
-    return ways
-
-
 def plan(opened: bool) -> AnswerPlan:
     return AnswerPlan(HARMONY, opened, CALLS, TOOLS)
 
@@ -83,7 +76,7 @@ def test_analysis_final_and_calls_split_streamed_or_not(text, opened, reasoning,
     got_reasoning, got_content, got_calls = plan(opened).split(text)
     assert (got_reasoning, got_content) == (reasoning, content)
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
-    for pieces in chunkings(text):
+    for pieces in chunkings(text, longest=12):
         stream = plan(opened).stream()
         outs = [stream.push(p) for p in pieces] + [stream.finish()]
         assert "".join(o.reasoning for o in outs) == (reasoning or "")

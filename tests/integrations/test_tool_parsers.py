@@ -5,9 +5,9 @@ format they are meant to hold; the template says which format a model writes."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
+from helpers.chunks import chunkings
 from paged_backend.integrations.server.tool_calls import (
     ToolCallStreamer,
     parse_tool_calls,
@@ -70,18 +70,6 @@ EXAMPLES = [
                 '{"location": "San Francisco, CA, USA", "unit": "celsius"}'), None,
      [("get_current_temperature", SF_UNIT)]),
 ]
-
-
-def chunkings(text: str) -> list[list[str]]:
-    ways = [[text], list(text)]
-    for seed in range(4):
-        rng, pieces, at = random.Random(seed), [], 0
-        while at < len(text):
-            step = rng.randint(1, 9)
-            pieces.append(text[at:at + step])
-            at += step
-        ways.append(pieces)
-    return ways
 
 
 def streamed(parser_name: str, pieces: list[str]) -> tuple[str, list, dict[int, tuple[str, str]]]:

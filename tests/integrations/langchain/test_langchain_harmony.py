@@ -8,9 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from helpers.scripted import HARMONY_MARKERS, ScriptedClient, harmony_llm, harmony_tokenizer
-from langchain_core.messages import AIMessageChunk, HumanMessage
-from paged_backend.integrations.langchain import ChatPaged
+from helpers.langchain_chat import chat, joined
+from helpers.scripted import (
+    HARMONY_MARKERS,
+    ScriptedClient,
+    harmony_llm,
+    harmony_tokenizer,
+)
+from langchain_core.messages import HumanMessage
 
 from paged_backend import AsyncEngine
 
@@ -33,20 +38,6 @@ def scripted() -> Iterator[ScriptedClient]:
     aengine = AsyncEngine(harmony_llm(harmony_tokenizer([THOUGHT, CALL] * 3, TEMPLATE)).engine)
     yield ScriptedClient(aengine)
     aengine.shutdown()
-
-
-def chat(client: ScriptedClient, script: str, **fields) -> ChatPaged:
-    client.script = script
-    model = ChatPaged(temperature=0.0, max_tokens=80, **fields)
-    model._aengine = client  # the scripted client in place of a built engine
-    return model
-
-
-def joined(chunks: list[AIMessageChunk]) -> AIMessageChunk:
-    total = chunks[0]
-    for chunk in chunks[1:]:
-        total += chunk
-    return total
 
 
 def test_analysis_is_reasoning_content_final_is_content(scripted: ScriptedClient) -> None:

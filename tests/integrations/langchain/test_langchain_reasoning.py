@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from helpers.langchain_chat import chat, joined
 from helpers.scripted import ScriptedClient, marker_tokenizer, tiny_llm
-from langchain_core.messages import AIMessageChunk, HumanMessage
-from paged_backend.integrations.langchain import ChatPaged
+from langchain_core.messages import HumanMessage
 
 from paged_backend import AsyncEngine
 
@@ -35,20 +35,6 @@ def scripted() -> Iterator[ScriptedClient]:
     aengine = AsyncEngine(tiny_llm(tokenizer).engine)
     yield ScriptedClient(aengine, anchor="</think>")
     aengine.shutdown()
-
-
-def chat(client: ScriptedClient, script: str, **fields) -> ChatPaged:
-    client.script = script
-    model = ChatPaged(temperature=0.0, max_tokens=80, **fields)
-    model._aengine = client  # the scripted client in place of a built engine
-    return model
-
-
-def joined(chunks: list[AIMessageChunk]) -> AIMessageChunk:
-    total = chunks[0]
-    for chunk in chunks[1:]:
-        total += chunk
-    return total
 
 
 def test_the_thinking_is_reasoning_content_and_a_reasoning_block(scripted: ScriptedClient) -> None:
