@@ -184,13 +184,3 @@ class SlotView:
                                **kwargs) -> torch.Tensor:
         self.recurrent.copy_(state)
         return self.recurrent
-
-
-def slot_views(layer: int) -> Iterator[tuple[int, int, SlotView]]:
-    """(first row, end row, its state) of each sequence of the current step, for a layer holding a conv state
-    and, optionally, a recurrent state."""
-    state, step = current_recurrent()
-    tensors = state.layer(layer)
-    for lo, hi, slot, continues in step.segments():
-        recurrent = tensors[1][slot : slot + 1] if len(tensors) > 1 else None
-        yield lo, hi, SlotView(tensors[0][slot : slot + 1], recurrent, continues)

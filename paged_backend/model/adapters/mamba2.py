@@ -5,8 +5,9 @@ SSM state `[heads, head_dim, d_state]` (fp32, as transformers keeps it). transfo
 cache use into `causal_conv1d_forward` and `mamba2_scan_forward`, which reach the cache through a handful of
 methods; the paged forward runs the mixer's own forward on each sequence of the packed row with a `SlotView`
 (recurrent_state.py) as that cache. That is transformers' own torch path: its chunked scan for a prefill
-chunk (from the slot's state when the sequence continues), its one-token recurrence for a decode token. The
-price is one mixer call per sequence of the step (its projections included) instead of one per step.
+chunk (from the slot's state when the sequence continues), its one-token recurrence for decode tokens. A
+prefill chunk costs one mixer call (its projections included); the step's decode tokens run as one batch,
+their states gathered from their slots and stored back, so a decode step costs one call, not one per sequence.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from paged_backend.model.paged_cache import PackedStepCache, ShapeProbe
-from paged_backend.model.recurrent_state import StateSpec, slot_views
+from paged_backend.model.recurrent_state import SlotView, StateSpec, current_recurrent
 
 
 def mamba2_layout(config, layers: list[int], inner: int) -> dict[int, tuple[StateSpec, ...]]:
@@ -33,7 +34,28 @@ def paged_forward(module: nn.Module, cache: PackedStepCache, hidden_states: torc
     if isinstance(cache, ShapeProbe):  # the start-up probe: one sequence from a zero state
         cache.reached(module.layer_idx, "recurrent")
         return forward(hidden_states, cache=None)
+    state, step = current_recurrent()
+    conv, ssm = state.layer(module.layer_idx)
     out = torch.empty_like(hidden_states)
-    for lo, hi, view in slot_views(module.layer_idx):
-        out[:, lo:hi] = forward(hidden_states[:, lo:hi], cache=view)
+    rows, slots = [], []  # the step's decode tokens, one per sequence: run as one batch below
+    for lo, hi, slot, continues in step.segments():
+        if hi - lo == 1 and continues:
+            rows.append(lo)
+            slots.append(slot)
+        else:
+            view = SlotView(conv[slot : slot + 1], ssm[slot : slot + 1], continues)
+            out[:, lo:hi] = forward(hidden_states[:, lo:hi], cache=view)
+    if rows:
+        out[0, rows] = decode_batch(forward, hidden_states[0, rows], conv, ssm, slots)
+    return out
+
+
+def decode_batch(forward, tokens: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """One token of each of several sequences `[B, hidden]` through the mixer as a batch of B one-token sequences:
+    their states gathered from `slots` into one view, advanced by the mixer's one-token recurrence, stored back."""
+    index = torch.tensor(slots, device=conv.device)
+    view = SlotView(conv[index], ssm[index], continues=True)  # copies: the mixer updates them in place
+    out = forward(tokens[:, None], cache=view)[:, 0]
+    conv[index] = view.conv
+    ssm[index] = view.recurrent
     return out
