@@ -2,8 +2,8 @@
 whose state per sequence is the last `conv_L_cache - 1` inputs of their depthwise causal convolution.
 
 The convolution layer's paged forward runs the layer's own projections over the packed row, then the
-convolution one sequence at a time: the sequence's segment after its slot's saved inputs (zeros for a
-sequence with nothing computed), and the last `L - 1` inputs saved back. That is transformers' torch path
+convolution: a prompt chunk after its slot's saved inputs (zeros for a sequence with nothing computed), the
+step's decode tokens as one batch of windows, and the last `L - 1` inputs of each saved back. That is transformers' torch path
 (`causal_conv1d_fn` with the cache's inputs in front), so chunked prefill and decode give its numbers.
 """
 
@@ -32,15 +32,28 @@ def convolve(module: Lfm2ShortConv, inputs: torch.Tensor, previous: torch.Tensor
 
 
 def convolve_step(module: Lfm2ShortConv, inputs: torch.Tensor) -> torch.Tensor:
-    """Each sequence of the step from its slot's saved inputs, whose last L - 1 are saved back."""
+    """Each sequence of the step from its slot's saved inputs, whose last L - 1 are saved back: a prompt chunk
+    on its own, the step's decode tokens (one per sequence) as one batch."""
     state, step = current_recurrent()
     (saved,) = state.layer(module.layer_idx)
     keep = saved.shape[-1]
     out = torch.empty_like(inputs)
+    rows, slots = [], []
     for lo, hi, slot, continues in step.segments():
+        if hi - lo == 1 and continues:
+            rows.append(lo)
+            slots.append(slot)
+            continue
         previous = saved[slot] if continues else inputs.new_zeros(inputs.shape[0], keep)
         out[:, lo:hi] = convolve(module, inputs[:, lo:hi], previous)
         saved[slot] = torch.cat([previous, inputs[:, lo:hi]], dim=-1)[:, -keep:]
+    if rows:
+        index = torch.tensor(slots, device=saved.device)
+        windows = torch.cat([saved[index], inputs[:, rows].transpose(0, 1)[..., None]], dim=-1)  # [B, H, L]
+        weight = module.conv.weight
+        conv = F.conv1d(windows.to(weight.dtype), weight, module.conv.bias, groups=windows.shape[1])
+        out[:, rows] = conv[..., -1].transpose(0, 1).to(inputs.dtype)
+        saved[index] = windows[..., 1:]
     return out
 
 
