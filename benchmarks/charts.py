@@ -290,13 +290,20 @@ def gpu_check_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows + [("passed", str(steps["ok"]))]
 
 
+def hybrid_decode_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(f"{family}: engine vs HF generate, {r['requests']} requests x {r['tokens']} tokens",
+             f"{number(f['engine_median'])} vs {number(f['hf_generate_median'])} tok/s ({number(f['ratio'], 2)}x), "
+             f"identical answers {f['identical_answers']} of {r['requests']}")
+            for family, f in r["families"].items()]
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "throughput": throughput_figures, "prefix_cache": prefix_cache_figures, "pipeline": pipeline_figures,
     "serve": serve_figures, "replicas": replicas_figures, "self_check": self_check_figures,
     "structured": structured_figures, "stats_scrape": stats_scrape_figures, "speculative": speculative_figures,
     "lora": lora_figures, "quality": quality_figures, "cpu_vs_llamacpp": cpu_vs_llamacpp_figures,
     "sliding_window_memory": sliding_window_figures, "startup": startup_figures, "gpu_check": gpu_check_figures,
-    "fused_projections": fused_projections_figures,
+    "fused_projections": fused_projections_figures, "hybrid_decode": hybrid_decode_figures,
 }
 
 
