@@ -172,3 +172,18 @@ def test_recurrent_layers_keep_no_kv(model):
     per_block = 2 * shape.num_kv_heads * 4 * shape.head_dim * 4  # K and V of one layer, fp32
     assert shape.bytes_per_block(4, torch.float32) == per_block
     assert engine.kv.pool.num_blocks == (1 << 20) // per_block
+
+
+@pytest.mark.parametrize("arch", ["granitemoehybrid", "falcon_h1"])
+def test_mamba2_batches_equal_chunks_and_decodes(arch):
+    """Prompts of one length run through a Mamba-2 mixer as one batch (their states gathered from their slots and
+    stored back), chunk by chunk, then their decode tokens together: each still equals generate alone."""
+    model = build(arch)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (12,), generator=g).tolist() for _ in range(4)] + [[5, 6, 7, 8, 9]]
+    # 24 tokens a step: two 12-token prompts per step, or chunks of them; the 5-token one runs beside.
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=24))
+    ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
+    finals = run_to_completion(engine)
+    assert [finals[i].outputs[0].token_ids for i in ids] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    assert_all_slots_free(engine)

@@ -5,9 +5,10 @@ SSM state `[heads, head_dim, d_state]` (fp32, as transformers keeps it). transfo
 cache use into `causal_conv1d_forward` and `mamba2_scan_forward`, which reach the cache through a handful of
 methods; the paged forward runs the mixer's own forward on each sequence of the packed row with a `SlotView`
 (recurrent_state.py) as that cache. That is transformers' own torch path: its chunked scan for a prefill
-chunk (from the slot's state when the sequence continues), its one-token recurrence for decode tokens. A
-prefill chunk costs one mixer call (its projections included); the step's decode tokens run as one batch,
-their states gathered from their slots and stored back, so a decode step costs one call, not one per sequence.
+chunk (from the slot's state when the sequence continues), its one-token recurrence for decode tokens. The
+step's sequences run in batches of one length and one kind (continuing a state or starting from zeros), their
+states gathered from their slots and stored back: every decode token of a step in one mixer call (projections
+included), and prompt chunks of one length together.
 """
 
 from __future__ import annotations
@@ -36,26 +37,27 @@ def paged_forward(module: nn.Module, cache: PackedStepCache, hidden_states: torc
         return forward(hidden_states, cache=None)
     state, step = current_recurrent()
     conv, ssm = state.layer(module.layer_idx)
-    out = torch.empty_like(hidden_states)
-    rows, slots = [], []  # the step's decode tokens, one per sequence: run as one batch below
+    # Sequences alike in length and in whether they continue a state run as one batch: every decode token
+    # of the step together, and prompt chunks of one length (a batch of equal prompts) together.
+    groups: dict[tuple[int, bool], list[tuple[int, int]]] = {}
     for lo, hi, slot, continues in step.segments():
-        if hi - lo == 1 and continues:
-            rows.append(lo)
-            slots.append(slot)
-        else:
-            view = SlotView(conv[slot : slot + 1], ssm[slot : slot + 1], continues)
-            out[:, lo:hi] = forward(hidden_states[:, lo:hi], cache=view)
-    if rows:
-        out[0, rows] = decode_batch(forward, hidden_states[0, rows], conv, ssm, slots)
+        groups.setdefault((hi - lo, continues), []).append((lo, slot))
+    out = torch.empty_like(hidden_states)
+    for (length, continues), members in groups.items():
+        starts = torch.tensor([lo for lo, _ in members], device=hidden_states.device)
+        rows = starts[:, None] + torch.arange(length, device=hidden_states.device)  # [B, length]
+        slots = [slot for _, slot in members]
+        out[0, rows] = run_batch(forward, hidden_states[0, rows], conv, ssm, slots, continues)
     return out
 
 
-def decode_batch(forward, tokens: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, slots: list[int]) -> torch.Tensor:
-    """One token of each of several sequences `[B, hidden]` through the mixer as a batch of B one-token sequences:
-    their states gathered from `slots` into one view, advanced by the mixer's one-token recurrence, stored back."""
+def run_batch(forward, tokens: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, slots: list[int],
+              continues: bool) -> torch.Tensor:
+    """Several sequences' tokens `[B, length, hidden]` through the mixer as one batch: their states gathered from
+    `slots` into one view (unread when they start from zeros), advanced by the mixer, and stored back."""
     index = torch.tensor(slots, device=conv.device)
-    view = SlotView(conv[index], ssm[index], continues=True)  # copies: the mixer updates them in place
-    out = forward(tokens[:, None], cache=view)[:, 0]
+    view = SlotView(conv[index], ssm[index], continues)  # copies: the mixer updates them in place
+    out = forward(tokens, cache=view)
     conv[index] = view.conv
     ssm[index] = view.recurrent
     return out
