@@ -286,9 +286,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
         forced = forced_tool_spec(shown_tools, tool_choice, parallel_tool_calls, tool_parser)
         shape = forced or response_format_spec(response_format)
         if shape is not None and reasoning is not None:
-            # A forced call's grammar writes its own header; a JSON answer opens as the format's answers do.
-            opening = "" if forced is not None else reasoning.answer_opening
-            shape = after_thinking(shape, reasoning.start, reasoning.end, opened, opening)
+            shape = after_thinking(shape, reasoning, opened, forced_call=forced is not None)
         if shape is not None:
             if kwargs.get("structured_outputs", self.structured_outputs) is not None:
                 raise ValueError("structured_outputs cannot be combined with a forced tool call or a response_format")

@@ -167,11 +167,7 @@ def hold_after_thinking(state: ServerState, plan: AnswerPlan, spec: Any) -> Any:
     """A structured-output spec (a forced call, a JSON format) held to the answer after the thinking:
     the model thinks whether or not its answer is split, so the server's parser decides."""
     thinker = state.reasoning_parser
-    if thinker is None:
-        return spec
-    # A forced call's grammar writes its own header; a JSON answer opens as the format's answers do.
-    opening = "" if plan.forced else thinker.answer_opening
-    return after_thinking(spec, thinker.start, thinker.end, plan.opened, opening)
+    return after_thinking(spec, thinker, plan.opened, plan.forced) if thinker is not None else spec
 
 
 def decode_markers(state: ServerState, plan: AnswerPlan, params: SamplingParams) -> SamplingParams:

@@ -230,9 +230,8 @@ class LLM:
         grammar from the first token would skip the thinking, or write the JSON inside one the prompt opened."""
         if self.reasoning is None:
             return params
-        parser = self.reasoning
-        return [p if p.structured_outputs is None else dataclasses.replace(p, structured_outputs=after_thinking(
-                    p.structured_outputs, parser.start, parser.end, open_, parser.answer_opening))
+        return [p if p.structured_outputs is None else
+                dataclasses.replace(p, structured_outputs=after_thinking(p.structured_outputs, self.reasoning, open_))
                 for p, open_ in zip(params, opened)]
 
     def marked_text(self, token_ids: Sequence[int]) -> str:

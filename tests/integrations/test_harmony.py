@@ -170,7 +170,7 @@ def test_reasoning_tokens_count_every_analysis_message(tokenizer) -> None:
 def test_a_json_answer_after_the_thinking_opens_the_final_channel() -> None:
     spec = after_thinking(StructuredOutputsParams(json={"type": "object", "properties": {"city": {"type": "string"}},
                                                         "required": ["city"]}),
-                          HARMONY.start, HARMONY.end, opened=False, opening=HARMONY.answer_opening)
+                          HARMONY, opened=False)
     answer = '<|channel|>final<|message|>{"city": "Paris"}'
     assert _is_grammar_accept_string(spec.grammar, THINK + "<|start|>assistant" + answer)
     assert _is_grammar_accept_string(spec.grammar, answer)  # no thinking at all
@@ -178,20 +178,20 @@ def test_a_json_answer_after_the_thinking_opens_the_final_channel() -> None:
     assert plan(False).split(THINK + "<|start|>assistant" + answer)[:2] == (REASONING, '{"city": "Paris"}')
 
 
-@pytest.mark.parametrize(("forced_call", "opening"), [(False, "<|channel|>final<|message|>"), (True, "")])
-def test_the_server_opens_json_answers_but_not_forced_calls(monkeypatch, forced_call: bool, opening: str) -> None:
+@pytest.mark.parametrize("forced_call", [False, True])
+def test_the_server_says_whether_the_grammar_is_a_forced_call(monkeypatch, forced_call: bool) -> None:
     from paged_backend.integrations.server import answer
 
     seen = {}
     monkeypatch.setattr(answer, "after_thinking", lambda *args: seen.setdefault("args", args))
     state = types.SimpleNamespace(reasoning_parser=HARMONY)
     answer.hold_after_thinking(state, AnswerPlan(HARMONY, False, CALLS, TOOLS, forced=forced_call), "spec")
-    assert seen["args"] == ("spec", HARMONY.start, HARMONY.end, False, opening)
+    assert seen["args"] == ("spec", HARMONY, False, forced_call)
 
 
 def test_a_forced_call_grammar_follows_the_thinking() -> None:
-    grammar = after_thinking(forced_tool_spec(TOOLS, "required", True, CALLS), HARMONY.start, HARMONY.end,
-                             opened=False).grammar
+    grammar = after_thinking(forced_tool_spec(TOOLS, "required", True, CALLS), HARMONY, opened=False,
+                             forced_call=True).grammar
     call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
     assert _is_grammar_accept_string(grammar, call)
     assert _is_grammar_accept_string(grammar, THINK + "<|start|>assistant" + call)

@@ -10,19 +10,25 @@ wraps its grammar this way.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from .base import ReasoningParser
 
 # Bounded, so a model cannot spend its tokens on blank lines before the answer.
 _WHITESPACE = 'root ::= [ \\t\\r\\n]{0,4}'
 
 
-def after_thinking(spec: StructuredOutputsParams | None, start: str, end: str,
-                   opened: bool, opening: str = "") -> StructuredOutputsParams | None:
-    """`spec` with the model's thinking (between `start` and `end`) allowed before it: an opened thinking must
-    close, otherwise a thinking block is optional. `opening`: text the answer starts with before the spec's
-    own grammar (harmony's final-channel header)."""
+def after_thinking(spec: StructuredOutputsParams | None, parser: ReasoningParser, opened: bool,
+                   forced_call: bool = False) -> StructuredOutputsParams | None:
+    """`spec` with the model's thinking (between `parser`'s markers) allowed before it: an opened thinking must
+    close, otherwise a thinking block is optional. The answer opens with `parser.answer_opening` (harmony's
+    final-channel header) unless `spec` is a `forced_call`, whose grammar writes its own header."""
     if spec is None:
         return None
+    opening = "" if forced_call else parser.answer_opening
     import xgrammar
     from xgrammar.structural_tag import (
         AnyTextFormat,
@@ -38,7 +44,7 @@ def after_thinking(spec: StructuredOutputsParams | None, start: str, end: str,
 
     # Models write a line break or two between the end marker and the answer (Qwen3: "</think>\n\n").
     thinking = SequenceFormat(elements=[
-        TagFormat(begin="" if opened else start, content=AnyTextFormat(), end=end),
+        TagFormat(begin="" if opened else parser.start, content=AnyTextFormat(), end=parser.end),
         GrammarFormat(grammar=_WHITESPACE)])
     answer = GrammarFormat(grammar=str(build_grammar(spec.key)))
     if opening:
