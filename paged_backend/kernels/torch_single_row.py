@@ -55,7 +55,7 @@ def write_and_attend_single_row(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    layer: int,
+    layer: int | torch.Tensor,
     step: SingleRowStep,
     scale: float,
     sliding_window: int | None = None,
@@ -68,10 +68,15 @@ def write_and_attend_single_row(
     head's softmax as a logit with no value; `chunk_size` hides the keys before the query's chunk."""
     kv_heads, dim = key.shape
     heads = torch.arange(kv_heads, device=key.device)
+    # The layer as an index tensor, never a Python int in the graph: a compiled forward gives it as a 0-d tensor
+    # input, so every layer traces the same graph (model/layer_regions.py).
+    layer = torch.as_tensor(layer, device=key.device)
     for half, new in enumerate((key, value)):
-        index = (torch.tensor(layer, device=key.device), torch.tensor(half, device=key.device), heads, step.slot)
+        index = (layer, torch.tensor(half, device=key.device), heads, step.slot)
         step.kv.index_put_(index, new.to(step.kv.dtype))
-    context = step.kv[layer].view(2, kv_heads, -1, step.block_size, dim)[:, :, step.blocks].flatten(2, 3)
+    slots = (step.blocks[:, None] * step.block_size + torch.arange(step.block_size, device=key.device)).flatten()
+    # Two index tensors apart put the gathered positions first: [N, 2, KVH, D] -> [2, KVH, N, D].
+    context = step.kv[layer.view(1), :, :, slots].permute(1, 2, 0, 3)
     positions = torch.arange(context.shape[2], device=query.device)
     allowed = positions < step.seq_len
     if sliding_window is not None:

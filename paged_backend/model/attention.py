@@ -30,6 +30,7 @@ from paged_backend.kernels.torch_single_row import (
     write_and_attend_single_row,
 )
 from paged_backend.model import custom_ops
+from paged_backend.model.layer_regions import traced_layer
 from paged_backend.model.paged_cache import PagedCache, ShapeProbe
 
 ATTENTION_NAME = "paged_backend"
@@ -64,11 +65,11 @@ def paged_attention_forward(
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
     chunk_size = attention_chunk_size(module)
     if paged_single_row is not None:  # a compiled one-token step (torch_single_row.py)
-        out = write_and_attend_single_row(query[0, :, 0], key[0, :, 0], value[0, :, 0], module.layer_idx,
+        out = write_and_attend_single_row(query[0, :, 0], key[0, :, 0], value[0, :, 0], traced_layer(module),
                                           paged_single_row, scale, sliding_window, softcap, sinks, chunk_size)
         return out[None, None], None
     out = custom_ops.paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                     module.layer_idx, scale, sliding_window, softcap, None, sinks, chunk_size)
+                                     traced_layer(module), scale, sliding_window, softcap, None, sinks, chunk_size)
     return out.unsqueeze(0), None
 
 

@@ -3,7 +3,7 @@
 `torch.compile` sees the op as one opaque node with a fake (shape-only) implementation, so the
 graph around it is compiled while the attention keeps its per-step Python work (the CPU backend
 loops over sequences using host lists) and its Triton launches. The op takes tensors and per-layer
-constants only. Everything that changes per step (the `AttentionMetadata`, with its host lists) and
+constants only (in a graph, the layer's index too is a 0-d tensor: layer_regions.py). Everything that changes per step (the `AttentionMetadata`, with its host lists) and
 the paged cache itself reach it through `step_context()`, never through its arguments: a compiled
 graph has nothing step-specific to guard on, so one graph serves every step, and the cache is never
 a graph input that the compiler would functionalize (it copied the whole cache per layer when it was
@@ -73,15 +73,15 @@ def current_step() -> StepContext:
     return _current
 
 
-def paged_attention_impl(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: int,
+def paged_attention_impl(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: torch.Tensor,
                          scale: float, sliding_window: int | None = None, softcap: float | None = None,
                          alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                          chunk_size: int | None = None) -> torch.Tensor:
     """Write this step's `new_key/new_value [T, KVH, D]` into layer `layer` of the step's paged cache at
     the step's slot mapping, then attend packed `query [T, H, D]` over each sequence's context there
     (with the layer's window, soft-cap, ALiBi slopes, attention sinks `[H]` or chunk, where it has them);
-    returns `[T, H, D]`."""
-    metadata, kv, kv_scales = current_step().layer_step(layer)
+    returns `[T, H, D]`. `layer` is a 0-d CPU tensor inside a compiled graph (layer_operand), an int eagerly."""
+    metadata, kv, kv_scales = current_step().layer_step(int(layer))
     # A contiguous query gives a contiguous output on every backend, as the fake promises.
     return write_and_attend(query.contiguous(), new_key, new_value, kv, metadata, scale, sliding_window, softcap,
                             alibi_slopes, kv_scales, sinks, chunk_size)
@@ -99,9 +99,19 @@ def _(query, new_key, new_value, layer, scale, sliding_window=None, softcap=None
 # What the model's layers call: the registered op inside a graph being compiled (opaque there), and its
 # implementation directly in an eager forward, which skips the dispatcher's 13-15 us per call (once per
 # layer per step; measured on CPU with SmolLM2 shapes).
-def paged_attention(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: int,
+def paged_attention(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: int | torch.Tensor,
                     scale: float, sliding_window: int | None = None, softcap: float | None = None,
                     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                     chunk_size: int | None = None) -> torch.Tensor:
-    op = paged_attention_op if torch.compiler.is_compiling() else paged_attention_impl
-    return op(query, new_key, new_value, layer, scale, sliding_window, softcap, alibi_slopes, sinks, chunk_size)
+    if torch.compiler.is_compiling():
+        return paged_attention_op(query, new_key, new_value, layer_operand(layer), scale, sliding_window, softcap,
+                                  alibi_slopes, sinks, chunk_size)
+    return paged_attention_impl(query, new_key, new_value, layer, scale, sliding_window, softcap, alibi_slopes, sinks,
+                                chunk_size)
+
+
+def layer_operand(layer: int | torch.Tensor) -> torch.Tensor:
+    """A layer index as the ops take it in a graph: a tensor, so that the layers' graphs differ in an input, not in a
+    constant, and can be one compiled region (layer_regions.py). An int (a module without its index tensor)
+    becomes a constant tensor: correct, and that layer keeps a region of its own."""
+    return layer if isinstance(layer, torch.Tensor) else torch.tensor(layer)

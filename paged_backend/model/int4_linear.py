@@ -87,8 +87,16 @@ class Int4Linear(QuantizedLinear):
         return stack
 
     def quantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int4pack_mm_for_cpu(cast_to(rows, COMPUTE_DTYPE), self.packed, GROUP_SIZE,
-                                                self.scales_and_zeros)
+        if torch.compiler.is_compiling():
+            # The same kernel, its group size a tensor computed in the graph: inductor's lowering of
+            # _weight_int4pack_mm_for_cpu adds the group size as a graph constant, which inside a nested compile
+            # region (layer_regions.py) was read as another constant ("group size must be a scalar", torch 2.13).
+            out = torch.ops.quantized.int4mm_packed_weight_cpu(cast_to(rows, COMPUTE_DTYPE), self.packed,
+                                                               torch.full((), GROUP_SIZE, dtype=torch.int64),
+                                                               self.scales_and_zeros)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(cast_to(rows, COMPUTE_DTYPE), self.packed, GROUP_SIZE,
+                                                    self.scales_and_zeros)
         return cast_to(out, rows.dtype)
 
     def extra_repr(self) -> str:

@@ -14,13 +14,15 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels.dispatch import write_and_attend_latent
-from paged_backend.model.custom_ops import current_step
+from paged_backend.model.custom_ops import current_step, layer_operand
 
 
-def latent_attention_impl(query: torch.Tensor, latent: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def latent_attention_impl(query: torch.Tensor, latent: torch.Tensor, layer: torch.Tensor, scale: float
+                          ) -> torch.Tensor:
     """Write this step's `latent [T, 1, D]` into layer `layer` of the step's latent cache at the step's slot mapping,
-    then attend packed `query [T, H, D]` over each sequence's latents (key and value alike); returns `[T, H, D]`."""
-    metadata, kv, kv_scales = current_step().layer_step(layer)
+    then attend packed `query [T, H, D]` over each sequence's latents (key and value alike); returns `[T, H, D]`.
+    `layer` is a 0-d CPU tensor inside a compiled graph (custom_ops.layer_operand), an int eagerly."""
+    metadata, kv, kv_scales = current_step().layer_step(int(layer))
     return write_and_attend_latent(query.contiguous(), latent, kv, metadata, scale, kv_scales)
 
 
@@ -33,8 +35,10 @@ def _(query, latent, layer, scale):
     return query.new_empty(query.shape)
 
 
-def latent_attention(query: torch.Tensor, latent: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def latent_attention(query: torch.Tensor, latent: torch.Tensor, layer: int | torch.Tensor, scale: float
+                     ) -> torch.Tensor:
     """The op inside a graph being compiled, its implementation directly in an eager forward (as
     custom_ops.paged_attention, to skip the dispatcher's cost per layer)."""
-    op = latent_attention_op if torch.compiler.is_compiling() else latent_attention_impl
-    return op(query, latent, layer, scale)
+    if torch.compiler.is_compiling():
+        return latent_attention_op(query, latent, layer_operand(layer), scale)
+    return latent_attention_impl(query, latent, layer, scale)

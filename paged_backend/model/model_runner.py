@@ -21,7 +21,7 @@ from paged_backend.core.request import Request
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.kernels import AttentionMetadata
 from paged_backend.kernels.torch_single_row import single_row_step
-from paged_backend.model import compilation, custom_ops, fused_projections, lora
+from paged_backend.model import compilation, custom_ops, fused_projections, layer_regions, lora
 from paged_backend.model.paged_cache import PagedCache
 from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep, recurrent_context
 from paged_backend.model.small_step_linear import small_step_linear
@@ -170,6 +170,7 @@ class ModelRunner:
             self.forward_model = forward
             return compilation.warm_up(self.warm_up_step, cache, shapes, progress=title)
 
+        layer_regions.index_layers(self.model)  # before a graph is traced or loaded: each reads the index tensors
         report = compilation.compile_forward(self.model, cache.kv, settings, warm)
         self.compiled_structure = compilation.structure_of(self.model)
         return report

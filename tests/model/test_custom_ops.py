@@ -39,8 +39,9 @@ def test_opcheck_and_the_op_writes_then_attends():
     expected = paged_attention(query, expected_kv[1, 0], expected_kv[1, 1], metadata, 0.35)
     with custom_ops.step_context(metadata, kv):
         out = custom_ops.paged_attention(query, key, value, 1, 0.35)
-        torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, 1, 0.35))
-        torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, 1, 0.35),
+        layer = torch.tensor(1)  # the op takes the layer as a graph gives it (custom_ops.layer_operand)
+        torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, layer, 0.35))
+        torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, layer, 0.35),
                               {"sliding_window": 2, "softcap": 5.0})
     torch.testing.assert_close(out, expected)
     # The write reached layer 1 of the step's cache, at the slot mapping, and nothing else.

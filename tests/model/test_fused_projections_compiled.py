@@ -52,8 +52,9 @@ def test_a_traced_forward_holds_one_matmul_per_group():
     """What a compiled step runs: one int4 kernel call per group (and per o/down projection), not per projection."""
     model = int4_llama()
     fuse_projections(model)
-    assert traced_calls(model, fused=False)["_weight_int4pack_mm_for_cpu"] == 2 * 7
-    assert traced_calls(model, fused=True)["_weight_int4pack_mm_for_cpu"] == 2 * 4
+    # The int4 kernel as a traced graph calls it (int4_linear.Int4Linear.quantized_matmul).
+    assert traced_calls(model, fused=False)["int4mm_packed_weight_cpu"] == 2 * 7
+    assert traced_calls(model, fused=True)["int4mm_packed_weight_cpu"] == 2 * 4
 
 
 def tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:

@@ -35,6 +35,7 @@ from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels.torch_attention import attend_one
 from paged_backend.model.adapters.registry import Adapter, register_adapter
 from paged_backend.model.latent_cache import latent_attention
+from paged_backend.model.layer_regions import traced_layer
 from paged_backend.model.paged_cache import PackedStepCache, PagedCache, ShapeProbe
 
 
@@ -99,7 +100,7 @@ def attend_latent(module: DeepseekV3Attention, cache: PackedStepCache, query: to
                   latent: torch.Tensor) -> torch.Tensor:
     """Write the step's `latent [T, 1, D]` and attend `query [T, H, D]` over each sequence's latents; `[T, H, D]`."""
     if isinstance(cache, PagedCache):
-        return latent_attention(query, latent, module.layer_idx, module.scaling)
+        return latent_attention(query, latent, traced_layer(module), module.scaling)
     if not isinstance(cache, ShapeProbe):
         raise TypeError(f"deepseek_v3's paged attention got a {type(cache).__name__}, not the engine's cache")
     # The engine's start-up probe: it learns the latent's width and that this layer caches a latent.

@@ -20,6 +20,7 @@ from torch import nn
 
 from paged_backend.kernels.torch_attention import attend_one
 from paged_backend.model import custom_ops
+from paged_backend.model.layer_regions import traced_layer
 from paged_backend.model.paged_cache import PackedStepCache, PagedCache, ShapeProbe
 
 PagedForward = Callable[..., tuple[torch.Tensor, None]]
@@ -104,7 +105,7 @@ def attend(
     if isinstance(cache, ShapeProbe):
         cache.reached(module.layer_idx, "adapter")
     if isinstance(cache, PagedCache):
-        return custom_ops.paged_attention(query, key, value, module.layer_idx, scale, alibi_slopes=alibi_slopes)
+        return custom_ops.paged_attention(query, key, value, traced_layer(module), scale, alibi_slopes=alibi_slopes)
     # The engine's start-up shape probe: one causal sequence, no paged cache yet.
     out = attend_one(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), scale, None, None,
                      alibi_slopes)

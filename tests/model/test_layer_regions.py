@@ -1,0 +1,79 @@
+"""Decoder layers as nested compile regions: a traced step holds one subgraph for equal layers, called once per
+layer, because each layer's index reaches the attention as a tensor input, not a constant. (Torch traces the
+first layer apart from the rest and inlines a subgraph called once, so a stack of four makes one region called
+three times.)"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers as tf
+from helpers.models import build, build_from_config
+
+from paged_backend import Engine, EngineConfig
+from paged_backend.model import compilation, layer_regions
+
+CONFIG = {"num_kv_blocks": 16, "block_size": 4, "max_num_batched_tokens": 16}
+
+
+def four_layer_llama() -> tf.PreTrainedModel:
+    return build_from_config(lambda: tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+
+
+def traced_step(engine: Engine, tokens: int) -> torch.fx.GraphModule:
+    """Dynamo's graph of one engine step of `tokens` tokens, its decoder layers marked as regions."""
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    runner = engine.runner
+    recorded = torch.compile(compilation.logits_of, backend=record, fullgraph=True, dynamic=True)
+    runner.forward_model = functools.partial(recorded, runner.model)
+    with layer_regions.marked(runner.model):
+        compilation.warm_up(runner.warm_up_step, runner.cache, ((tokens, 1),))
+    return graphs[0]
+
+
+def region_calls(graph: torch.fx.GraphModule) -> list[str]:
+    """The subgraph each region call of `graph` runs, in call order."""
+    return [node.args[0].target for node in graph.graph.nodes
+            if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph]
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_equal_layers_trace_one_region(tokens: int):
+    model = four_layer_llama()
+    engine = Engine(model, None, EngineConfig(compile=False, **CONFIG))
+    layer_regions.index_layers(model)
+    calls = region_calls(traced_step(engine, tokens))
+    assert len(calls) == 3 and len(set(calls)) == 1
+
+
+def test_without_index_tensors_each_layer_is_its_own_region():
+    """The control: with the index as an int, it is a constant of each layer's graph, no two are equal, and each
+    subgraph, called once, is inlined."""
+    engine = Engine(four_layer_llama(), None, EngineConfig(compile=False, **CONFIG))
+    assert region_calls(traced_step(engine, 5)) == []
+
+
+def test_the_decoder_stack_is_found_and_restored():
+    model = build("llama")
+    layers = layer_regions.decoder_layers(model)
+    assert layers == list(model.model.layers)
+    with layer_regions.marked(model):
+        assert all(isinstance(layer.forward, functools.partial) for layer in layers)
+    assert all("forward" not in vars(layer) for layer in layers)
+
+
+def test_index_tensors_hold_each_module_s_layer():
+    model = four_layer_llama()
+    layer_regions.index_layers(model)
+    attentions = [layer.self_attn for layer in model.model.layers]
+    assert [int(getattr(a, layer_regions.LAYER_TENSOR)) for a in attentions] == [0, 1, 2, 3]
+    assert [layer_regions.traced_layer(a) for a in attentions] == [0, 1, 2, 3]  # eagerly, the int
