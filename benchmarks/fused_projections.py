@@ -11,7 +11,7 @@ written, with whether both engines gave the same tokens.
     python benchmarks/fused_projections.py --modes eager --repeats 5
 
 The compiled engines compile the forward (or load it from the compile cache): a cold compile of the default
-model takes minutes on two cores, once per fusion setting.
+model takes about a minute on two cores, once per fusion setting.
 Writes benchmarks/results/fused_projections_<machine class>.json (common.write_results).
 """
 

@@ -16,6 +16,9 @@ its forward is compiled (`structure_of` says when a caller did, and the engine i
 the model as an argument, its weights as inputs at each call, so one set of graphs serves every engine over
 an equal model and settings; `CompiledForward` picks, per step, the graph whose guards the step passes.
 
+On the CPU the decoder layers are nested compile regions while a graph is traced (layer_regions.py), so
+inductor lowers each kind of layer once, not each of the model's layers.
+
 Ahead-of-time graphs can be saved: compile_cache.py keeps them on disk, keyed by what changes them, so the
 next process that starts the same model loads them instead of tracing and lowering again.
 
@@ -310,11 +313,11 @@ def compile_forward(model: torch.nn.Module, kv: torch.Tensor, settings: dict,
 def warm_up(forward, cache: PagedCache, shapes: tuple[tuple[int, int], ...] = WARM_UP_SHAPES,
             progress: str | None = None) -> float:
     """Run `forward` on dummy steps of every specialised shape in `shapes` over `cache`; return the seconds it
-    took. With `progress`, a bar of that title counts the shapes (a cold compile takes a minute: it shows graph
-    by graph). The dummy K/V land in the first blocks, which hold nothing yet (no request has run) and which
-    every later owner writes before reading; never in the null block (a window group's freed entries), which
-    stays zero. A cache of layer groups gets the step context of one: every group reads the dummy step's
-    block table (the graphs never see the tables: the attention op reads them from the context)."""
+    took. With `progress`, a bar of that title counts the shapes (a cold compile takes most of a minute: it
+    shows graph by graph). The dummy K/V land in the first blocks, which hold nothing yet (no request has run)
+    and which every later owner writes before reading; never in the null block (a window group's freed
+    entries), which stays zero. A cache of layer groups gets the step context of one: every group reads the
+    dummy step's block table (the graphs never see the tables: the attention op reads them from the context)."""
     kv, block_size = cache.kv, cache.block_size
     device = kv.device
     num_blocks = cache.null_block if cache.null_block is not None else kv.shape[3] // block_size
