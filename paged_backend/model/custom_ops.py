@@ -3,11 +3,11 @@
 `torch.compile` sees the op as one opaque node with a fake (shape-only) implementation, so the
 graph around it is compiled while the attention keeps its per-step Python work (the CPU backend
 loops over sequences using host lists) and its Triton launches. The op takes tensors and per-layer
-constants only (in a graph, the layer's index too is a 0-d tensor: layer_regions.py). Everything that changes per step (the `AttentionMetadata`, with its host lists) and
-the paged cache itself reach it through `step_context()`, never through its arguments: a compiled
-graph has nothing step-specific to guard on, so one graph serves every step, and the cache is never
-a graph input that the compiler would functionalize (it copied the whole cache per layer when it was
-one).
+constants only (in a graph, the layer's index too is a 0-d tensor: layer_regions.py). Everything that
+changes per step (the `AttentionMetadata`, with its host lists) and the paged cache itself reach it
+through `step_context()`, never through its arguments: a compiled graph has nothing step-specific to
+guard on, so one graph serves every step, and the cache is never a graph input that the compiler would
+functionalize (it copied the whole cache per layer when it was one).
 
 The write and the attention are one op, not two, because the attention must see the keys the write
 stored: one op orders them without a data dependency between ops, and costs one dispatch per layer
