@@ -46,9 +46,16 @@ def register_state_layout(model_type: str, layout: StateLayout) -> None:
 
 
 def state_layout(config: PretrainedConfig) -> dict[int, tuple[StateSpec, ...]] | None:
-    """The recurrent layers of a model of this config and their state shapes; None for a model without any."""
+    """The recurrent layers of a model of this config and their state shapes; None for a model without any
+    (a hybrid family's config whose layers are all attention, as Granite 4.0 Micro's, included: it runs as
+    any attention model, with no state slots)."""
     layout = STATE_LAYOUTS.get(getattr(config, "model_type", None))
-    return None if layout is None else layout(config)
+    return (layout(config) or None) if layout is not None else None
+
+
+def is_all_attention_hybrid(config: PretrainedConfig) -> bool:
+    """A config of a hybrid family (one with a registered state layout) whose layers are all attention."""
+    return getattr(config, "model_type", None) in STATE_LAYOUTS and state_layout(config) is None
 
 
 class RecurrentState:

@@ -111,6 +111,15 @@ CONFIGS = {
     # Its decoder layer drops forward keywords on the way to attention: runs through its adapter.
     "stablelm": lambda: tf.StableLmConfig(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
                                           **_common()),
+    # Granite 4.0 Micro's form: a hybrid family's type with attention layers only (rotary, no experts, a dense
+    # shared MLP), so no recurrent layer and no state slots.
+    "granitemoehybrid_attention": lambda: _auto("granitemoehybrid", num_attention_heads=4, num_key_value_heads=2,
+                                                layer_types=["attention", "attention"],
+                                                position_embedding_type="rope", num_local_experts=0,
+                                                shared_intermediate_size=128),
+    # LFM2 with attention layers only.
+    "lfm2_attention": lambda: _auto("lfm2", num_attention_heads=4, num_key_value_heads=2,
+                                    layer_types=["full_attention", "full_attention"]),
 }
 
 

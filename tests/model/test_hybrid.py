@@ -187,3 +187,24 @@ def test_mamba2_batches_equal_chunks_and_decodes(arch):
     finals = run_to_completion(engine)
     assert [finals[i].outputs[0].token_ids for i in ids] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
     assert_all_slots_free(engine)
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid_attention", "lfm2_attention"])
+def test_a_hybrid_type_with_attention_layers_only_runs_as_an_attention_model(name):
+    """Granite 4.0 Micro (a granitemoehybrid whose layers are all attention) and an all-attention LFM2 have no
+    recurrent layer for their family's adapter to take: accepted as attention models (not refused as built by
+    other code), with no state slots, K/V in every layer, prefix caching on, and generate's tokens."""
+    model = build(name)
+    assert not any(isinstance(m, lfm2.Lfm2ShortConv) or "Mamba" in type(m).__name__ for m in model.modules())
+    prompt = mixed_prompts(2)[1]
+    ref = hf_greedy(model, prompt, MAX_NEW)
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=4))
+    assert engine.recurrent is None and engine.kv.state_slots is None
+    assert engine.cache.shape.no_kv_layers == ()
+    assert "recurrent_slots_total" not in engine.stats()
+    assert model.config._attn_implementation == "paged_backend"
+    first = engine.add_request(prompt, greedy(MAX_NEW))
+    assert run_to_completion(engine)[first].outputs[0].token_ids == ref
+    again = engine.add_request(prompt, greedy(MAX_NEW))  # its prefix is cached, as any attention model's
+    assert run_to_completion(engine)[again].outputs[0].token_ids == ref
+    assert engine.kv.hit_tokens > 0

@@ -22,6 +22,7 @@ from paged_backend.kernels.torch_attention import attend_one
 from paged_backend.model import custom_ops
 from paged_backend.model.layer_regions import traced_layer
 from paged_backend.model.paged_cache import PackedStepCache, PagedCache, ShapeProbe
+from paged_backend.model.recurrent_state import is_all_attention_hybrid
 
 PagedForward = Callable[..., tuple[torch.Tensor, None]]
 
@@ -52,11 +53,16 @@ def adapter_for(config: object) -> Adapter | None:
 
 def install_adapters(model: nn.Module) -> Adapter | None:
     """Swap in the paged forward on every attention module of `model`'s architecture (idempotent).
-    Return the architecture's adapter, or None when it has none."""
+    Return the architecture's adapter, or None when it has none or the model needs none (a hybrid family's
+    model whose layers are all attention)."""
     adapter = adapter_for(model.config)
     if adapter is None:
         return None
     modules = [m for m in model.modules() if isinstance(m, adapter.module_types)]
+    if not modules and is_all_attention_hybrid(model.config.get_text_config()):
+        # A hybrid family's model whose layers are all attention (Granite 4.0 Micro, an all-attention LFM2):
+        # no recurrent layer to adapt, its attention goes through the interface as any model's.
+        return None
     if not modules:
         expected = ", ".join(t.__name__ for t in adapter.module_types)
         raise NotImplementedError(
