@@ -12,6 +12,9 @@ held back; a forced call (`tool_choice` required or named, held to the tools' gr
 name and arguments as they are written, since it is a call from its first token; a free call is sent
 whole once the answer is complete, as only then is it known to be a valid call (an invalid one is
 content, never a half-sent call).
+A forced answer cut off by max_tokens (`cut_off`) keeps its calls as they streamed, the one cut short
+included (marked incomplete), plain or streamed alike, and the finish reason stays the cut
+(`finish_reason`): a client must not run a call whose arguments were never finished.
 
 The helpers below set up a request for its plan: `hold_after_thinking` (a grammar holds the answer,
 not the thinking), `decode_markers` (markers the parsers read survive decoding), `thinking_switch`
@@ -37,7 +40,7 @@ from ..structured import ToolSchemaError, check_tool_schemas
 from ..tool_parsers import ToolParser, keeps_special_tokens
 from .errors import bad_request
 from .state import ServerState
-from .tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
+from .tool_calls import ToolCall, ToolCallStreamer, cut_tool_calls, parse_tool_calls
 
 
 @dataclass(slots=True)
@@ -71,12 +74,13 @@ class AnswerPlan:
         """A streamed output's new text (less the EOS on its last delta)."""
         return self.text_of(output.outputs[0], output.delta_text) if output.finished else output.delta_text
 
-    def split(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
-        """(reasoning, content, calls) of a finished answer."""
+    def split(self, text: str, cut: bool = False) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(reasoning, content, calls) of a finished answer; `cut`: max_tokens ended it (`cut_off`)."""
         reasoning, content = self.reasoning.split(text, self.opened) if self.reasoning else (None, text)
         calls: list[ToolCall] = []
         if self.tool_parser is not None:
-            content, calls = parse_tool_calls(content, self.tool_parser, self.tools, self.prefix)
+            read = cut_tool_calls if self.forced and cut else parse_tool_calls
+            content, calls = read(content, self.tool_parser, self.tools, self.prefix)
             calls = calls if self.parallel else calls[:1]
         if reasoning is not None and not content:
             content = None
@@ -87,6 +91,17 @@ class AnswerPlan:
 
     def stream(self) -> AnswerStream:
         return AnswerStream(self)
+
+
+def cut_off(completion: Any) -> bool:
+    """Whether max_tokens ended the answer."""
+    return completion.finish_reason == "length"
+
+
+def finish_reason(completion: Any, calls: list[ToolCall]) -> str | None:
+    """OpenAI's finish reason: `tool_calls` for an answer that ended with calls, but `length` for
+    one max_tokens cut, whose last call may be unfinished."""
+    return "tool_calls" if calls and not cut_off(completion) else completion.finish_reason
 
 
 def check_tools(tools: list[dict[str, Any]] | None, schema_field: str) -> None:
@@ -140,7 +155,8 @@ class AnswerStream:
             pieces.calls = self.tools.stream.deltas()
         return pieces
 
-    def finish(self) -> Pieces:
+    def finish(self, cut: bool = False) -> Pieces:
+        """The rest of the answer; `cut`: max_tokens ended it (`cut_off`)."""
         pieces = Pieces()
         if self.thinking is not None:
             split = self.thinking.finish()
@@ -150,7 +166,7 @@ class AnswerStream:
             return pieces
         late = self.tools.stream.deltas() if self.plan.forced else []
         streamed = self.tools.stream.calls.streamed if self.plan.forced else 0
-        rest, calls = self.tools.finish()
+        rest, calls = ("", self.tools.finish_cut()) if self.plan.forced and cut else self.tools.finish()
         pieces.tool_calls = calls if self.plan.parallel else calls[:1]
         pieces.streamed = min(streamed, len(pieces.tool_calls))
         if streamed:

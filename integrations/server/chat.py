@@ -19,7 +19,9 @@ from .answer import (
     AnswerPlan,
     AnswerStream,
     check_tools,
+    cut_off,
     decode_markers,
+    finish_reason,
     hold_after_thinking,
     plan_answer,
     thinking_budget,
@@ -91,7 +93,7 @@ def envelope(request_id: str, model: str, kind: str, choices: list[dict[str, Any
 def chat_choice(state: ServerState, body: ChatCompletionRequest, plan: AnswerPlan, index: int,
                 output: RequestOutput) -> dict[str, Any]:
     completion = output.outputs[0]
-    reasoning, content, calls = plan.split(plan.answer_of(completion))
+    reasoning, content, calls = plan.split(plan.answer_of(completion), cut_off(completion))
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if plan.reasoning is not None:
         message |= {"reasoning": reasoning, "reasoning_content": reasoning}
@@ -99,7 +101,7 @@ def chat_choice(state: ServerState, body: ChatCompletionRequest, plan: AnswerPla
         message["tool_calls"] = [call.to_openai() for call in calls]
     logprobs = chat_logprobs(state.tokenizer, positions(completion), body.top_logprobs or 0) if body.logprobs else None
     return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": "tool_calls" if calls else completion.finish_reason,
+            "finish_reason": finish_reason(completion, calls),
             "stop_reason": completion.stop_reason}
 
 
@@ -158,7 +160,7 @@ def final_chunks(index: int, output: RequestOutput, stream: AnswerStream, pendin
                  chunk) -> list[str]:
     """The tail of one choice: any held-back reasoning and content, the tool calls (or, for calls that
     streamed, their last pieces), then the finish reason."""
-    pieces = stream.finish()
+    pieces = stream.finish(cut_off(output.outputs[0]))
     events = [chunk(index, delta) for delta in reasoning_deltas(pieces.reasoning)]
     if pieces.content:
         events.append(chunk(index, {"content": pieces.content}))
@@ -166,8 +168,7 @@ def final_chunks(index: int, output: RequestOutput, stream: AnswerStream, pendin
     calls += [dict(call.to_openai(), index=pieces.streamed + k) for k, call in enumerate(pieces.unsent_calls)]
     if calls:
         events.append(chunk(index, {"tool_calls": calls}))
-    finish_reason = "tool_calls" if pieces.tool_calls else output.outputs[0].finish_reason
-    events.append(chunk(index, {}, finish_reason))
+    events.append(chunk(index, {}, finish_reason(output.outputs[0], pieces.tool_calls)))
     return events
 
 

@@ -36,6 +36,7 @@ from .answer import (
     Pieces,
     Thinking,
     check_tools,
+    cut_off,
     decode_markers,
     hold_after_thinking,
     plan_answer,
@@ -321,7 +322,7 @@ async def create_message(state: ServerState, body: MessagesRequest, http_request
     if body.stream:
         return StreamingResponse(stream_message(state, body, jobs, message_id, plan), media_type="text/event-stream")
     final = (await collect_finals(http_request, state.client, jobs, message_id, state.metrics))[0]
-    reasoning, content, calls = plan.split(plan.answer_of(final.outputs[0]))
+    reasoning, content, calls = plan.split(plan.answer_of(final.outputs[0]), cut_off(final.outputs[0]))
     return JSONResponse(envelope(message_id, body.model, content_blocks(reasoning, content, calls), final)
                         | stop_fields(final, calls))
 
@@ -352,8 +353,51 @@ def content_blocks(reasoning: str | None, content: str | None, calls: list[ToolC
     """A thinking block when the model thought (in words), the text, then a tool_use block per call."""
     blocks = [thinking_block(reasoning)] if reasoning else []
     blocks += [{"type": "text", "text": content}] if content else []
-    blocks += [tool_use(call.name, json.loads(call.arguments)) for call in calls]
+    blocks += [tool_use(call.name, call_input(call)) for call in calls]
     return blocks or [{"type": "text", "text": ""}]
+
+
+def call_input(call: ToolCall) -> dict[str, Any]:
+    """A call's `input`: for one cut off by max_tokens, what the anthropic SDK reads from the input it
+    streamed (`written_object`), so the plain and the streamed message agree."""
+    return json.loads(call.arguments) if call.complete else written_object(call.arguments)
+
+
+def written_object(text: str) -> dict[str, Any]:
+    """The object that JSON text cut short holds: the values written whole, nested ones too ({} when
+    none), as a partial-JSON reader gives it."""
+    for cut, closers in reversed(cut_points(text)):
+        try:
+            value = json.loads(text[:cut] + closers)
+        except ValueError:
+            continue
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
+def cut_points(text: str) -> list[tuple[int, str]]:
+    """Where JSON text cut short may end as valid JSON once its open brackets close (after an opening or
+    closing bracket, before a comma, at its end), each with those closing brackets. For text a grammar
+    held to JSON the end serves, or when a value is half written there, the point before it."""
+    points: list[tuple[int, str]] = []
+    closers: list[str] = []
+    in_string = escaped = False
+    for i, char in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+            continue
+        if char == '"':
+            in_string = True
+        elif char in "{[":
+            closers.append("}" if char == "{" else "]")
+            points.append((i + 1, "".join(reversed(closers))))
+        elif char in "}]" and closers:
+            closers.pop()
+            points.append((i + 1, "".join(reversed(closers))))
+        elif char == ",":
+            points.append((i, "".join(reversed(closers))))
+    points.append((len(text), "".join(reversed(closers))))
+    return points
 
 
 def thinking_block(text: str) -> dict[str, Any]:
@@ -367,10 +411,10 @@ def tool_use(name: str, arguments: dict[str, Any], block_id: str | None = None) 
 
 def stop_fields(final: RequestOutput, calls: list[ToolCall]) -> dict[str, Any]:
     completion = final.outputs[0]
+    if cut_off(completion):  # ahead of tool_use: the last call may be unfinished, not one to run
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
     if calls:
         return {"stop_reason": "tool_use", "stop_sequence": None}
-    if completion.finish_reason == "length":
-        return {"stop_reason": "max_tokens", "stop_sequence": None}
     if isinstance(completion.stop_reason, str):
         return {"stop_reason": "stop_sequence", "stop_sequence": completion.stop_reason}
     return {"stop_reason": "end_turn", "stop_sequence": None}
@@ -422,13 +466,16 @@ async def stream_message(state: ServerState, body: MessagesRequest, jobs: list[J
             final = output
         for text in piece_events(blocks, reader.push(plan.delta_of(output))):
             yield text
-    rest = reader.finish()
+    rest = reader.finish(cut_off(final.outputs[0]))
     for text in piece_events(blocks, rest):
         yield text
     for k, call in enumerate(rest.unsent_calls):
         for text in blocks.start(f"call-{rest.streamed + k}", tool_use(call.name, {})):
             yield text
         yield blocks.delta({"type": "input_json_delta", "partial_json": call.arguments})
+    if blocks.count == 0 and blocks.open is None:  # an empty answer: one empty text block, as `content_blocks` gives
+        for text in blocks.start("text", BLOCKS["text"][0]):
+            yield text
     for text in blocks.stop():
         yield text
     usage = usage_of(final)

@@ -42,6 +42,7 @@ from .answer import (
     Pieces,
     Thinking,
     check_tools,
+    cut_off,
     decode_markers,
     hold_after_thinking,
     plan_answer,
@@ -179,7 +180,7 @@ async def create_response(state: ServerState, store: ResponseStore, body: Respon
         return StreamingResponse(stream_response(state, store, turn, jobs), media_type="text/event-stream")
     finals = await collect_finals(http_request, state.client, jobs, turn.response_id, state.metrics)
     final = finals[0]
-    reasoning, content, calls = turn.plan.split(turn.plan.answer_of(final.outputs[0]))
+    reasoning, content, calls = turn.plan.split(turn.plan.answer_of(final.outputs[0]), cut_off(final.outputs[0]))
     output = output_items(reasoning, content, calls, item_status(final), turn.as_summary)
     response = response_object(turn, output, final, usage=response_usage(state, turn.plan, final))
     remember(store, turn, response, content)
@@ -394,7 +395,7 @@ def output_items(reasoning: str | None, content: str | None, calls: list[ToolCal
     items = [reasoning_item(new_item_id("rs"), reasoning, "completed", as_summary)] if reasoning else []
     if content or not calls:
         items.append(message_item(new_item_id("msg"), content or "", status))
-    items += [call_item(new_item_id("fc"), call, "completed") for call in calls]
+    items += [call_item(new_item_id("fc"), call, call_status(call)) for call in calls]
     return items
 
 
@@ -427,6 +428,11 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_status(call: ToolCall) -> str:
+    """A call cut off by max_tokens is an incomplete item, as the message it ends would be."""
+    return "completed" if call.complete else "incomplete"
 
 
 def call_item(item_id: str, call: ToolCall, status: str, call_id: list[str] = ()) -> dict[str, Any]:
@@ -601,7 +607,7 @@ async def stream_response(state: ServerState, store: ResponseStore, turn: Turn, 
             final = out
         for text in items.take(reader.push(plan.delta_of(out))):
             yield text
-    for text in items.finish(reader.finish(), item_status(final)):
+    for text in items.finish(reader.finish(cut_off(final.outputs[0])), item_status(final)):
         yield text
     response = response_object(turn, items.output, final, usage=response_usage(state, plan, final))
     remember(store, turn, response, items.content if items.message else None)
@@ -650,9 +656,9 @@ def close_call(event: EventWriter, index: int, call: ToolCall, output: list[dict
     """A call's last events: a call that streamed closes (under the id it streamed with); one that did not
     is sent whole."""
     events = []
-    if index in calls:  # its arguments as they streamed (valid JSON: the grammar held them), not re-serialised
+    if index in calls:  # its arguments as they streamed (the grammar held them to JSON), not re-serialised
         item_id, output_index, call_id = calls[index]["id"], calls[index]["output_index"], calls[index]["call_id"]
-        call = ToolCall(call.name, calls[index]["streamed"], call_id)
+        call = ToolCall(call.name, calls[index]["streamed"], call_id, call.complete)
     else:
         item_id, output_index, call_id = new_item_id("fc"), len(output), call.id
         output.append({})
@@ -660,7 +666,7 @@ def close_call(event: EventWriter, index: int, call: ToolCall, output: list[dict
                             item=call_item(item_id, ToolCall(call.name, "", call_id), "in_progress")))
         events.append(event("response.function_call_arguments.delta", item_id=item_id, output_index=output_index,
                             delta=call.arguments))
-    item = call_item(item_id, call, "completed", [call_id])
+    item = call_item(item_id, call, call_status(call), [call_id])
     output[output_index] = item
     events.append(event("response.function_call_arguments.done", item_id=item_id, output_index=output_index,
                         name=call.name, arguments=call.arguments))

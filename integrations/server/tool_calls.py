@@ -5,15 +5,18 @@ leaves the whole answer as content, so nothing is lost and a malformed call is n
 `ToolCallStreamer` lets a stream send content as it comes while holding back anything from where
 the calls begin, so a client never sees half a call as text; the calls are parsed when the answer is
 complete (or, for a call forced by the grammar, streamed as written: `ToolCallStream.deltas`).
+A forced answer cut off by max_tokens keeps its calls as they streamed (`cut_tool_calls`): each call
+written whole, then the one cut short with its arguments as far as they were written.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from ..hermes import new_call_id
-from ..tool_parsers import HERMES, ParsedAnswer, ParsedCall, ToolCallStream, ToolParser
+from ..tool_parsers import HERMES, ParsedAnswer, ParsedCall, ToolCallStream, ToolParser, content_so_far
 
 
 @dataclass(slots=True)
@@ -21,6 +24,7 @@ class ToolCall:
     name: str
     arguments: str  # a JSON object, as text (OpenAI's shape)
     id: str
+    complete: bool = True  # False: cut off by max_tokens, `arguments` as far as they were written
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -41,6 +45,39 @@ def calls_of(parsed: ParsedAnswer, text: str) -> tuple[str | None, list[ToolCall
 
 def to_tool_call(call: ParsedCall) -> ToolCall:
     return ToolCall(call.name, call.arguments_json, new_call_id())
+
+
+def cut_tool_calls(text: str, parser: ToolParser = HERMES, tools: list[dict[str, Any]] | None = None,
+                   prefix: str = "") -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a forced answer cut off by max_tokens, as its stream sent them: the content
+    before the calls, and `written_calls`. A stream cannot take back a call it began, so the whole
+    answer keeps it too, and never shows a call's markup as content."""
+    text = prefix + text
+    return content_so_far(parser, text)[len(prefix):].strip() or None, written_calls(parser, text, tools)
+
+
+def written_calls(parser: ToolParser, text: str, tools: list[dict[str, Any]] | None = None) -> list[ToolCall]:
+    """The calls of `text` whose name was written, as they streamed (`ToolParser.partial`): each one
+    closed, then the first one not closed (or whose arguments are not an object), marked incomplete."""
+    start = parser.calls_start(text)
+    if start is None:
+        return []
+    calls = []
+    for call in parser.partial(text[start:], tools):
+        arguments = json_object(call.arguments) if call.closed else None
+        if arguments is None:
+            calls.append(ToolCall(call.name, call.arguments, new_call_id(), complete=False))
+            break
+        calls.append(ToolCall(call.name, json.dumps(arguments, ensure_ascii=False), new_call_id()))
+    return calls
+
+
+def json_object(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class ToolCallStreamer:
@@ -67,3 +104,9 @@ class ToolCallStreamer:
         rest = self.stream.unsent()
         self.stream.sent = len(self.stream.text)
         return rest, []
+
+    def finish_cut(self) -> list[ToolCall]:
+        """The calls of a forced answer cut off by max_tokens (`written_calls`); what was held back is
+        the start of a call, never content."""
+        self.stream.sent = len(self.stream.text)
+        return written_calls(self.stream.parser, self.stream.text, self.stream.tools)
