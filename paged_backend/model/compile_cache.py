@@ -138,14 +138,26 @@ def model_fingerprint(model: torch.nn.Module) -> list:
 @contextlib.contextmanager
 def inductor_folder() -> Iterator[None]:
     """Inductor builds and finds its kernels under the project's cache folder while the engine compiles or
-    loads, unless the user chose a folder for it (TORCHINDUCTOR_CACHE_DIR)."""
-    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+    loads, unless the user chose a folder for it (`chosen_inductor_folder`)."""
+    if chosen_inductor_folder() is not None:
         yield
         return
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     with temporary_cache_dir(str(inductor_dir())):
         yield
+
+
+def chosen_inductor_folder() -> str | None:
+    """The folder the user set in TORCHINDUCTOR_CACHE_DIR, or None. Torch's compiler writes its own default
+    (a folder of the system's temporary one) into that variable as soon as it is imported, so that value
+    is no choice: taken as one, the kernels would go where a cleaned /tmp loses them."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if folder is None or os.path.abspath(folder) == os.path.abspath(default_cache_dir()):
+        return None
+    return folder
 
 
 @contextlib.contextmanager

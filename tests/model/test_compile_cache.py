@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers.engine import greedy, mixed_prompts, run_to_completion
 from helpers.models import build
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from paged_backend import Engine, EngineConfig
 from paged_backend.model import compilation, compile_cache
@@ -28,9 +29,10 @@ CONFIG = dict(num_kv_blocks=32, block_size=4, max_num_batched_tokens=24, compile
 
 @pytest.fixture
 def cache_folder(tmp_path, monkeypatch) -> Path:
-    """An empty project cache folder, and no graphs remembered by this process."""
+    """An empty project cache folder, and no graphs remembered by this process. TORCHINDUCTOR_CACHE_DIR holds
+    torch's default folder, as importing torch's compiler leaves it when the user names none."""
     monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
     monkeypatch.setattr(compilation, "_graphs", {})
     return tmp_path
 
