@@ -15,6 +15,7 @@ from paged_backend.integrations.options.flags import (
     sampling_options,
 )
 from paged_backend.integrations.options.vocabularies import CLI
+from paged_backend.model.default_model import CacheNotWritableError
 from paged_backend.sampling.sampling_params import SamplingParams
 
 
@@ -24,7 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return args.run(args) or 0
+    try:
+        return args.run(args) or 0
+    except CacheNotWritableError as exc:  # the user's setup to change, not a bug: the message says what to set
+        sys.exit(f"paged-backend: {exc}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -75,14 +75,14 @@ def _is_converted(folder: Path) -> bool:
     return all((folder / name).is_file() for name in _REQUIRED_FILES)
 
 
+class CacheNotWritableError(OSError):
+    """The cache folder cannot be written: the message names the folder and the variable that moves it."""
+
+
 def _convert_default_model(target: Path) -> Path:
     """Convert the GGUF file into ``target`` atomically and return ``target``."""
     gguf = gguf_file_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # The temp folder sits beside the target so the final rename stays on one
-    # filesystem and is atomic; a crash leaves only a ``.tmp`` folder behind.
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the published cache should not be
+    staging = _staging_folder(target)
     try:
         logger.info("Converting %s to %s (one time only, this takes a minute)", gguf, target)
         _write_converted_model(gguf, staging)
@@ -90,6 +90,26 @@ def _convert_default_model(target: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _staging_folder(target: Path) -> Path:
+    """A new private folder beside ``target`` to convert into.
+
+    Beside it so the final rename stays on one filesystem and is atomic; a
+    crash leaves only a ``.tmp`` folder behind. A cache folder that cannot be
+    written is the first thing a read-only home or container meets, so it is
+    an error that says what to set rather than a bare OSError.
+    """
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as exc:
+        raise CacheNotWritableError(
+            f"The default model {DEFAULT_MODEL} is converted once into the cache folder {target.parent}, "
+            f"which cannot be written ({exc.strerror or exc}). Set PAGED_BACKEND_CACHE to a writable folder.",
+        ) from exc
+    staging.chmod(0o755)  # mkdtemp makes it private; the published cache should not be
+    return staging
 
 
 def _write_converted_model(gguf: Path, out_dir: Path) -> None:
