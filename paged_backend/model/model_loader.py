@@ -41,12 +41,19 @@ from paged_backend.model.default_model import (
 from paged_backend.model.precision import preferred_dtype
 
 # Each of these has a decoder-only *ForCausalLM whose attention module calls
-# ALL_ATTENTION_FUNCTIONS.get_interface (checked in transformers 5.24's
-# models/<name>/modeling_<name>.py). What some need beyond plain causal attention, which the paged
-# attention honours: per-layer sliding windows (gemma2, gemma3_text, olmo3, exaone4, gpt_oss), soft-capping
-# (gemma2, gemma3_text), NoPE layers (smollm3, llama4_text, exaone4: the model simply skips the rotary
+# ALL_ATTENTION_FUNCTIONS.get_interface (checked in transformers 5.24's and 5.25's
+# models/<name>/modeling_<name>.py), and a tiny model of each gives HF generate's tokens in the mixed-batch test
+# (tests/test_engine_equivalence.py). What some need beyond plain causal attention, which the paged
+# attention honours: per-layer sliding windows (gemma2, gemma3_text, gemma3, olmo3, exaone4, gpt_oss, cohere2,
+# cohere2_moe, ministral, vaultgemma, afmoe, beam, cwm, ergo, exaone_moe, flint, granite_swa, granitemoe_swa,
+# kolibri1, laguna, mellum, modernbert-decoder; ministral3 slides on every layer), soft-capping (gemma2,
+# gemma3_text), NoPE layers (smollm3, llama4_text, exaone4: the model simply skips the rotary
 # embedding), attention sinks (gpt_oss, passed as `s_aux`), chunked attention (llama4_text, read from
 # `config.layer_types`; its attention temperature tuning caps the context, model_check.temperature_tuning_limit).
+# Some types load another family's class: exaone, internlm3 and iquestcoder a LlamaForCausalLM, param2moe and
+# sarvam_moe a Glm4MoeForCausalLM (GPT-SW3's config is a GPT2Config, model_type "gpt2"). Two multimodal types
+# run on text alone (the engine feeds token ids only, never images): gemma3 (Gemma3ForConditionalGeneration,
+# Gemma 3 4B and larger) and fuyu (FuyuForCausalLM, a Persimmon language model).
 INTERFACE_TYPES: frozenset[str] = frozenset(
     {
         "llama",
@@ -80,6 +87,56 @@ INTERFACE_TYPES: frozenset[str] = frozenset(
         "ernie4_5",
         "apertus",
         "seed_oss",
+        # Admitted after a sweep of every causal-LM type of transformers 5.25 (each tested as the ones above).
+        "afmoe",
+        "apertus1p5_text",
+        "arcee",
+        "aria_text",
+        "beam",
+        "biogpt",
+        "bitnet",
+        "cohere2",
+        "cohere2_moe",
+        "ctrl",
+        "cwm",
+        "ergo",
+        "ernie4_5_moe",
+        "exaone",
+        "exaone_moe",
+        "flex_olmo",
+        "flint",
+        "fuyu",
+        "gemma3",
+        "glm",
+        "glm4_moe",
+        "granite_swa",
+        "granitemoe",
+        "granitemoe_swa",
+        "granitemoeshared",
+        "helium",
+        "hunyuan_v1_dense",
+        "hunyuan_v1_moe",
+        "hy_v3",
+        "hyperclovax",
+        "internlm3",
+        "iquestcoder",
+        "jais2",
+        "kolibri1",
+        "laguna",
+        "mellum",
+        "minicpm5_moe",
+        "minimax_m2",
+        "minimax_m3_vl_text",
+        "ministral",
+        "ministral3",
+        "modernbert-decoder",
+        "nanochat",
+        "olmoe",
+        "param2moe",
+        "persimmon",
+        "sarvam_moe",
+        "solar_open",
+        "vaultgemma",
     }
 )
 

@@ -120,6 +120,125 @@ CONFIGS = {
     # LFM2 with attention layers only.
     "lfm2_attention": lambda: _auto("lfm2", num_attention_heads=4, num_key_value_heads=2,
                                     layer_types=["full_attention", "full_attention"]),
+    # Types that run through the interface as they are: the sweep of every causal-LM type found each HF-identical.
+    # A sliding-window layer (window 8) then a full one.
+    "afmoe": lambda: _auto("afmoe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"]),
+    "apertus1p5_text": lambda: _auto("apertus1p5_text", num_attention_heads=4, num_key_value_heads=2),
+    "arcee": lambda: _auto("arcee", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "aria_text": lambda: _auto("aria_text", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # A sliding-window layer (window 8) then a full one.
+    "beam": lambda: _auto("beam", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"]),
+    "biogpt": lambda: _auto("biogpt", num_attention_heads=4),
+    "bitnet": lambda: _auto("bitnet", num_attention_heads=4, num_key_value_heads=2),
+    # A sliding-window layer (window 8) then a full one.
+    "cohere2": lambda: _auto("cohere2", num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                             layer_types=["sliding_attention", "full_attention"]),
+    # A sliding-window layer (window 8) then a full one.
+    "cohere2_moe": lambda: _auto("cohere2_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 num_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                 layer_types=["sliding_attention", "full_attention"]),
+    "ctrl": lambda: _auto("ctrl", n_positions=512, n_embd=64, n_layer=2, n_head=4, dff=128),
+    # A sliding-window layer (window 8) then a full one.
+    "cwm": lambda: _auto("cwm", num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"]),
+    # A sliding-window layer (window 8) then a full one.
+    "ergo": lambda: _auto("ergo", num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"], first_dense_intermediate_size=128,
+                          shared_intermediate_size=32),
+    "ernie4_5_moe": lambda: _auto("ernie4_5_moe", num_attention_heads=4, num_key_value_heads=2,
+                                  moe_intermediate_size=32),
+    "exaone": lambda: _auto("exaone", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # A sliding-window layer (window 8) then a full one.
+    "exaone_moe": lambda: _auto("exaone_moe", num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"]),
+    "flex_olmo": lambda: _auto("flex_olmo", num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                               num_experts_per_tok=2),
+    # A sliding-window layer (window 8) then a full one.
+    "flint": lambda: _auto("flint", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                           sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "fuyu": lambda: _auto("fuyu"),
+    # Gemma 3's multimodal type (Gemma3ForConditionalGeneration) run on text alone: a sliding-window layer (window 8)
+    # then a global one, under a tiny vision tower the engine never calls.
+    "gemma3": lambda: tf.Gemma3Config(text_config=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                       sliding_window=8, query_pre_attn_scalar=16,
+                                                       layer_types=["sliding_attention", "full_attention"],
+                                                       **_common()),
+                                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                         num_attention_heads=2, image_size=28, patch_size=14),
+                                      mm_tokens_per_image=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "glm": lambda: _auto("glm", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "glm4_moe": lambda: _auto("glm4_moe", num_attention_heads=4, num_key_value_heads=2, n_routed_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=32),
+    # A sliding-window layer (window 8) then a full one.
+    "granite_swa": lambda: _auto("granite_swa", num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                 layer_types=["sliding_attention", "full_attention"]),
+    "granitemoe": lambda: _auto("granitemoe", num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                num_experts_per_tok=2),
+    # A sliding-window layer (window 8) then a full one.
+    "granitemoe_swa": lambda: _auto("granitemoe_swa", num_attention_heads=4, num_key_value_heads=2,
+                                    num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"]),
+    "granitemoeshared": lambda: _auto("granitemoeshared", num_attention_heads=4, num_key_value_heads=2,
+                                      num_local_experts=4, num_experts_per_tok=2),
+    "helium": lambda: _auto("helium", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "hunyuan_v1_dense": lambda: _auto("hunyuan_v1_dense", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "hunyuan_v1_moe": lambda: _auto("hunyuan_v1_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    num_experts=4),
+    "hy_v3": lambda: _auto("hy_v3", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32),
+    "hyperclovax": lambda: _auto("hyperclovax", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "internlm3": lambda: _auto("internlm3", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "iquestcoder": lambda: _auto("iquestcoder", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "jais2": lambda: _auto("jais2", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # A sliding-window layer (window 8) then a full one.
+    "kolibri1": lambda: _auto("kolibri1", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"]),
+    # A sliding-window layer (window 8) then a full one.
+    "laguna": lambda: _auto("laguna", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                            sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    # A sliding-window layer (window 8) then a full one.
+    "mellum": lambda: _auto("mellum", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"]),
+    "minicpm5_moe": lambda: _auto("minicpm5_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "minimax_m2": lambda: _auto("minimax_m2", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                num_local_experts=4, num_experts_per_tok=2),
+    "minimax_m3_vl_text": lambda: _auto("minimax_m3_vl_text", num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+    # A sliding-window layer (window 8) then a full one.
+    "ministral": lambda: _auto("ministral", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    # Every layer slides over 8 positions (no layer_types: the window applies to all).
+    "ministral3": lambda: _auto("ministral3", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                sliding_window=8),
+    # A sliding-window layer (window 8) then a full one.
+    "modernbert-decoder": lambda: _auto("modernbert-decoder", num_attention_heads=4, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"]),
+    "nanochat": lambda: _auto("nanochat", num_attention_heads=4, num_key_value_heads=2),
+    "olmoe": lambda: _auto("olmoe", num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                           num_experts_per_tok=2),
+    "param2moe": lambda: _auto("param2moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "persimmon": lambda: _auto("persimmon", num_attention_heads=4),
+    "sarvam_moe": lambda: _auto("sarvam_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "solar_open": lambda: _auto("solar_open", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    # A sliding-window layer (window 8) then a full one.
+    "vaultgemma": lambda: _auto("vaultgemma", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+
 }
 
 
