@@ -11,7 +11,8 @@ it compiles and loads them.
 Layout, under the project's cache folder (`PAGED_BACKEND_CACHE`):
 
     compiled/<key>/graph-<i>.pt   one file per warm-up shape, written whole (a temporary file, then renamed)
-    compiled/<key>/.lock          held while a process compiles, so a second one waits and then loads
+    compiled/<key>/.lock          held while a process compiles, so a second one waits (saying so) and then
+                                  loads; the holder first removes what a killed write left (`tmp*` files)
     inductor/                     inductor's kernels, shared by every key
 
 Each upgrade, edit or new model makes a new key, so the folders of old keys would pile up (3-17 MB each for
@@ -173,11 +174,32 @@ def compile_lock(folder: Path) -> Iterator[bool]:
         yield False
         return
     with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        wait_for_lock(handle, folder)
         try:
+            remove_leftovers(folder)
             yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def wait_for_lock(handle, folder: Path) -> None:
+    """Take `folder`'s lock, saying so when another process holds it: its compile takes minutes, which
+    would otherwise pass without a word."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        logger.info("compile cache: another process is compiling into %s; waiting for it, then loading its graphs",
+                    folder)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Remove the temporary files of graph writes a killed process cut short (torch writes `tmp*` beside the
+    graph, then renames it): each is megabytes no one would ever read. Only called under the folder's lock,
+    the only time any process writes there."""
+    for path in folder.glob("tmp*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def load_graphs(folder: Path, count: int) -> list | None:
