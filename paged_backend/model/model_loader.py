@@ -39,6 +39,7 @@ from paged_backend.model.default_model import (
     gguf_file_path,
 )
 from paged_backend.model.precision import preferred_dtype
+from paged_backend.model.recurrent_state import is_all_attention_hybrid
 
 # Each of these has a decoder-only *ForCausalLM whose attention module calls
 # ALL_ATTENTION_FUNCTIONS.get_interface (checked in transformers 5.24's and 5.25's
@@ -172,6 +173,50 @@ UNSUPPORTED_REASONS: dict[str, str] = {
     "qwen3_next": "it is a hybrid model whose gated delta-net (linear attention) layers would need their own state "
                   "update in the engine's recurrent state slots, which only short convolutions (lfm2) and Mamba-2 "
                   "mixers (granitemoehybrid, falcon_h1) have",
+    "minimax": "its lightning (linear) attention layers keep a cache class of their own, which the engine's packed "
+               "step does not give them; the engine's recurrent state slots hold only short convolutions (lfm2) and "
+               "Mamba-2 mixers (granitemoehybrid, falcon_h1)",
+    "lfm2_moe": "its short-convolution layers (Lfm2MoeShortConv) have no state-slot adapter yet; lfm2's does not "
+                "take them",
+    "phimoe": "its sliding window lives only in the mask (transformers builds a sliding-window mask for every layer "
+              "from config.sliding_window, and the attention call carries no window), which the paged attention "
+              "does not read for this type",
+    "doge": "its attention adds an input-dependent mask of its own (dynamic mask attention, prepare_dynamic_mask), "
+            "which the paged attention does not compute",
+    "jetmoe": "its attention is a mixture of attention experts (MoA), whose keys and values do not have the head "
+              "count the paged cache is laid out for",
+    **dict.fromkeys(
+        ("blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus", "plbart", "bigbird_pegasus",
+         "prophetnet", "trocr", "whisper"),
+        "it is the decoder of an encoder-decoder model (its cross-attention reads an encoder's output); the paged "
+        "engine runs decoder-only causal LMs"),
+    **dict.fromkeys(
+        ("bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert",
+         "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm", "xlm-roberta",
+         "xlm-roberta-xl", "xmod"),
+        "it is an encoder (BERT family) with a language-model head, bidirectional unless configured as the "
+        "decoder of an encoder-decoder model; the paged engine runs decoder-only causal LMs"),
+    **dict.fromkeys(
+        ("mamba2", "falcon_mamba", "rwkv", "xlstm"),
+        "it is a recurrent (state-space or RNN) model with no attention K/V to page"),
+    **dict.fromkeys(
+        ("jamba", "bamba", "nemotron_h", "zamba", "zamba2"),
+        "it is a hybrid model whose recurrent (Mamba) layers have no state-slot adapter in the engine; the "
+        "recurrent state slots serve only lfm2's short convolutions and the Mamba-2 mixers of granitemoehybrid "
+        "and falcon_h1"),
+    **dict.fromkeys(
+        ("nemotron", "hrm_text"),
+        "its decoder layer does not pass the forward's keywords on to its attention module, so the engine's step "
+        "never reaches the attention (StableLM, which does the same, has an adapter that hands the step on; this "
+        "type has none)"),
+    **dict.fromkeys(
+        ("openai-gpt", "xglm", "gpt_neox_japanese", "cpmant"),
+        "its attention computes scores itself instead of calling transformers' attention interface, and has no "
+        "adapter"),
+    **dict.fromkeys(
+        ("mimo_v2_flash", "gemma4_unified_text"),
+        "its layers write K/V of different shapes (key/value heads or head size differ between layers), and the "
+        "paged cache holds one shape for every layer"),
 }
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
@@ -207,7 +252,10 @@ def check_architecture(model_or_config: PreTrainedModel | PretrainedConfig) -> N
 
 
 def eager_type_reason(model: PreTrainedModel) -> str | None:
-    """Why the engine runs `model` eagerly because of its type (EAGER_TYPES), or None."""
+    """Why the engine runs `model` eagerly because of its type (EAGER_TYPES), or None. A hybrid type's model whose
+    layers are all attention (Granite 4.0 Micro) has none of the recurrent layers that keep its type eager."""
+    if is_all_attention_hybrid(model.config.get_text_config()):
+        return None
     return EAGER_TYPES.get(getattr(model.config, "model_type", None))
 
 

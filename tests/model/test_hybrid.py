@@ -208,3 +208,21 @@ def test_a_hybrid_type_with_attention_layers_only_runs_as_an_attention_model(nam
     again = engine.add_request(prompt, greedy(MAX_NEW))  # its prefix is cached, as any attention model's
     assert run_to_completion(engine)[again].outputs[0].token_ids == ref
     assert engine.kv.hit_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["granitemoehybrid_attention", "lfm2_attention"])
+def test_a_hybrid_type_with_attention_layers_only_compiles(name):
+    """Its type runs eagerly for the recurrent layers (EAGER_TYPES); without any, the model compiles as an attention
+    model does and still gives generate's tokens through chunked prefill and preemption."""
+    model = build(name)
+    prompts = mixed_prompts(6)
+    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=20, block_size=4, max_num_batched_tokens=24,
+                                              compile=True))
+    assert engine.compiled
+    ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
+    finals = run_to_completion(engine)
+    assert [finals[i].outputs[0].token_ids for i in ids] == refs
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(engine)
