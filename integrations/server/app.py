@@ -40,6 +40,8 @@ from .tokenization import (
     tokenizer_info,
 )
 
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before the answer's end
+
 
 def create_app(aengine: EngineClient, model_name: str, api_key: str | None = None,
                max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
@@ -160,7 +162,9 @@ def require_key(state: ServerState):
 
 
 class HTTPStatusCounter:
-    """Counts responses by path and status code (a plain ASGI middleware, so streams are not buffered)."""
+    """Counts responses by route and status code (a plain ASGI middleware, so streams are not buffered). A
+    response the client hung up on before its end counts as 499, "client closed request", as a plain request
+    the client leaves does (`fanout.until_disconnect`): a stream has sent its 200 before it knows."""
 
     def __init__(self, app, metrics: ServerMetrics) -> None:
         self.app = app
@@ -170,15 +174,23 @@ class HTTPStatusCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status, finished, gone = 500, False, False
+
+        async def listen():
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def capture(message) -> None:
-            nonlocal status
+            nonlocal status, finished
             if message["type"] == "http.response.start":
                 status = message["status"]
+            finished = finished or (message["type"] == "http.response.body" and not message.get("more_body"))
             await send(message)
 
         try:
-            await self.app(scope, receive, capture)
+            await self.app(scope, listen, capture)
         finally:
-            self.metrics.record_http(scope["path"], status)
+            route = getattr(scope.get("route"), "path", None)
+            self.metrics.record_http(route, CLIENT_CLOSED if gone and not finished else status)

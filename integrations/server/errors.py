@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +109,21 @@ def param_of(location: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-async def handle_http_exception(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(APIError(exc.status_code, str(exc.detail)))
+async def handle_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    response = error_response(APIError(exc.status_code, str(exc.detail)))
+    if exc.status_code == 405:  # RFC 9110 asks a 405 to say which methods the path takes
+        response.headers["Allow"] = allowed_methods(request)
+    return response
+
+
+def allowed_methods(request: Request) -> str:
+    """The methods some route takes at the request's path: a path may have a route per method
+    (GET and DELETE /v1/responses/{id}), and Starlette names only the first route's."""
+    methods = set()
+    for route in request.app.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
 
 
 class JSONErrors:

@@ -19,9 +19,6 @@ from paged_backend.entrypoints.engine_client import EngineClient
 PREFIX = "paged_backend"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
-# The paths worth a label of their own; anything else is counted as "other" to bound cardinality.
-KNOWN_PATHS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/generate", "/health",
-                         "/metrics", "/tokenize", "/detokenize", "/tokenizer_info"})
 
 
 class ServerMetrics:
@@ -64,8 +61,10 @@ class ServerMetrics:
         if count:
             self.requests.labels("abort").inc(count)
 
-    def record_http(self, path: str, status: int) -> None:
-        self.http_requests.labels(path if path in KNOWN_PATHS else "other", str(status)).inc()
+    def record_http(self, route: str | None, status: int) -> None:
+        """One answer, labelled with its route's path template (`/v1/responses/{response_id}`, never an id):
+        the routes bound the labels; a path no route matched counts as "other"."""
+        self.http_requests.labels(route or "other", str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

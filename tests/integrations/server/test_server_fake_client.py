@@ -262,3 +262,38 @@ def test_embeddings_come_from_the_client():
     assert reply.json()["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
     too_long = http.post("/v1/embeddings", json={"model": MODEL, "input": "x" * 65})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input"
+
+
+def http_counts(http: TestClient) -> dict[str, float]:
+    lines = [line.rsplit(" ", 1) for line in http.get("/metrics").text.splitlines() if not line.startswith("#")]
+    return {name: float(value) for name, value in lines if name.startswith("paged_backend_http_requests_total")}
+
+
+def test_metrics_label_each_route_by_its_path_template():
+    http = serve(FakeClient())
+    ask = [{"role": "user", "content": "hi"}]
+    replies = {"/v1/responses": http.post("/v1/responses", json={"model": MODEL, "input": "hi"}),
+               "/v1/messages": http.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": ask}),
+               "/v1/messages/count_tokens": http.post("/v1/messages/count_tokens", json={"model": MODEL,
+                                                                                        "messages": ask}),
+               "/v1/embeddings": http.post("/v1/embeddings", json={"model": MODEL, "input": "hi"}),
+               "/v1/responses/{response_id}": http.get("/v1/responses/resp_missing"),
+               "other": http.get("/no/such/route")}
+    counts = http_counts(http)
+    for path, reply in replies.items():
+        assert counts[f'paged_backend_http_requests_total{{path="{path}",status="{reply.status_code}"}}'] == 1, path
+    assert replies["/v1/embeddings"].status_code == 200 and replies["other"].status_code == 404
+
+
+def test_a_405_names_the_methods_the_path_takes():
+    http = serve(FakeClient())
+    reply = http.put("/v1/responses/resp_1")
+    assert reply.status_code == 405 and reply.headers["allow"] == "DELETE, GET"
+    assert http.get("/v1/chat/completions").headers["allow"] == "POST"
+
+
+def test_the_openapi_schema_declares_the_messages_bodies():
+    paths = serve(FakeClient()).get("/openapi.json").json()["paths"]
+    for path, field in [("/v1/messages", "max_tokens"), ("/v1/messages/count_tokens", "messages")]:
+        body = paths[path]["post"]["requestBody"]
+        assert body["required"] and field in body["content"]["application/json"]["schema"]["required"]

@@ -185,10 +185,14 @@ def test_malformed_json_then_a_good_request_on_the_same_connection(connection: C
     assert connection.post("/v1/chat/completions", GOOD_CHAT)[0] == 200
 
 
+def completions_answered(served: Served, status: str) -> float:
+    metrics = parse_metrics(httpx.get(f"{served.url}/metrics").text)
+    return metrics.get(f'paged_backend_http_requests_total{{path="/v1/completions",status="{status}"}}', 0.0)
+
+
 def test_a_plain_request_whose_client_hangs_up_counts_as_499(served: Served, caplog) -> None:
     def count(status: str) -> float:
-        metrics = parse_metrics(httpx.get(f"{served.url}/metrics").text)
-        return metrics.get(f'paged_backend_http_requests_total{{path="/v1/completions",status="{status}"}}', 0.0)
+        return completions_answered(served, status)
 
     before_499, before_500 = count("499"), count("500")
     body = {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 1000, "ignore_eos": True}
@@ -199,6 +203,22 @@ def test_a_plain_request_whose_client_hangs_up_counts_as_499(served: Served, cap
     while count("499") == before_499 and time.time() < deadline:
         time.sleep(0.1)
     assert count("499") == before_499 + 1 and count("500") == before_500
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a traceback was logged"
+
+
+def test_a_stream_whose_client_hangs_up_counts_as_499(served: Served, caplog) -> None:
+    """A stream has sent its 200 before the client leaves; the count says the client left, as for a plain request."""
+    before_499, before_200 = completions_answered(served, "499"), completions_answered(served, "200")
+    body = {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        assert next(response.iter_lines()).startswith("data: ")  # one event, then the client hangs up
+    wait_all_blocks_free(served.aengine)
+    deadline = time.time() + 10
+    while completions_answered(served, "499") == before_499 and time.time() < deadline:
+        time.sleep(0.1)
+    assert completions_answered(served, "499") == before_499 + 1
+    assert completions_answered(served, "200") == before_200
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a traceback was logged"
 
 
