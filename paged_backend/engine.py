@@ -89,7 +89,7 @@ class Engine:
         # Switches the model to the paged attention (or its adapter), probes and self-checks it; a
         # refused model is left as it came.
         check_step_size(self.config, text_config)
-        shape = prepare_model(model, text_config.num_hidden_layers, self.config.self_check)
+        shape = prepare_model(model, text_config.num_hidden_layers, self.config.self_check, self.config.max_model_len)
         fused = fused_projections.fuse_for_engine(model, self.config.fuse_projections)
         # A hybrid model's recurrent layers keep a state per running request (recurrent_state.py); None otherwise.
         self.recurrent, state_slots = hybrid_state(model, self.config, compilation.eager_reason() is not None)

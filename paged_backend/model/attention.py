@@ -8,10 +8,11 @@ eager attention when the model soft-caps logits or has attention sinks (SDPA has
 switched to it still works outside the engine.
 
 Beyond plain causal attention it honours what a layer asks for: a sliding window and a soft-cap (given
-as keywords), attention sinks (gpt-oss passes its per-head sink logits as `s_aux`), and chunked attention
-(Llama 4: a layer whose `config.layer_types` entry is "chunked_attention" sees keys only from the start of
-its query's chunk of `config.attention_chunk_size` positions; transformers puts that in the mask alone,
-which the paged path does not read, so the chunk is found from the layer's config here).
+as keywords; a window that transformers puts only in the mask, as Qwen2-MoE does, is read from the config),
+attention sinks (gpt-oss passes its per-head sink logits as `s_aux`), and chunked attention (Llama 4: a layer
+whose `config.layer_types` entry is "chunked_attention" sees keys only from the start of its query's chunk of
+`config.attention_chunk_size` positions; transformers puts that in the mask alone, which the paged path does
+not read, so the chunk is found from the layer's config here).
 
 Called with the engine's start-up probe, it notes that the step reached this layer and attends over the
 probe's own token.
@@ -53,24 +54,38 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sinks = s_aux
-    if isinstance(paged_cache, ShapeProbe):
-        paged_cache.reached(module.layer_idx, "adapter" if hasattr(module, "_paged_original_forward") else "interface",
-                            sliding_window)
-        out = attend_one(query[0], key[0], value[0], scale, sliding_window, softcap, sinks=sinks)
-        return out.transpose(0, 1).unsqueeze(0), None
-    if paged_cache is None:  # outside the engine: the model's own masks (chunks included) apply
+    if paged_cache is None:  # outside the engine: the model's own masks (windows and chunks included) apply
         if softcap is not None or sinks is not None:
             return eager_attention(module, query, key, value, attention_mask, scale, softcap, dropout, sinks), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
+    window = sliding_window if sliding_window is not None else mask_window(module)
+    if isinstance(paged_cache, ShapeProbe):
+        paged_cache.reached(module.layer_idx, "adapter" if hasattr(module, "_paged_original_forward") else "interface",
+                            window)
+        out = attend_one(query[0], key[0], value[0], scale, window, softcap, sinks=sinks)
+        return out.transpose(0, 1).unsqueeze(0), None
     chunk_size = attention_chunk_size(module)
     if paged_single_row is not None:  # a compiled one-token step (torch_single_row.py)
         out = write_and_attend_single_row(query[0, :, 0], key[0, :, 0], value[0, :, 0], traced_layer(module),
-                                          paged_single_row, scale, sliding_window, softcap, sinks, chunk_size)
+                                          paged_single_row, scale, window, softcap, sinks, chunk_size)
         return out[None, None], None
     out = custom_ops.paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                     traced_layer(module), scale, sliding_window, softcap, None, sinks, chunk_size)
+                                     traced_layer(module), scale, window, softcap, None, sinks, chunk_size)
     return out.unsqueeze(0), None
+
+
+def mask_window(module: torch.nn.Module) -> int | None:
+    """The sliding window of a layer whose attention call carries none: transformers' Qwen2-MoE attention passes
+    no `sliding_window=` and its window lives only in the mask, which the paged path never reads. That mask is
+    transformers' sliding-window mask of `config.sliding_window` positions for every "sliding_attention" entry of
+    `config.layer_types`, so the window is read from there; None for a full-attention layer."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if not layer_types or layer is None or layer_types[layer] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None) or None
 
 
 def attention_chunk_size(module: torch.nn.Module) -> int | None:

@@ -44,13 +44,18 @@ CHECK_LENGTHS = (7, 4)
 # Chunk of a chunked-attention model during the check: sequence A's chunks start at 0, 3 and 6, B's at 0 and
 # 3, so prefill, the cached chunk A[5:7] and the decode B[3] each see a chunk start.
 CHECK_CHUNK = 3
+# Window of a sliding-window model during the check (windows_crossed): both sequences outgrow it.
+CHECK_WINDOW = 3
 
-_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (dtype, device) it passed on
+# model -> the (dtype, device, far context or None) it passed the check on
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def prepare_model(model: PreTrainedModel, num_layers: int, self_check: bool = True) -> KVShape:
+def prepare_model(model: PreTrainedModel, num_layers: int, self_check: bool = True,
+                  context: int | None = None) -> KVShape:
     """Switch `model` to the engine's attention, probe it, and (with `self_check`) compare paged and
-    dense logits; return its K/V shape. On any refusal the model is left exactly as it came."""
+    dense logits, at positions up to `context` (the configured max_model_len) where that goes past the model's
+    max_position_embeddings; return its K/V shape. On any refusal the model is left exactly as it came."""
     register()
     previous = model.config._attn_implementation
     try:
@@ -60,6 +65,7 @@ def prepare_model(model: PreTrainedModel, num_layers: int, self_check: bool = Tr
         shape = probe_kv_shape(model, num_layers)
         if self_check:
             check_paged_matches_dense(model, shape)
+            check_far_positions(model, shape, context)
         return shape
     except BaseException:
         uninstall_adapters(model)
@@ -73,25 +79,111 @@ def check_paged_matches_dense(model: PreTrainedModel, shape: KVShape) -> None:
     the model if its logits differ from one dense forward of the same tokens beyond the dtype's
     tolerance. A model object that passed once (same dtype and device) is not checked again."""
     param = next(model.parameters())
-    if _checked.get(model) == (param.dtype, param.device):
+    if (param.dtype, param.device, None) in _checked.get(model, ()):
         return
-    vocab = model.get_input_embeddings().num_embeddings
-    generator = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, vocab, (n,), generator=generator).to(param.device) for n in CHECK_LENGTHS]
-    with torch.inference_mode(), chunks_crossed(model):
-        dense = dense_logits(model, seqs)
-        paged = paged_logits(model, shape, seqs, param.dtype, param.device)
-    worst = (paged.float() - dense.float()).abs().max().item()
-    precision = computing_dtype(model, param.dtype)
-    allowed = TOLERANCE.get(precision, 6e-2) * max(1.0, dense.float().abs().max().item())
+    worst, allowed, precision = logits_difference(model, shape, near_positions())
     if not worst <= allowed:  # also refuses NaN
         raise UnsupportedArchitectureError(
             f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r}): the paged engine's "
             f"logits differ from the model's own forward by {worst:.4g} (tolerance {allowed:.4g} in "
-            f"{str(precision).removeprefix('torch.')}) on a short chunked-prefill and decode check, so this "
-            "architecture does not run correctly on it and is refused (EngineConfig(self_check=False) skips the check)"
+            f"{str(precision).removeprefix('torch.')}) on a short chunked-prefill and decode check{known_cause(model)}, "
+            "so this architecture does not run correctly on it and is refused (EngineConfig(self_check=False) skips "
+            "the check)"
         )
-    _checked[model] = (param.dtype, param.device)
+    _checked.setdefault(model, set()).add((param.dtype, param.device, None))
+
+
+def known_cause(model: PreTrainedModel) -> str:
+    """Why a model fails the self-check, where its config says it (", ..."), else ""."""
+    if getattr(model.config.get_text_config(), "use_bidirectional_attention", False):
+        return (" (its config sets use_bidirectional_attention: every token attends to later ones too, as an "
+                "embedding model's do, which the engine's causal steps cannot compute)")
+    return ""
+
+
+def check_far_positions(model: PreTrainedModel, shape: KVShape, context: int | None) -> None:
+    """Refuse a context (EngineConfig.max_model_len) past the model's max_position_embeddings unless the paged
+    engine's logits there equal the model's own. A model whose position encoding depends on the whole forward
+    (dynamic NTK rope recomputes its frequencies from the largest position of the forward) gives a request
+    different logits when its chunks and batch-mates change, and a model with learned positions has none there:
+    the check runs the sequences with one chunk near the start and the rest near `context`, so the chunked
+    prefill's steps reach different largest positions while the dense forward sees them all at once. Skipped
+    where usable_context already caps the context (with its own reason)."""
+    text_config = model.config.get_text_config()
+    limit = getattr(text_config, "max_position_embeddings", None)
+    if context is None or not limit or context <= limit or usable_context(text_config) is not None:
+        return
+    param = next(model.parameters())
+    if (param.dtype, param.device, context) in _checked.get(model, ()):
+        return
+    prefix = f"EngineConfig.max_model_len={context} goes past the model's max_position_embeddings={limit}"
+    try:
+        worst, allowed, precision = logits_difference(model, shape, far_positions(context))
+    except Exception as exc:  # noqa: BLE001  (the model's own forward fails there: refuse the setting)
+        raise ValueError(f"{prefix}, where the model's own forward fails ({type(exc).__name__}: {exc}); "
+                         f"use max_model_len <= {limit}") from exc
+    if not worst <= allowed:
+        raise ValueError(
+            f"{prefix}, where the paged engine's logits differ from the model's own forward by {worst:.4g} "
+            f"(tolerance {allowed:.4g} in {str(precision).removeprefix('torch.')}) when a sequence's chunks run in "
+            f"different steps (its position encoding there depends on the whole forward); use max_model_len <= "
+            f"{limit}")
+    _checked.setdefault(model, set()).add((param.dtype, param.device, context))
+
+
+def logits_difference(model: PreTrainedModel, shape: KVShape,
+                      positions: tuple[list[int], ...]) -> tuple[float, float, torch.dtype]:
+    """(largest |paged - dense| logit, the tolerance, the computing dtype) on the check's two random sequences at
+    `positions` (one list per sequence). The paged steps run first: a dynamic rope keeps the frequencies of the
+    largest position it has seen, so a dense forward first would hand its frequencies to every paged step."""
+    param = next(model.parameters())
+    vocab = model.get_input_embeddings().num_embeddings
+    generator = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, vocab, (n,), generator=generator).to(param.device) for n in CHECK_LENGTHS]
+    with torch.inference_mode(), chunks_crossed(model), windows_crossed(model):
+        paged = paged_logits(model, shape, seqs, param.dtype, param.device, positions)
+        dense = dense_logits(model, seqs, positions)
+    worst = (paged.float() - dense.float()).abs().max().item()
+    precision = computing_dtype(model, param.dtype)
+    allowed = TOLERANCE.get(precision, 6e-2) * max(1.0, dense.float().abs().max().item())
+    return worst, allowed, precision
+
+
+def near_positions() -> tuple[list[int], ...]:
+    """Each check sequence at positions 0, 1, ...: where every request starts."""
+    return tuple(list(range(n)) for n in CHECK_LENGTHS)
+
+
+def far_positions(context: int) -> tuple[list[int], ...]:
+    """Sequence A's first chunk (CHECK_STEPS' first step) at positions 0, 1, ... and the rest of it, like all of B,
+    at the last positions of `context`: the two steps' largest positions are as far apart as the context allows."""
+    first = CHECK_STEPS[0][0][1]
+    a, b = CHECK_LENGTHS
+    return list(range(first)) + list(range(context - (a - first), context)), list(range(context - b, context))
+
+
+@contextlib.contextmanager
+def windows_crossed(model: PreTrainedModel) -> Iterator[None]:
+    """Inside the block, a sliding-window model's window is CHECK_WINDOW positions, so the self-check's short
+    sequences outgrow it (a real window of thousands of tokens would hide a layer whose window the paged path
+    misses). The window is set where transformers reads it: `config.sliding_window` (its masks, and attention
+    modules that pass the config's value) and each module's `sliding_window` attribute holding the same value
+    (attention modules that pass their own). Restored on exit."""
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= CHECK_WINDOW:
+        yield
+        return
+    modules = [m for m in model.modules() if vars(m).get("sliding_window") == window]
+    config.sliding_window = CHECK_WINDOW
+    for module in modules:
+        module.sliding_window = CHECK_WINDOW
+    try:
+        yield
+    finally:
+        config.sliding_window = window
+        for module in modules:
+            module.sliding_window = window
 
 
 @contextlib.contextmanager
@@ -116,19 +208,27 @@ def computing_dtype(model: PreTrainedModel, dtype: torch.dtype) -> torch.dtype:
     return quantized_linear.COMPUTE_DTYPE if quantized_linear.has_quantized_layers(model) else dtype
 
 
-def dense_logits(model: PreTrainedModel, seqs: list[torch.Tensor]) -> torch.Tensor:
-    """The model's own forward (no paged cache) on the sequences right-padded into one batch; causal
-    attention keeps padding from touching real positions. Rows in CHECK_STEPS order."""
+def dense_logits(model: PreTrainedModel, seqs: list[torch.Tensor],
+                 positions: tuple[list[int], ...] | None = None) -> torch.Tensor:
+    """The model's own forward (no paged cache) on the sequences right-padded into one batch, at `positions`
+    (default: 0, 1, ...); causal attention keeps padding from touching real positions. Rows in CHECK_STEPS order."""
     width = max(len(s) for s in seqs)
     batch = torch.zeros(len(seqs), width, dtype=torch.long, device=seqs[0].device)
+    position_ids = torch.arange(width, device=seqs[0].device).repeat(len(seqs), 1)
     for i, s in enumerate(seqs):
         batch[i, : len(s)] = s
-    logits = model(input_ids=batch, use_cache=False).logits
+        if positions is not None:
+            position_ids[i, : len(s)] = torch.tensor(positions[i])
+            position_ids[i, len(s):] = positions[i][-1]  # padding: no larger position than the sequence's own
+    # With positions, a mask of ones too: without one transformers reads a jump in position_ids as the start of
+    # another packed sequence and masks across it.
+    kwargs = {} if positions is None else {"position_ids": position_ids, "attention_mask": torch.ones_like(batch)}
+    logits = model(input_ids=batch, use_cache=False, **kwargs).logits
     return torch.cat([logits[i, lo:hi] for step in CHECK_STEPS for i, (lo, hi) in enumerate(step)])
 
 
 def paged_logits(model: PreTrainedModel, shape: KVShape, seqs: list[torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
+                 device: torch.device, positions: tuple[list[int], ...] | None = None) -> torch.Tensor:
     """The same logits through the engine's path: packed steps, a paged cache, the model runner's call."""
     num_blocks = 1 + max(b for table in CHECK_TABLES for b in table)
     cache = PagedCache(shape, num_blocks, CHECK_BLOCK_SIZE, dtype, device)
@@ -136,17 +236,20 @@ def paged_logits(model: PreTrainedModel, shape: KVShape, seqs: list[torch.Tensor
     layout = state_layout(model.config.get_text_config())
     if layout is not None:  # a hybrid model: sequence i in state slot i
         runner.recurrent = RecurrentState(layout, len(seqs), dtype, device)
-    return torch.cat([runner.forward(step_inputs(step, seqs, device, layout is not None)) for step in CHECK_STEPS])
+    positions = positions or near_positions()
+    return torch.cat([runner.forward(step_inputs(step, seqs, device, layout is not None, positions))
+                      for step in CHECK_STEPS])
 
 
 def step_inputs(step: tuple[tuple[int, int], ...], seqs: list[torch.Tensor], device: torch.device,
-                recurrent: bool = False) -> StepInputs:
+                recurrent: bool = False, positions: tuple[list[int], ...] | None = None) -> StepInputs:
     """One packed step `[(start, end) per sequence]` as the model runner would build it (with `recurrent`,
-    sequence i's state in slot i)."""
+    sequence i's state in slot i), token p of sequence i at `positions[i][p]` (default: p)."""
     def on_device(values) -> torch.Tensor:
         return torch.tensor(values, device=device)
 
-    positions = [p for lo, hi in step for p in range(lo, hi)]
+    positions = positions or near_positions()
+    position_ids = [positions[i][p] for i, (lo, hi) in enumerate(step) for p in range(lo, hi)]
     slots = [CHECK_TABLES[i][p // CHECK_BLOCK_SIZE] * CHECK_BLOCK_SIZE + p % CHECK_BLOCK_SIZE
              for i, (lo, hi) in enumerate(step) for p in range(lo, hi)]
     starts = [0]
@@ -167,7 +270,7 @@ def step_inputs(step: tuple[tuple[int, int], ...], seqs: list[torch.Tensor], dev
         max_seq_len=max(seq_lens),
     )
     ids = torch.cat([seqs[i][lo:hi] for i, (lo, hi) in enumerate(step)])
-    return StepInputs(input_ids=ids[None], position_ids=on_device(positions)[None],
+    return StepInputs(input_ids=ids[None], position_ids=on_device(position_ids)[None],
                       logits_indices=torch.arange(len(ids), device=device), sampling_requests=[],
                       metadata=metadata,
                       recurrent=RecurrentStep(tuple(starts), tuple(lo for lo, _ in step),
@@ -175,10 +278,32 @@ def step_inputs(step: tuple[tuple[int, int], ...], seqs: list[torch.Tensor], dev
 
 
 def usable_context(text_config) -> tuple[int, str] | None:
-    """(the longest context the engine runs exactly, why) for a model that has such a limit below its
-    max_position_embeddings, else None: LongRoPE's original length, or Llama 4's temperature tuning
-    (temperature_tuning_limit)."""
-    return longrope_limit(text_config) or temperature_tuning_limit(text_config)
+    """(the longest context the engine runs exactly, why) for a model that has such a limit, else None:
+    LongRoPE's original length, dynamic NTK rope's max_position_embeddings (a max_model_len past it is refused),
+    or Llama 4's temperature tuning (temperature_tuning_limit)."""
+    return longrope_limit(text_config) or dynamic_rope_limit(text_config) or temperature_tuning_limit(text_config)
+
+
+def rope_types(text_config) -> set[str]:
+    """The rope types of a config: one, or one per layer type where rope_parameters is keyed by layer type."""
+    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    kinds = [rope] if "rope_type" in rope or "type" in rope else [v for v in rope.values() if isinstance(v, dict)]
+    return {str(kind.get("rope_type", kind.get("type"))) for kind in kinds}
+
+
+def dynamic_rope_limit(text_config) -> tuple[int, str] | None:
+    """Dynamic NTK rope's usable context (usable_context). transformers recomputes its frequencies from the largest
+    position of each forward once that passes max_position_embeddings, and keeps them: in a packed step the
+    largest position is the batch's, so chunking and batch-mates would change a request's rotary embedding. Up to
+    max_position_embeddings the frequencies are the model's default ones, exactly."""
+    if not any("dynamic" in kind for kind in rope_types(text_config)):
+        return None
+    limit = getattr(text_config, "max_position_embeddings", None)
+    if not limit:
+        return None
+    return int(limit), (f"dynamic NTK rope runs on the paged engine up to max_position_embeddings={limit} tokens "
+                        "(past it transformers rescales the frequencies from the largest position in each forward, "
+                        "which a packed step shares between requests)")
 
 
 def temperature_tuning_limit(text_config) -> tuple[int, str] | None:

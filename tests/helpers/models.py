@@ -44,6 +44,15 @@ CONFIGS = {
     "qwen2_moe": lambda: tf.Qwen2MoeConfig(num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                                            num_experts_per_tok=2, moe_intermediate_size=32,
                                            shared_expert_intermediate_size=32, **_common()),
+    # Its window lives only in the mask: the attention call carries no `sliding_window=` (layer 0 slides, window 8).
+    "qwen2_moe_window": lambda: tf.Qwen2MoeConfig(num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                                  num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  shared_expert_intermediate_size=32, use_sliding_window=True,
+                                                  sliding_window=8, max_window_layers=2, **_common()),
+    # Dynamic NTK rope: exact within max_position_embeddings, where its frequencies are the default ones.
+    "llama_dynamic_rope": lambda: tf.LlamaConfig(num_attention_heads=4, num_key_value_heads=2,
+                                                 rope_parameters=dict(rope_type="dynamic", factor=2.0,
+                                                                      rope_theta=10000.0), **_common()),
     "qwen3_moe": lambda: tf.Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                                            num_experts_per_tok=2, moe_intermediate_size=32, **_common()),
     "granite": lambda: tf.GraniteConfig(num_attention_heads=4, num_key_value_heads=2, attention_multiplier=0.2,
