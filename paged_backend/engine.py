@@ -200,7 +200,12 @@ class Engine:
         if self.runner.lora_slots is not None:  # the graph holds every hook an adapter may need (lora.py)
             hooked = self.runner.lora_slots.hook_adaptable_linears()
             logger.info("compile: LoRA hooks on all %d adaptable linears", hooked)
-        report = self.runner.compile()
+        try:
+            report = self.runner.compile()
+        except Exception as exc:  # noqa: BLE001  (the engine still runs, eagerly)
+            logger.warning("compile: the model forward failed to compile (%s: %s); it runs eagerly",
+                           type(exc).__name__, next(iter(str(exc).strip().splitlines()), ""))
+            return False
         self.compile_s = report.seconds
         source = "loaded from the compile cache" if report.loaded else "compiled"
         logger.info("compile: the model forward %s (%d graphs, %s) and warmed up in %.1f s", source,

@@ -102,10 +102,24 @@ def eager_reason() -> str | None:
 def model_eager_reason(model: torch.nn.Module) -> str | None:
     """Why `model` must run eagerly, or None. PEFT's tuner layers switch adapters by attributes (the active
     adapter, disabled or not) that a compiled forward, having dropped the module guards, would not see
-    change: the graph would keep the adapters as they were when it was traced."""
+    change: the graph would keep the adapters as they were when it was traced. A dynamic rope's rotary module
+    (its `rope_type` names "dynamic") decides in Python, per forward, whether to recompute its frequencies."""
     if tuner_layers(model):
         return "a model with PEFT tuner layers runs eagerly (a compiled graph would not see its adapters switch)"
+    if has_dynamic_rope(model):
+        return ("a model with dynamic NTK rope runs eagerly (transformers' frequency update branches on the step's "
+                "largest position, which a whole-graph trace cannot hold)")
     return None
+
+
+def has_dynamic_rope(model: torch.nn.Module) -> bool:
+    """Whether a rotary module of `model` has a dynamic rope type (one per layer type where it is a dict)."""
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        kinds = kinds.values() if isinstance(kinds, dict) else (kinds,)
+        if any(isinstance(kind, str) and "dynamic" in kind for kind in kinds):
+            return True
+    return False
 
 
 def structure_of(model: torch.nn.Module) -> tuple:

@@ -156,7 +156,7 @@ class ModelRunner:
 
     def compile(self) -> compilation.CompileReport:
         """Compile the model forward (or load its graphs from the compile cache) and warm it up on every shape
-        class; say where the graphs came from and how long it took."""
+        class; say where the graphs came from and how long it took. On failure the runner stays eager."""
         cache, shapes = self.cache, compilation.warm_up_shapes(self.model)
         # A cache of layer groups traces its one-token graph without the single-row path (see single_row), and
         # may have the kv shape of one without groups (a model whose every layer slides alike), so the key's
@@ -171,7 +171,11 @@ class ModelRunner:
             return compilation.warm_up(self.warm_up_step, cache, shapes, progress=title)
 
         layer_regions.index_layers(self.model)  # before a graph is traced or loaded: each reads the index tensors
-        report = compilation.compile_forward(self.model, cache.kv, settings, warm)
+        try:
+            report = compilation.compile_forward(self.model, cache.kv, settings, warm)
+        except BaseException:
+            self.forward_model = partial(compilation.logits_of, self.model)  # a failed compile leaves it eager
+            raise
         self.compiled_structure = compilation.structure_of(self.model)
         return report
 

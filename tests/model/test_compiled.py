@@ -115,6 +115,36 @@ def test_a_path_that_cannot_compile_runs_eagerly_and_says_so(monkeypatch, caplog
     assert [r.message for r in caplog.records].count("compile: tensor parallelism runs eagerly") == 1
 
 
+def test_dynamic_rope_runs_eagerly_and_says_so(caplog):
+    """Dynamic NTK rope decides per forward, in Python, whether to recompute its frequencies: the engine runs it
+    eagerly (a whole-graph trace failed at start-up), with HF's tokens."""
+    _, model, prompts, refs = hf_case("llama_dynamic_rope", build("llama_dynamic_rope"), MAX_NEW)
+    with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
+        engine = Engine(model, None, EngineConfig(num_kv_blocks=64, compile=True))
+    assert not engine.compiled
+    assert any("dynamic NTK rope runs eagerly" in r.message for r in caplog.records)
+    ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
+    finals = run_to_completion(engine)
+    assert [finals[rid].outputs[0].token_ids for rid in ids] == refs
+
+
+def test_a_forward_that_fails_to_compile_runs_eagerly_and_says_so(monkeypatch, caplog):
+    """A model whose forward does not trace starts eagerly with a warning naming the error, not a crash."""
+    def fail(*args):
+        raise RuntimeError("data-dependent branch\nmore detail")
+
+    monkeypatch.setattr(compilation, "compile_forward", fail)
+    _, model, prompts, refs = hf_case("llama", build("llama"), MAX_NEW)
+    with caplog.at_level(logging.WARNING, logger="paged_backend.engine"):
+        engine = Engine(model, None, EngineConfig(num_kv_blocks=64, compile=True))
+    assert not engine.compiled and not engine.runner.compiled
+    assert [r.message for r in caplog.records] == [
+        "compile: the model forward failed to compile (RuntimeError: data-dependent branch); it runs eagerly"]
+    ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
+    finals = run_to_completion(engine)
+    assert [finals[rid].outputs[0].token_ids for rid in ids] == refs
+
+
 def test_models_of_one_class_compile_apart():
     """The compiled forward drops torch's guards on the model's modules, so two llamas of the same shapes
     whose activation differs must not share graphs: each gives its own HF tokens."""
