@@ -35,6 +35,7 @@ from paged_backend.input_processor import InputProcessor, Prompt
 from paged_backend.model import compilation, cuda_graphs, fused_projections
 from paged_backend.model.decode_padding import DecodePadding
 from paged_backend.model.lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec
+from paged_backend.model.fast_path_check import FastPathCheck, check_compiled
 from paged_backend.model.model_check import prepare_model, temperature_tuning_limit, usable_context
 from paged_backend.model.model_loader import check_architecture, eager_type_reason, model_object
 from paged_backend.model.model_runner import ModelRunner, StepInputs
@@ -134,6 +135,7 @@ class Engine:
             self.runner.padding = self._make_padding(shape, scratch_block=num_blocks)
         self.compile_s: float | None = None  # seconds the compile and warm-up took, when compiled
         self.compiled = self._maybe_compile(param.device)
+        self.fast_path_check = self._check_fast_path()  # the compiled forward against the eager one, or None
         self.capture_s: float | None = None  # seconds the CUDA graph capture took, when captured
         self.captured = self._maybe_capture()
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -211,6 +213,22 @@ class Engine:
         logger.info("compile: the model forward %s (%d graphs, %s) and warmed up in %.1f s", source,
                     len(report.forward.graphs), report.folder, report.seconds)
         return True
+
+    def _check_fast_path(self) -> FastPathCheck | None:
+        """With the self-check on, run the start-up probe through the compiled forward and the eager one
+        (fast_path_check.py); a compiled forward whose logits leave the bound is dropped, and the engine says so."""
+        if not self.compiled or not self.config.self_check:
+            return None
+        check = check_compiled(self.runner)
+        if check.passed:
+            logger.info("compile: the compiled forward matches the eager one on the start-up probe (max logit "
+                        "difference %.3g, bound %.3g, %.2f s)", check.worst, check.allowed, check.seconds)
+            return check
+        logger.warning("compile: the compiled forward's logits differ from the eager forward's by %.4g (bound %.4g) "
+                       "on the start-up probe, so the engine runs eagerly", check.worst, check.allowed)
+        self.runner.drop_compiled()
+        self.compiled = False
+        return check
 
     def _wants_padding(self, device: torch.device) -> bool:
         """Pad decode-only steps: where they are captured (CUDA), or anywhere when the config says so."""
@@ -507,6 +525,7 @@ class Engine:
             **group_stats(self.kv),
             **self._recurrent_stats(),
             **(self.speculator.stats() if self.speculator else speculation_stats(0, 0, 0)),
+            **(self.fast_path_check.stats() if self.fast_path_check else {}),
         }
 
     def _recurrent_stats(self) -> dict[str, float]:

@@ -242,28 +242,30 @@ def paged_logits(model: PreTrainedModel, shape: KVShape, seqs: list[torch.Tensor
 
 
 def step_inputs(step: tuple[tuple[int, int], ...], seqs: list[torch.Tensor], device: torch.device,
-                recurrent: bool = False, positions: tuple[list[int], ...] | None = None) -> StepInputs:
-    """One packed step `[(start, end) per sequence]` as the model runner would build it (with `recurrent`,
-    sequence i's state in slot i), token p of sequence i at `positions[i][p]` (default: p)."""
+                recurrent: bool = False, positions: tuple[list[int], ...] | None = None,
+                tables: tuple[tuple[int, ...], ...] = CHECK_TABLES, block_size: int = CHECK_BLOCK_SIZE) -> StepInputs:
+    """One packed step `[(start, end) of sequence i, ...]` as the model runner would build it (with `recurrent`,
+    sequence i's state in slot i), token p of sequence i at `positions[i][p]` (default: p), in the blocks of
+    `tables[i]`."""
     def on_device(values) -> torch.Tensor:
         return torch.tensor(values, device=device)
 
-    positions = positions or near_positions()
+    positions = positions or tuple(range(len(s)) for s in seqs)
     position_ids = [positions[i][p] for i, (lo, hi) in enumerate(step) for p in range(lo, hi)]
-    slots = [CHECK_TABLES[i][p // CHECK_BLOCK_SIZE] * CHECK_BLOCK_SIZE + p % CHECK_BLOCK_SIZE
+    slots = [tables[i][p // block_size] * block_size + p % block_size
              for i, (lo, hi) in enumerate(step) for p in range(lo, hi)]
     starts = [0]
     for lo, hi in step:
         starts.append(starts[-1] + hi - lo)
-    width = max(len(t) for t in CHECK_TABLES)
-    tables = [list(t) + [0] * (width - len(t)) for t in CHECK_TABLES]
+    width = max(len(t) for t in tables[: len(step)])
+    padded = [list(t) + [0] * (width - len(t)) for t in tables[: len(step)]]
     seq_lens = [hi for _, hi in step]
     metadata = AttentionMetadata(
         slot_mapping=on_device(slots),
-        block_tables=on_device(tables).to(torch.int32),
+        block_tables=on_device(padded).to(torch.int32),
         query_start_loc=on_device(starts).to(torch.int32),
         seq_lens=on_device(seq_lens).to(torch.int32),
-        block_size=CHECK_BLOCK_SIZE,
+        block_size=block_size,
         query_start_loc_host=starts,
         seq_lens_host=seq_lens,
         max_query_len=max(hi - lo for lo, hi in step),

@@ -174,10 +174,15 @@ class ModelRunner:
         try:
             report = compilation.compile_forward(self.model, cache.kv, settings, warm)
         except BaseException:
-            self.forward_model = partial(compilation.logits_of, self.model)  # a failed compile leaves it eager
+            self.drop_compiled()  # a failed compile leaves the runner eager
             raise
         self.compiled_structure = compilation.structure_of(self.model)
         return report
+
+    def drop_compiled(self) -> None:
+        """Run the model eagerly from now on (a compiled forward that failed, or failed its check)."""
+        self.forward_model = partial(compilation.logits_of, self.model)
+        self.compiled_structure = None
 
     def warm_up_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
                      metadata: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""The start-up check of the compiled forward against the eager one (fast_path_check.py): a right compiled
+forward passes and is used; a planted wrong one (a step that loses its cache writes, or a layer whose output
+is off) is caught, dropped, and the engine gives the eager engine's tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers.engine import greedy, hf_case, run_to_completion
+from helpers.models import build, int4_llama
+
+from paged_backend import Engine, EngineConfig
+from paged_backend.model import fast_path_check
+from paged_backend.model.compilation import CompiledForward
+
+# Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 8
+CONFIG = dict(num_kv_blocks=32, block_size=4, max_num_batched_tokens=24, compile=True)
+
+
+def answers(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
+    finals = run_to_completion(engine)
+    return [finals[rid].outputs[0].token_ids for rid in ids]
+
+
+def test_a_right_compiled_forward_passes_and_is_used(caplog):
+    _, model, prompts, refs = hf_case("llama", build("llama"), MAX_NEW)
+    with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
+        engine = Engine(model, None, EngineConfig(**CONFIG))
+    check = engine.fast_path_check
+    assert engine.compiled and check.passed and 0 <= check.worst < check.allowed
+    assert any("matches the eager one on the start-up probe" in r.message for r in caplog.records)
+    stats = engine.stats()
+    assert stats["compiled_check_passed"] == 1.0 and stats["compiled_check_max_logit_diff"] == check.worst
+    assert answers(engine, prompts) == refs
+    assert engine.runner.forward_model.eager_steps == 0
+
+
+def test_the_probe_reaches_every_graph_of_an_int4_model():
+    """The int4 layers' large-step graph, the general one and the one-token one each serve a probe step (none
+    runs eagerly), in bf16 where the bound is the loosest."""
+    engine = Engine(int4_llama(), None, EngineConfig(num_kv_blocks=32, compile=True))
+    forward = engine.runner.forward_model
+    served = []
+    call = forward.graph_for
+    forward.by_tokens.clear()
+    forward.graph_for = lambda kwargs: served.append(call(kwargs)) or served[-1]
+    check = fast_path_check.check_compiled(engine.runner)
+    assert check.passed and forward.eager_steps == 0
+    assert {id(graph) for graph in served} == {id(graph) for graph in forward.graphs}
+    assert len(forward.graphs) == 3
+
+
+def lose_cache_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every compiled step gives back the cache as it found it: what it wrote is lost for the next step."""
+    call = CompiledForward.__call__
+
+    def forgetful(self, **kwargs):
+        kv = kwargs["cache"].kv
+        before = kv.clone()
+        try:
+            return call(self, **kwargs)
+        finally:
+            kv.copy_(before)
+
+    monkeypatch.setattr(CompiledForward, "__call__", forgetful)
+
+
+def perturb_a_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every compiled step runs the first layer's output projection 2 % too large."""
+    call = CompiledForward.__call__
+
+    def off(self, **kwargs):
+        weight = self.model.model.layers[0].self_attn.o_proj.weight
+        weight.mul_(1.02)
+        try:
+            return call(self, **kwargs)
+        finally:
+            weight.div_(1.02)
+
+    monkeypatch.setattr(CompiledForward, "__call__", off)
+
+
+@pytest.mark.parametrize("plant", [lose_cache_writes, perturb_a_layer])
+def test_a_wrong_compiled_forward_is_caught_and_the_engine_runs_eagerly(monkeypatch, caplog, plant):
+    _, model, prompts, refs = hf_case("llama", build("llama"), MAX_NEW)
+    plant(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="paged_backend.engine"):
+        engine = Engine(model, None, EngineConfig(**CONFIG))
+    check = engine.fast_path_check
+    assert not check.passed and not check.worst <= check.allowed  # a lost write may read NaN from unwritten slots
+    assert not engine.compiled and not engine.runner.compiled
+    assert [r.message for r in caplog.records if "start-up probe" in r.message] == [
+        f"compile: the compiled forward's logits differ from the eager forward's by {check.worst:.4g} "
+        f"(bound {check.allowed:.4g}) on the start-up probe, so the engine runs eagerly"]
+    assert engine.stats()["compiled_check_passed"] == 0.0
+    assert answers(engine, prompts) == refs
+
+
+def test_the_check_is_skipped_with_the_self_check(monkeypatch):
+    lose_cache_writes(monkeypatch)
+    engine = Engine(build("llama"), None, EngineConfig(**CONFIG, self_check=False))
+    assert engine.compiled and engine.fast_path_check is None
+    assert "compiled_check_passed" not in engine.stats()
+
+
+def test_the_probe_fits_a_cache_smaller_than_itself():
+    """Two blocks of four slots hold less than the probe's sequences: it reuses them, and still passes."""
+    engine = Engine(build("llama"), None, EngineConfig(num_kv_blocks=2, block_size=4, compile=True))
+    assert engine.fast_path_check.passed
+    lengths, _ = fast_path_check.probe_schedule(None)
+    assert sum(lengths) > 2 * 4
+    assert torch.isfinite(engine.cache.kv).all()
