@@ -160,6 +160,9 @@ EAGER_TYPES: dict[str, str] = {
     "falcon_h1": "its Mamba-2 mixers run each sequence of a step from its state slot in a Python loop over the "
                  "step's sequences (recurrent_state.py), which a graph compiled for every step would not hold, so "
                  "it runs eagerly",
+    "qwen3_next": "its gated delta-net layers run each sequence of a step from its state slot in a Python loop over "
+                  "the step's sequences (recurrent_state.py), which a graph compiled for every step would not hold, "
+                  "so it runs eagerly",
 }
 
 # Model types users ask about that are refused, with the reason (an unlisted type gets a generic one).
@@ -170,12 +173,9 @@ UNSUPPORTED_REASONS: dict[str, str] = {
     "llama4": "it is Llama 4's vision and text checkpoint; load its text model with transformers' "
               "AutoModelForCausalLM.from_pretrained (a Llama4ForCausalLM, model_type 'llama4_text', which is "
               "supported) and pass the loaded model",
-    "qwen3_next": "it is a hybrid model whose gated delta-net (linear attention) layers would need their own state "
-                  "update in the engine's recurrent state slots, which only short convolutions (lfm2) and Mamba-2 "
-                  "mixers (granitemoehybrid, falcon_h1) have",
     "minimax": "its lightning (linear) attention layers keep a cache class of their own, which the engine's packed "
-               "step does not give them; the engine's recurrent state slots hold only short convolutions (lfm2) and "
-               "Mamba-2 mixers (granitemoehybrid, falcon_h1)",
+               "step does not give them; the engine's recurrent state slots hold only short convolutions (lfm2), "
+               "Mamba-2 mixers (granitemoehybrid, falcon_h1) and gated delta-nets (qwen3_next)",
     "lfm2_moe": "its short-convolution layers (Lfm2MoeShortConv) have no state-slot adapter yet; lfm2's does not "
                 "take them",
     "phimoe": "its sliding window lives only in the mask (transformers builds a sliding-window mask for every layer "
@@ -202,8 +202,8 @@ UNSUPPORTED_REASONS: dict[str, str] = {
     **dict.fromkeys(
         ("jamba", "bamba", "nemotron_h", "zamba", "zamba2"),
         "it is a hybrid model whose recurrent (Mamba) layers have no state-slot adapter in the engine; the "
-        "recurrent state slots serve only lfm2's short convolutions and the Mamba-2 mixers of granitemoehybrid "
-        "and falcon_h1"),
+        "recurrent state slots serve only lfm2's short convolutions, the Mamba-2 mixers of granitemoehybrid "
+        "and falcon_h1 and qwen3_next's gated delta-nets"),
     **dict.fromkeys(
         ("nemotron", "hrm_text"),
         "its decoder layer does not pass the forward's keywords on to its attention module, so the engine's step "

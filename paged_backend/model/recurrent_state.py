@@ -117,8 +117,10 @@ def current_recurrent() -> tuple[RecurrentState, RecurrentStep]:
     return _current
 
 
-# Types whose recurrent mixers run their own projections per sequence (adapters/mamba2.py), not over the step's row.
-PER_SEQUENCE_PROJECTIONS = frozenset({"granitemoehybrid", "falcon_h1"})
+# Types whose recurrent mixers run their own projections per sequence (adapters/mamba2.py), not over the step's row,
+# and what those mixers are.
+PER_SEQUENCE_PROJECTIONS: dict[str, str] = {"granitemoehybrid": "Mamba-2 mixers", "falcon_h1": "Mamba-2 mixers",
+                                            "qwen3_next": "gated delta-net layers"}
 
 
 def hybrid_state(model: PreTrainedModel, config, tensor_parallel: bool) -> tuple[RecurrentState | None,
@@ -127,7 +129,7 @@ def hybrid_state(model: PreTrainedModel, config, tensor_parallel: bool) -> tuple
     (None, None) for a model without recurrent layers. ValueError, naming the field, for what such a model
     cannot run: speculative decoding (a rejected proposal would have advanced the state past the kept
     tokens, and a state cannot be rolled back), tensor parallelism (the state is not sharded) and, for the
-    Mamba-2 families, LoRA."""
+    families whose mixers project per sequence (Mamba-2, gated delta-net), LoRA."""
     text_config = model.config.get_text_config()
     layout = state_layout(text_config)
     if layout is None:
@@ -139,9 +141,9 @@ def hybrid_state(model: PreTrainedModel, config, tensor_parallel: bool) -> tuple
     if tensor_parallel:
         raise ValueError(f"{model_type} is a hybrid model: its recurrent state is not sharded for tensor parallelism")
     if config.enable_lora and model_type in PER_SEQUENCE_PROJECTIONS:
-        raise ValueError(f"EngineConfig.enable_lora: {model_type}'s Mamba-2 mixers run their projections one sequence "
-                         "at a time, which the step's LoRA mask (one row per token of the whole step) does not follow; "
-                         "run it without LoRA")
+        raise ValueError(f"EngineConfig.enable_lora: {model_type}'s {PER_SEQUENCE_PROJECTIONS[model_type]} run their "
+                         "projections one sequence at a time, which the step's LoRA mask (one row per token of the "
+                         "whole step) does not follow; run it without LoRA")
     param = next(model.parameters())
     state = RecurrentState(layout, config.max_num_seqs, param.dtype, param.device)
     logger.info("hybrid model: %d recurrent layers, %d state slots (%.1f MiB); prefix caching off (a cached K/V "

@@ -117,6 +117,14 @@ CONFIGS = {
                                mamba_chunk_size=8, mamba_rms_norm=True, attention_in_multiplier=0.8,
                                ssm_out_multiplier=0.7, ssm_in_multiplier=1.2,
                                ssm_multipliers=[1.0, 0.9, 1.1, 1.0, 0.8]),
+    # Hybrid: a gated delta-net layer (a convolution window and a delta-rule state per sequence; 2 key heads
+    # shared by 4 value heads) before a gated attention layer (rotary on a quarter of the head), experts with a
+    # gated shared expert after each.
+    "qwen3_next": lambda: _auto("qwen3_next", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=32),
     # Its decoder layer drops forward keywords on the way to attention: runs through its adapter.
     "stablelm": lambda: tf.StableLmConfig(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
                                           **_common()),

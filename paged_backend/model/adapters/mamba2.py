@@ -8,7 +8,8 @@ methods; the paged forward runs the mixer's own forward on each sequence of the 
 chunk (from the slot's state when the sequence continues), its one-token recurrence for decode tokens. The
 step's sequences run in batches of one length and one kind (continuing a state or starting from zeros), their
 states gathered from their slots and stored back: every decode token of a step in one mixer call (projections
-included), and prompt chunks of one length together.
+included), and prompt chunks of one length together. Qwen3-Next's gated delta-net layers reach their cache
+through the same methods and run through the same paged forward (qwen3_next.py).
 """
 
 from __future__ import annotations
