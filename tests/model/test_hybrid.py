@@ -1,6 +1,6 @@
 """Hybrid models (attention beside recurrent layers): the state slots each running request holds, what the
 engine turns off or refuses for them, and the self-check of their recurrent path. Their greedy output against
-HF generate on the mixed batch is in test_engine_equivalence.py (lfm2, granitemoehybrid, falcon_h1)."""
+HF generate on the mixed batch is in test_engine_equivalence.py (lfm2, granitemoehybrid, falcon_h1, qwen3_next)."""
 
 from __future__ import annotations
 
@@ -129,9 +129,10 @@ def test_speculative_decoding_is_refused(model):
         Engine(model, None, EngineConfig(num_kv_blocks=16, speculative_config=spec))
 
 
-@pytest.mark.parametrize("arch", ["granitemoehybrid", "falcon_h1"])
-def test_lora_is_refused_where_mixers_project_per_sequence(arch):
-    with pytest.raises(ValueError, match=f"EngineConfig.enable_lora: {arch}'s Mamba-2 mixers"):
+@pytest.mark.parametrize(("arch", "mixers"), [("granitemoehybrid", "Mamba-2 mixers"), ("falcon_h1", "Mamba-2 mixers"),
+                                             ("qwen3_next", "gated delta-net layers")])
+def test_lora_is_refused_where_mixers_project_per_sequence(arch, mixers):
+    with pytest.raises(ValueError, match=f"EngineConfig.enable_lora: {arch}'s {mixers}"):
         Engine(build(arch), None, EngineConfig(num_kv_blocks=16, enable_lora=True))
 
 
@@ -146,7 +147,7 @@ def test_compile_and_padded_decode_stay_off(model, prompts, refs, caplog):
     assert run_to_completion(engine)[rid].outputs[0].token_ids == refs[1]
 
 
-@pytest.mark.parametrize("name", ["lfm2", "granitemoehybrid"])
+@pytest.mark.parametrize("name", ["lfm2", "granitemoehybrid", "qwen3_next"])
 def test_self_check_refuses_a_mixer_that_forgets_its_state(name, monkeypatch):
     """The load-time self-check runs a chunk that continues a state and a decode step that advances one: a mixer
     that restarts every sequence from zeros is refused, and the model is left as it came."""
@@ -226,3 +227,23 @@ def test_a_hybrid_type_with_attention_layers_only_compiles(name):
     assert [finals[i].outputs[0].token_ids for i in ids] == refs
     assert engine.scheduler.num_preemptions > 0
     assert_all_blocks_free(engine)
+
+
+def test_gated_delta_net_chunked_prefill_crosses_the_delta_rule_chunks():
+    """Qwen3-Next: prompts longer than the chunked gated delta rule's chunk (64 tokens), prefilled in 48-token engine
+    chunks, so each continuation starts inside a delta-rule chunk from its slot's convolution window and fp32 state;
+    three of one length run as one batch, beside decode tokens of the others: every sequence equals generate."""
+    model = build("qwen3_next")
+    chunk = 64  # torch_chunk_gated_delta_rule's default, which Qwen3NextGatedDeltaNet calls it with
+    g = torch.Generator().manual_seed(5)
+    lengths = [2 * chunk + 30, chunk + 1, chunk + 17, chunk + 17, chunk + 17, 9]
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in lengths]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=4, max_num_batched_tokens=48))
+    conv, state = engine.recurrent.layer(0)
+    assert engine.cache.shape.no_kv_layers == (0,) and list(engine.recurrent.tensors) == [0]
+    assert conv.shape[1:] == (2 * 2 * 16 + 4 * 16, 4) and conv.dtype == torch.float32
+    assert state.shape[1:] == (4, 16, 16) and state.dtype == torch.float32
+    ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
+    finals = run_to_completion(engine)
+    assert [finals[i].outputs[0].token_ids for i in ids] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    assert_all_slots_free(engine)
