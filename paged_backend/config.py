@@ -32,7 +32,8 @@ class EngineConfig:
     # "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}.
     speculative_config: SpeculativeConfig | dict | None = None
     # At start-up, run a few tokens through chunked prefill and decode and refuse the model if its paged
-    # logits differ from its own dense forward (the guard for architectures nobody has tested yet).
+    # logits differ from its own dense forward (the guard for architectures nobody has tested yet), and run a
+    # compiled forward against the eager one, dropping it if they differ (fast_path_check.py).
     self_check: bool = True
     # Compile the model forward at start-up: True, False, or None (on CPU, unless PAGED_BACKEND_COMPILE=0 or no
     # C++ compiler is installed; see compilation.py). Compiled graphs are kept on disk: later starts load them.

@@ -6,7 +6,7 @@ the graph (torch_single_row.py), the int4 layers' dense branch for large steps. 
 from the compile cache), the engine runs one probe through it and through the eager forward, on the engine's own
 cache and the model's own weights, and compares the logits within the dtype's bound (model_check.TOLERANCE). The
 probe's steps reach every graph the compiled forward has: a prefill of two sequences large enough for the int4
-layers' dense branch, a chunk beside a decode token, a two-sequence decode step and two one-token steps. A compiled
+layers' dense branch, a chunk beside a decode token and two one-token steps. A compiled
 forward that fails is dropped: the engine runs eagerly and says so once, naming the size of the difference.
 
 The probe's K/V land in the first blocks, as the compile's warm-up steps do: no request has run yet, and every
@@ -69,12 +69,11 @@ def check_compiled(runner: ModelRunner) -> FastPathCheck:
 def probe_schedule(int4_rows: int | None) -> tuple[tuple[int, int], tuple[tuple[tuple[int, int], ...], ...]]:
     """(the two sequences' lengths, the steps: `(start, end)` of each sequence that takes part, in order). The
     first step has more tokens than the int4 layers' dense threshold (`int4_rows`), so it runs their large-step
-    graph; the second (a chunk and a decode token) and third (two decode tokens) the general one; the last two,
-    one token each, the one-token graph."""
+    graph; the second (a chunk and a decode token) the general one; the last two, one token each, the one-token
+    graph, the second reading what the first wrote."""
     first = max(5, (int4_rows or 0) + 6)
-    steps = (((0, first), (0, 3)), ((first, first + 2), (3, 4)), ((first + 2, first + 3), (4, 5)),
-             ((first + 3, first + 4),), ((first + 4, first + 5),))
-    return (first + 5, 5), steps
+    steps = (((0, first), (0, 3)), ((first, first + 2), (3, 4)), ((first + 2, first + 3),), ((first + 3, first + 4),))
+    return (first + 4, 4), steps
 
 
 def probe_steps(runner: ModelRunner) -> list[StepInputs]:
