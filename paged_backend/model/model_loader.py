@@ -163,6 +163,10 @@ EAGER_TYPES: dict[str, str] = {
     "qwen3_next": "its gated delta-net layers run each sequence of a step from its state slot in a Python loop over "
                   "the step's sequences (recurrent_state.py), which a graph compiled for every step would not hold, "
                   "so it runs eagerly",
+    **dict.fromkeys(
+        ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+        "its gated delta-net layers run each sequence of a step from its state slot in a Python loop over the step's "
+        "sequences (recurrent_state.py), which a graph compiled for every step would not hold, so it runs eagerly"),
 }
 
 # Model types users ask about that are refused, with the reason (an unlisted type gets a generic one).

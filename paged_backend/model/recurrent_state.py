@@ -118,9 +118,11 @@ def current_recurrent() -> tuple[RecurrentState, RecurrentStep]:
 
 
 # Types whose recurrent mixers run their own projections per sequence (adapters/mamba2.py), not over the step's row,
-# and what those mixers are.
-PER_SEQUENCE_PROJECTIONS: dict[str, str] = {"granitemoehybrid": "Mamba-2 mixers", "falcon_h1": "Mamba-2 mixers",
-                                            "qwen3_next": "gated delta-net layers"}
+# and what those mixers are (by the text config's type, which hybrid_state reads).
+PER_SEQUENCE_PROJECTIONS: dict[str, str] = {
+    "granitemoehybrid": "Mamba-2 mixers", "falcon_h1": "Mamba-2 mixers",
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), "gated delta-net layers"),
+}
 
 
 def hybrid_state(model: PreTrainedModel, config, tensor_parallel: bool) -> tuple[RecurrentState | None,

@@ -125,6 +125,13 @@ CONFIGS = {
                                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                 shared_expert_intermediate_size=32),
+    # Qwen3.5: Qwen3-Next's layers (separate q/k/v, z, b, a projections in the delta net; multimodal rotary
+    # sections, plain on text), dense with the attention layer first, and MoE. A checkpoint's config is the
+    # multimodal one (qwen3_5, qwen3_5_moe); AutoModelForCausalLM builds the text model of either form.
+    "qwen3_5": lambda: tf.AutoConfig.for_model("qwen3_5", text_config=_qwen3_5_text(dense=True)),
+    "qwen3_5_text": lambda: tf.AutoConfig.for_model("qwen3_5_text", **_qwen3_5_text(dense=True)),
+    "qwen3_5_moe": lambda: tf.AutoConfig.for_model("qwen3_5_moe", text_config=_qwen3_5_text(dense=False)),
+    "qwen3_5_moe_text": lambda: tf.AutoConfig.for_model("qwen3_5_moe_text", **_qwen3_5_text(dense=False)),
     # Its decoder layer drops forward keywords on the way to attention: runs through its adapter.
     "stablelm": lambda: tf.StableLmConfig(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
                                           **_common()),
@@ -262,6 +269,15 @@ CONFIGS = {
 def _common() -> dict:
     return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 max_position_embeddings=512)
+
+
+def _qwen3_5_text(dense: bool) -> dict:
+    layers = ["full_attention", "linear_attention"] if dense else ["linear_attention", "full_attention"]
+    moe = {} if dense else {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                            "shared_expert_intermediate_size": 32}
+    return {**_common(), "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "layer_types": layers,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **moe}
 
 
 def _deepseek_v3_common() -> dict:

@@ -1,6 +1,7 @@
 """Hybrid models (attention beside recurrent layers): the state slots each running request holds, what the
 engine turns off or refuses for them, and the self-check of their recurrent path. Their greedy output against
-HF generate on the mixed batch is in test_engine_equivalence.py (lfm2, granitemoehybrid, falcon_h1, qwen3_next)."""
+HF generate on the mixed batch is in test_engine_equivalence.py (lfm2, granitemoehybrid, falcon_h1, qwen3_next, the
+Qwen3.5 types)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from helpers.engine import (
     one_thread,  # noqa: F401  (autouse fixture)
     run_to_completion,
 )
-from helpers.models import build
+from helpers.models import CONFIGS, build
+from transformers import AutoModelForImageTextToText
 
 from paged_backend import BeamSearchParams, Engine, EngineConfig, SamplingParams
 from paged_backend.core.state_slots import StateSlots
@@ -130,7 +132,8 @@ def test_speculative_decoding_is_refused(model):
 
 
 @pytest.mark.parametrize(("arch", "mixers"), [("granitemoehybrid", "Mamba-2 mixers"), ("falcon_h1", "Mamba-2 mixers"),
-                                             ("qwen3_next", "gated delta-net layers")])
+                                             ("qwen3_next", "gated delta-net layers"),
+                                             ("qwen3_5_moe_text", "gated delta-net layers")])
 def test_lora_is_refused_where_mixers_project_per_sequence(arch, mixers):
     with pytest.raises(ValueError, match=f"EngineConfig.enable_lora: {arch}'s {mixers}"):
         Engine(build(arch), None, EngineConfig(num_kv_blocks=16, enable_lora=True))
@@ -229,11 +232,12 @@ def test_a_hybrid_type_with_attention_layers_only_compiles(name):
     assert_all_blocks_free(engine)
 
 
-def test_gated_delta_net_chunked_prefill_crosses_the_delta_rule_chunks():
-    """Qwen3-Next: prompts longer than the chunked gated delta rule's chunk (64 tokens), prefilled in 48-token engine
-    chunks, so each continuation starts inside a delta-rule chunk from its slot's convolution window and fp32 state;
-    three of one length run as one batch, beside decode tokens of the others: every sequence equals generate."""
-    model = build("qwen3_next")
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe_text"])
+def test_gated_delta_net_chunked_prefill_crosses_the_delta_rule_chunks(name):
+    """Qwen3-Next, Qwen3.5: prompts longer than the chunked gated delta rule's chunk (64 tokens), prefilled in 48-token
+    engine chunks, so each continuation starts inside a delta-rule chunk from its slot's convolution window and fp32
+    state; three of one length run as one batch, beside decode tokens of the others: every sequence equals generate."""
+    model = build(name)
     chunk = 64  # torch_chunk_gated_delta_rule's default, which Qwen3NextGatedDeltaNet calls it with
     g = torch.Generator().manual_seed(5)
     lengths = [2 * chunk + 30, chunk + 1, chunk + 17, chunk + 17, chunk + 17, 9]
@@ -246,4 +250,33 @@ def test_gated_delta_net_chunked_prefill_crosses_the_delta_rule_chunks():
     ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
     finals = run_to_completion(engine)
     assert [finals[i].outputs[0].token_ids for i in ids] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    assert_all_slots_free(engine)
+
+
+
+def test_qwen3_5_multimodal_model_runs_on_text():
+    """A Qwen3.5 checkpoint's own class (Qwen3_5ForConditionalGeneration, config type qwen3_5) passed as it is: its
+    language model's delta nets take the adapter, the state layout comes from its text config, and on token ids it
+    gives generate's tokens (its multimodal rotary sections are plain rotary on text)."""
+    config = CONFIGS["qwen3_5"]()
+    config.vision_config = type(config.vision_config)(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                      out_hidden_size=64)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.eval()
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration" and model.config.model_type == "qwen3_5"
+    prompts = mixed_prompts(6)
+    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=20, block_size=4, max_num_batched_tokens=24))
+    assert list(engine.recurrent.tensors) == [1] and engine.cache.shape.no_kv_layers == (1,)
+    ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
+    finals = run_to_completion(engine)
+    assert [finals[i].outputs[0].token_ids for i in ids] == refs
+    assert engine.scheduler.num_preemptions > 0
     assert_all_slots_free(engine)

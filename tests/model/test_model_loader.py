@@ -229,6 +229,8 @@ def test_check_architecture_rejects_with_reason(config: PretrainedConfig, names:
         AutoConfig.for_model("granitemoehybrid"),
         AutoConfig.for_model("falcon_h1"),
         AutoConfig.for_model("qwen3_next"),
+        AutoConfig.for_model("qwen3_5"),  # a Qwen3.5 checkpoint's config, multimodal
+        AutoConfig.for_model("qwen3_5_moe_text"),
     ],
 )
 def test_check_architecture_accepts_adapted(config: PretrainedConfig) -> None:

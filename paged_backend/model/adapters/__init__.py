@@ -18,6 +18,7 @@ from paged_backend.model.adapters import (  # noqa: F401  (each registers its ad
     granitemoehybrid,
     lfm2,
     mpt,
+    qwen3_5,
     qwen3_next,
     stablelm,
 )
