@@ -203,18 +203,26 @@ def test_gpu_check_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU, run the script itself")
 def test_gpu_check_steps_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The steps section on CPU: eager, compiled and padded (the captured variant's CPU part) engines agree
-    token for token, and the report carries what a GPU run reads (capture itself needs CUDA)."""
+    """The steps sections on CPU: eager, compiled and padded (the captured variant's CPU part) engines agree
+    token for token and teacher-forced, and the report carries what a GPU run reads (capture itself needs CUDA)."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     gpu_check = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)
     spec.loader.exec_module(gpu_check)
     out = tmp_path / "gpu_check.json"
-    assert gpu_check.main(["--dry-run", "--only", "steps", "--json", str(out)]) == 0
-    steps = json.loads(out.read_text())["steps"]
+    assert gpu_check.main(["--dry-run", "--only", "steps,steps_fp32", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    steps = report["steps"]
     variants = steps["variants"]
     assert variants["compiled"]["compile_s"] > 0 and variants["eager"]["compile_s"] is None
+    assert variants["compiled"]["compiled"] and variants["compiled"]["fast_path_check"]["passed"]
+    # Teacher-forced along eager's tokens through each variant's own steps: in fp32 the same log-probabilities.
+    for name in ("compiled", "captured"):
+        forced = variants[name]["teacher_forced"]
+        assert forced["tokens"] == 4 * 3 and forced["argmax_agreement"] == 1.0 and forced["max_abs_dlogp"] < 1e-4
+    assert all(v["tokens_equal_eager"]["equal"] == 4 for n, v in report["steps_fp32"]["variants"].items()
+               if n != "eager")
     assert variants["captured"]["padded_steps"] > 0 and not variants["captured"]["captured"]
     assert variants["captured"]["tokens_equal_eager"] == {"equal": 4, "of": 4, "first_mismatch": None}
     assert steps["bare_forward"]["batch"] == variants["captured"]["decode_step_ms"][0] > 0
