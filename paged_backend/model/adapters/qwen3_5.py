@@ -15,8 +15,7 @@ from __future__ import annotations
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
 
-from paged_backend.model.adapters.mamba2 import paged_forward
-from paged_backend.model.adapters.qwen3_next import gated_delta_net_layout
+from paged_backend.model.adapters.qwen3_next import gated_delta_net_layout, paged_forward
 from paged_backend.model.adapters.registry import Adapter, register_adapter
 from paged_backend.model.recurrent_state import register_state_layout
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from paged_backend.model.adapters.mamba2 import paged_forward
+from paged_backend.model.adapters import mamba2
 from paged_backend.model.adapters.registry import Adapter, register_adapter
+from paged_backend.model.paged_cache import PackedStepCache
 from paged_backend.model.recurrent_state import StateSpec, register_state_layout
 
 
@@ -31,6 +32,13 @@ def gated_delta_net_layout(config) -> dict[int, tuple[StateSpec, ...]]:
     recurrent = StateSpec((config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
                           torch.float32)
     return {layer: (conv, recurrent) for layer, kind in enumerate(config.layer_types) if kind == "linear_attention"}
+
+
+def paged_forward(module: torch.nn.Module, cache: PackedStepCache, hidden_states: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """`hidden_states [1, T, hidden]` of the packed step -> the gated delta-net's output `[1, T, hidden]`: the layer's
+    own forward per batch of the step's sequences on their slots (mamba2.paged_forward)."""
+    return mamba2.paged_forward(module, cache, hidden_states, attention_mask, **kwargs)
 
 
 register_state_layout("qwen3_next", gated_delta_net_layout)
