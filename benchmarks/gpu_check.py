@@ -630,7 +630,7 @@ def release(engine, device: torch.device) -> None:
 def fast_path_report(engine) -> dict[str, Any] | None:
     """The engine's start-up check of its compiled forward against the eager one (None: not run)."""
     check = engine.fast_path_check
-    return None if check is None else {"passed": check.passed, "max_logit_diff": check.worst,
+    return None if check is None else {"passed": check.passed, "max_kl": check.worst,
                                        "bound": check.allowed, "seconds": round(check.seconds, 3)}
 
 

@@ -1,18 +1,23 @@
-"""What the engine's load-time self-check costs: its three small forwards on the default model, timed
-alone (median of several runs), beside one plain 8-token forward and the engine's start without it."""
+"""What the engine's start-up checks cost on the default model, each timed alone (median of several runs): the
+load-time self-check (three small forwards, in --dtype) beside one plain 8-token forward and the engine's start
+without it; and the compiled forward's check against the eager one (fast_path_check.py) at the defaults (bf16 where
+the CPU has it, int4, compiled) beside a warm start of the default engine without it (a new process, imports
+included, its graphs from the compile cache), as a share of that start."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 from common import uptime, write_results
 
-from paged_backend import Engine, EngineConfig
-from paged_backend.model import model_check
+from paged_backend import LLM, Engine, EngineConfig
+from paged_backend.model import fast_path_check, model_check
 from paged_backend.model.model_loader import load_model
 
 
@@ -41,8 +46,10 @@ def main() -> None:
         began = time.perf_counter()
         Engine(model, None, EngineConfig(num_kv_blocks=64, self_check=False))
         starts.append(time.perf_counter() - began)
+    fast = fast_path_costs(args.repeats)
     result = {
         "model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "threads": torch.get_num_threads(),
+        **fast,
         "self_check_ms": [round(c * 1e3, 1) for c in checks],
         "self_check_median_ms": round(statistics.median(checks) * 1e3, 1),
         "plain_8_token_forward_median_ms": round(statistics.median(bare) * 1e3, 1),
@@ -52,7 +59,32 @@ def main() -> None:
     print(f"self-check median {result['self_check_median_ms']:.0f} ms (runs: {result['self_check_ms']}); one plain "
           f"8-token forward {result['plain_8_token_forward_median_ms']:.0f} ms; engine start without the check "
           f"{result['engine_start_without_check_median_ms']:.0f} ms; {result['uptime']}")
+    print(f"compiled-forward check median {fast['fast_path_check_median_ms']:.0f} ms (runs: "
+          f"{fast['fast_path_check_ms']}); warm default start without it {fast['warm_start_median_ms']:.0f} ms: "
+          f"the check is {fast['fast_path_check_share_of_warm_start']:.1%} of a warm start")
     print(f"wrote {write_results(result, 'self_check', args.json)}")
+
+
+def fast_path_costs(repeats: int) -> dict:
+    """The compiled forward's start-up check at the defaults, and the warm start it adds to: a new process that
+    imports the package and builds LLM() with the check off, its graphs loaded from the compile cache."""
+    llm = LLM(self_check=False)  # compiles, or loads, the default graphs once: every start below is warm
+    checks, starts = [], []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        check = fast_path_check.check_compiled(llm.engine.runner)
+        checks.append(time.perf_counter() - began)
+        assert check.passed, check
+        began = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "from paged_backend import LLM; LLM(self_check=False)"], check=True,
+                       capture_output=True)
+        starts.append(time.perf_counter() - began)
+    return {"fast_path_check_ms": [round(c * 1e3, 1) for c in checks],
+            "fast_path_check_median_ms": round(statistics.median(checks) * 1e3, 1),
+            "fast_path_check_max_kl": check.worst, "fast_path_check_kl_bound": check.allowed,
+            "warm_start_median_ms": round(statistics.median(starts) * 1e3, 1),
+            "fast_path_check_share_of_warm_start": round(statistics.median(checks) / statistics.median(starts), 4)}
+
 
 if __name__ == "__main__":
     main()

@@ -216,16 +216,18 @@ class Engine:
 
     def _check_fast_path(self) -> FastPathCheck | None:
         """With the self-check on, run the start-up probe through the compiled forward and the eager one
-        (fast_path_check.py); a compiled forward whose logits leave the bound is dropped, and the engine says so."""
+        (fast_path_check.py); a compiled forward whose distributions leave the bound is dropped, and the engine says
+        so."""
         if not self.compiled or not self.config.self_check:
             return None
         check = check_compiled(self.runner)
         if check.passed:
-            logger.info("compile: the compiled forward matches the eager one on the start-up probe (max logit "
-                        "difference %.3g, bound %.3g, %.2f s)", check.worst, check.allowed, check.seconds)
+            logger.info("compile: the compiled forward matches the eager one on the start-up probe (largest KL "
+                        "divergence %.3g, bound %.3g, %.2f s)", check.worst, check.allowed, check.seconds)
             return check
-        logger.warning("compile: the compiled forward's logits differ from the eager forward's by %.4g (bound %.4g) "
-                       "on the start-up probe, so the engine runs eagerly", check.worst, check.allowed)
+        logger.warning("compile: the compiled forward's next-token distributions differ from the eager forward's by "
+                       "a KL divergence of %.4g (bound %.4g) on the start-up probe, so the engine runs eagerly",
+                       check.worst, check.allowed)
         self.runner.drop_compiled()
         self.compiled = False
         return check

@@ -36,7 +36,7 @@ def test_a_right_compiled_forward_passes_and_is_used(caplog):
     assert engine.compiled and check.passed and 0 <= check.worst < check.allowed
     assert any("matches the eager one on the start-up probe" in r.message for r in caplog.records)
     stats = engine.stats()
-    assert stats["compiled_check_passed"] == 1.0 and stats["compiled_check_max_logit_diff"] == check.worst
+    assert stats["compiled_check_passed"] == 1.0 and stats["compiled_check_max_kl"] == check.worst
     assert answers(engine, prompts) == refs
     assert engine.runner.forward_model.eager_steps == 0
 
@@ -96,8 +96,9 @@ def test_a_wrong_compiled_forward_is_caught_and_the_engine_runs_eagerly(monkeypa
     assert not check.passed and not check.worst <= check.allowed  # a lost write may read NaN from unwritten slots
     assert not engine.compiled and not engine.runner.compiled
     assert [r.message for r in caplog.records if "start-up probe" in r.message] == [
-        f"compile: the compiled forward's logits differ from the eager forward's by {check.worst:.4g} "
-        f"(bound {check.allowed:.4g}) on the start-up probe, so the engine runs eagerly"]
+        "compile: the compiled forward's next-token distributions differ from the eager forward's by a KL "
+        f"divergence of {check.worst:.4g} (bound {check.allowed:.4g}) on the start-up probe, so the engine runs "
+        "eagerly"]
     assert engine.stats()["compiled_check_passed"] == 0.0
     assert answers(engine, prompts) == refs
 
