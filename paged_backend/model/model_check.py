@@ -282,8 +282,10 @@ def step_inputs(step: tuple[tuple[int, int], ...], seqs: list[torch.Tensor], dev
 def usable_context(text_config) -> tuple[int, str] | None:
     """(the longest context the engine runs exactly, why) for a model that has such a limit, else None:
     LongRoPE's original length, dynamic NTK rope's max_position_embeddings (a max_model_len past it is refused),
-    or Llama 4's temperature tuning (temperature_tuning_limit)."""
-    return longrope_limit(text_config) or dynamic_rope_limit(text_config) or temperature_tuning_limit(text_config)
+    Llama 4's temperature tuning (temperature_tuning_limit), or DeepSeek Sparse Attention's index_topk
+    (sparse_attention_limit)."""
+    return (longrope_limit(text_config) or dynamic_rope_limit(text_config) or temperature_tuning_limit(text_config)
+            or sparse_attention_limit(text_config))
 
 
 def rope_types(text_config) -> set[str]:
@@ -338,3 +340,15 @@ def longrope_limit(text_config) -> tuple[int, str] | None:
         return None
     return int(original), (f"LongRoPE models run on the paged engine up to original_max_position_embeddings="
                            f"{original} tokens (longer contexts switch the rope factors for every cached key)")
+
+
+def sparse_attention_limit(text_config) -> tuple[int, str] | None:
+    """DeepSeek Sparse Attention's usable context (usable_context): its indexer keeps each query's `index_topk`
+    best-scored keys and masks the rest; within index_topk tokens it keeps every key, which is the dense attention
+    the paged engine computes (adapters/deepseek_v32.py). Past it the engine would attend to keys the model drops."""
+    topk = getattr(text_config, "index_topk", None)
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk <= 0:
+        return None
+    return topk, (f"DeepSeek Sparse Attention runs on the paged engine up to index_topk={topk} tokens (within them "
+                  "its indexer keeps every key, so the attention is dense; past them it drops keys by its own "
+                  "scores, which the paged attention does not compute)")

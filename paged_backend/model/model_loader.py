@@ -2,7 +2,7 @@
 
 The engine swaps its paged attention in through transformers' attention
 interface (``ALL_ATTENTION_FUNCTIONS``), or, for an architecture whose attention
-bypasses it (BLOOM, MPT, Falcon, Baichuan) or caches a latent (DeepSeek-V3), through that architecture's adapter
+bypasses it (BLOOM, MPT, Falcon, Baichuan) or caches a latent (DeepSeek-V3, V3.2), through that architecture's adapter
 in ``paged_backend.model.adapters``. ``SUPPORTED`` lists the ``config.model_type``
 values of both kinds; everything else is refused up front with a reason, rather
 than failing later with wrong outputs. Baichuan, published only as remote code,

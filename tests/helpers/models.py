@@ -99,6 +99,14 @@ CONFIGS = {
     "deepseek_v3_plain": lambda: _auto("deepseek_v3", **_deepseek_v3_common(), q_lora_rank=None,
                                        rope_interleave=False,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # DeepSeek-V3.2: V3's latent attention (interleaved rotary pairs, YaRN) with a sparse-attention indexer keeping
+    # each query's 64 best keys: the engine's context is capped at index_topk=64, within which it keeps every key
+    # (the mixed batch's sequences reach 52 tokens).
+    "deepseek_v32": lambda: _auto("deepseek_v32", **_deepseek_v3_common(), q_lora_rank=32, index_topk=64,
+                                  index_head_dim=32, index_n_heads=4,
+                                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                   "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+                                                   "beta_slow": 1, "original_max_position_embeddings": 128}),
     # Hybrid: short-convolution layers (a state of the last conv_L_cache - 1 inputs per sequence) around an
     # attention layer.
     "lfm2": lambda: _auto("lfm2", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,

@@ -4,7 +4,7 @@ An architecture whose attention bypasses transformers' attention interface gets 
 names its attention module classes, the keyword under which its blocks hand them the cache, and a
 paged forward built from the module's own weights (see `registry.py`), or, for an architecture whose
 attention does use the interface but whose code drops the engine's step on the way (StableLM), a
-forward that hands the step on, or (DeepSeek-V3) whose attention caches a compressed latent that the paged
+forward that hands the step on, or (DeepSeek-V3, DeepSeek-V3.2) whose attention caches a compressed latent that the paged
 cache stores as it is. The engine calls
 `install_adapters(model)`; `model_loader.SUPPORTED` includes every registered type.
 """
@@ -13,6 +13,7 @@ from paged_backend.model.adapters import (  # noqa: F401  (each registers its ad
     baichuan,
     bloom,
     deepseek_v3,
+    deepseek_v32,
     falcon,
     falcon_h1,
     granitemoehybrid,

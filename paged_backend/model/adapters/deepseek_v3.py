@@ -46,7 +46,7 @@ def prepare(module: DeepseekV3Attention, config) -> None:
             f"Linear with a {type(projection.weight).__name__} weight" if projection.bias is None
             else "Linear with a bias")
         raise UnsupportedArchitectureError(
-            f"deepseek_v3: {type(module).__name__} layer {module.layer_idx} has a {kind} as kv_b_proj; its paged "
+            f"{getattr(config, 'model_type', 'deepseek_v3')}: {type(module).__name__} layer {module.layer_idx} has a {kind} as kv_b_proj; its paged "
             "latent attention multiplies by that projection's weight itself (absorbed into the query and output), "
             "which needs a plain nn.Linear without bias (no quantized or PEFT layer there)")
     projection._paged_absorbed = True  # read by lora.adaptable_linears: an adapter there would be ignored
@@ -82,11 +82,18 @@ def paged_forward(module: DeepseekV3Attention, cache: PackedStepCache, hidden_st
                   paged_single_row: object = None, **kwargs) -> tuple[torch.Tensor, None]:
     # `paged_single_row` (a compiled CPU one-token step's traced attention, torch_single_row.py) reads a K/V
     # cache: a latent layer leaves it unused, its one-token steps calling the latent op like every other step.
+    return latent_forward(module, cache, hidden_states, position_embeddings, rotate)
+
+
+def latent_forward(module: nn.Module, cache: PackedStepCache, hidden_states: torch.Tensor,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor], rotation) -> tuple[torch.Tensor, None]:
+    """The absorbed latent attention of an MLA module (DeepSeek-V3's, or another family's with the same
+    projections), `rotation(module, q_rope, k_rope, position_embeddings)` being that family's rotary embedding."""
     x = hidden_states[0]
     tokens, rank = x.shape[0], module.kv_lora_rank
     q_nope, q_rope = project_query(module, x).split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
     compressed, k_rope = module.kv_a_proj_with_mqa(x).split([rank, module.qk_rope_head_dim], dim=-1)
-    q_rope, k_rope = rotate(module, q_rope, k_rope[:, None], position_embeddings)
+    q_rope, k_rope = rotation(module, q_rope, k_rope[:, None], position_embeddings)
     latent = torch.cat([module.kv_a_layernorm(compressed)[:, None], k_rope], dim=-1)  # [T, 1, rank + P]
     w_uk, w_uv = absorbed_weights(module)
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
