@@ -118,7 +118,8 @@ def supported_models_table() -> str:
             route = (f"the interface, with an adapter that hands the step on ({source})" if adapter.uses_interface
                      else f"an adapter ({source}) that calls the paged kernels")
             if model_type in STATE_LAYOUTS:
-                route = (f"the interface; its recurrent layers run from state slots through an adapter ({source}); "
+                attention = "the interface" if adapter.uses_interface else f"an adapter ({source}) that calls the paged kernels"
+                route = (f"{attention}; its recurrent layers run from state slots through an adapter ({source}); "
                          "no prefix caching")
         models = ", ".join(f"`{name}`" for name in tested.get(model_type, [])) or "synthetic checkpoints (`tests/helpers/adapters.py`)"
         rows.append(f"| `{model_type}` | `{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, '(remote code)')}` | {route} | {models} |")

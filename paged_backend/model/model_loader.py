@@ -163,6 +163,9 @@ EAGER_TYPES: dict[str, str] = {
     "qwen3_next": "its gated delta-net layers run each sequence of a step from its state slot in a Python loop over "
                   "the step's sequences (recurrent_state.py), which a graph compiled for every step would not hold, "
                   "so it runs eagerly",
+    "kimi_linear": "its Kimi delta attention layers run each sequence of a step from its state slot in a Python loop "
+                   "over the step's sequences (recurrent_state.py), which a graph compiled for every step would not "
+                   "hold, so it runs eagerly",
     **dict.fromkeys(
         ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
         "its gated delta-net layers run each sequence of a step from its state slot in a Python loop over the step's "
@@ -179,7 +182,8 @@ UNSUPPORTED_REASONS: dict[str, str] = {
               "supported) and pass the loaded model",
     "minimax": "its lightning (linear) attention layers keep a cache class of their own, which the engine's packed "
                "step does not give them; the engine's recurrent state slots hold only short convolutions (lfm2), "
-               "Mamba-2 mixers (granitemoehybrid, falcon_h1) and gated delta-nets (qwen3_next, qwen3_5)",
+               "Mamba-2 mixers (granitemoehybrid, falcon_h1), gated delta-nets (qwen3_next, qwen3_5) and Kimi delta "
+               "attention (kimi_linear)",
     "lfm2_moe": "its short-convolution layers (Lfm2MoeShortConv) have no state-slot adapter yet; lfm2's does not "
                 "take them",
     "phimoe": "its sliding window lives only in the mask (transformers builds a sliding-window mask for every layer "
@@ -207,7 +211,7 @@ UNSUPPORTED_REASONS: dict[str, str] = {
         ("jamba", "bamba", "nemotron_h", "zamba", "zamba2"),
         "it is a hybrid model whose recurrent (Mamba) layers have no state-slot adapter in the engine; the "
         "recurrent state slots serve only lfm2's short convolutions, the Mamba-2 mixers of granitemoehybrid "
-        "and falcon_h1 and the gated delta-nets of qwen3_next and qwen3_5"),
+        "and falcon_h1, the gated delta-nets of qwen3_next and qwen3_5 and the Kimi delta attention of kimi_linear"),
     **dict.fromkeys(
         ("nemotron", "hrm_text"),
         "its decoder layer does not pass the forward's keywords on to its attention module, so the engine's step "

@@ -167,7 +167,9 @@ def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
         )
     (heads, head_dim), = shapes
     latent = set(probe.latent_value_dims.values())
-    if latent and (len(latent) > 1 or len(probe.latent_value_dims) != num_layers):
+    # A hybrid's recurrent layers keep no rows (Kimi Linear's KDA layers beside its latent ones): every layer that
+    # keeps any caches a latent, or none does.
+    if latent and (len(latent) > 1 or set(probe.latent_value_dims) != set(probe.seen)):
         raise UnsupportedArchitectureError(
             f"{type(model).__name__}: the paged cache needs every layer to cache one kind of row; layers "
             f"{sorted(probe.latent_value_dims)} of {num_layers} cache a latent (value widths {sorted(latent)})")

@@ -122,6 +122,7 @@ def current_recurrent() -> tuple[RecurrentState, RecurrentStep]:
 PER_SEQUENCE_PROJECTIONS: dict[str, str] = {
     "granitemoehybrid": "Mamba-2 mixers", "falcon_h1": "Mamba-2 mixers",
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), "gated delta-net layers"),
+    "kimi_linear": "Kimi delta attention (KDA) layers",
 }
 
 

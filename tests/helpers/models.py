@@ -107,6 +107,12 @@ CONFIGS = {
                                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                    "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
                                                    "beta_slow": 1, "original_max_position_embeddings": 128}),
+    # Hybrid: a Kimi delta attention layer (a convolution window and a per-channel-decay delta-rule state per
+    # sequence) before a latent-attention layer without rotary positions (a 32-wide latent plus a 16-wide shared key
+    # part cached per token), a dense first layer, then experts with a shared expert.
+    "kimi_linear": lambda: _auto("kimi_linear", **_deepseek_v3_common(), q_lora_rank=None,
+                                 layer_types=["linear_attention", "full_attention"], linear_num_heads=4,
+                                 linear_head_dim=16, model_max_length=512),
     # Hybrid: short-convolution layers (a state of the last conv_L_cache - 1 inputs per sequence) around an
     # attention layer.
     "lfm2": lambda: _auto("lfm2", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,

@@ -17,6 +17,7 @@ from paged_backend.model.adapters import (  # noqa: F401  (each registers its ad
     falcon,
     falcon_h1,
     granitemoehybrid,
+    kimi_linear,
     lfm2,
     mpt,
     qwen3_5,
