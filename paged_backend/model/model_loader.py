@@ -222,6 +222,12 @@ UNSUPPORTED_REASONS: dict[str, str] = {
         "its attention computes scores itself instead of calling transformers' attention interface, and has no "
         "adapter"),
     **dict.fromkeys(
+        ("gemma3n", "gemma3n_text"),
+        "its last num_kv_shared_layers layers (10 of 30 in Gemma 3n E2B, 15 of 35 in E4B) compute no keys and values "
+        "and write none: they attend over those of the last earlier layer of their kind (KV sharing), which the "
+        "paged cache does not map from one layer to another (its per-layer inputs, AltUp and LAuReL run inside the "
+        "model's own forward and are not what stops it)"),
+    **dict.fromkeys(
         ("mimo_v2_flash", "gemma4_unified_text"),
         "its layers write K/V of different shapes (key/value heads or head size differ between layers), and the "
         "paged cache holds one shape for every layer"),
