@@ -247,13 +247,33 @@ logger = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+# Layer types (`config.layer_types` entries) of supported model types that the engine cannot run, with the reason.
+UNSUPPORTED_LAYER_TYPES: dict[str, str] = {
+    "minimax_m3_sparse": "its sparse-attention layers pick each query's key blocks with a lightning indexer that "
+                         "keeps a key cache of its own, which the paged engine does not keep (MiniMax M3 models with "
+                         "full-attention layers only run)",
+}
+
+
+def refuse_unsupported_layers(name: str, config: PretrainedConfig) -> None:
+    """Raise UnsupportedArchitectureError for a config of a supported type with a layer the engine cannot run."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = sorted(set(getattr(text_config, "layer_types", None) or ()) & set(UNSUPPORTED_LAYER_TYPES))
+    if found:
+        raise UnsupportedArchitectureError(
+            f"Unsupported configuration of {name} (model_type={config.model_type!r}, layer type {found[0]!r}): "
+            f"{UNSUPPORTED_LAYER_TYPES[found[0]]}.")
+
+
 def check_architecture(model_or_config: PreTrainedModel | PretrainedConfig) -> None:
-    """Raise UnsupportedArchitectureError unless the model type is in SUPPORTED."""
+    """Raise UnsupportedArchitectureError unless the model type is in SUPPORTED and has no layer type it cannot run
+    (UNSUPPORTED_LAYER_TYPES)."""
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None) or "<unknown>"
-    if model_type in SUPPORTED:
-        return
     name = _describe_architecture(model_or_config, config)
+    if model_type in SUPPORTED:
+        refuse_unsupported_layers(name, config)
+        return
     reason = UNSUPPORTED_REASONS.get(
         model_type,
         "the paged engine only runs decoder-only causal LMs whose attention goes through "

@@ -149,8 +149,16 @@ def probe_model(model: torch.nn.Module) -> ShapeProbe:
     probe = ShapeProbe()
     device = next(model.parameters()).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    with torch.inference_mode():
-        model(input_ids=ids, position_ids=torch.zeros_like(ids), cache=probe, use_cache=True, paged_cache=probe)
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids, position_ids=torch.zeros_like(ids), cache=probe, use_cache=True, paged_cache=probe)
+    except (UnsupportedArchitectureError, NotImplementedError):
+        raise
+    except Exception as exc:  # noqa: BLE001  (a layer that needs more of the cache than the engine gives)
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r}): its forward failed "
+            f"on the engine's one-token probe ({type(exc).__name__}: {exc}); some layer needs more from its cache "
+            "than the paged engine provides, so it is refused") from exc
     return probe
 
 

@@ -104,3 +104,31 @@ def test_a_bidirectional_gemma_is_refused_with_the_reason() -> None:
     config = lambda: type(base()).from_dict({**base().to_dict(), "use_bidirectional_attention": True})  # noqa: E731
     with pytest.raises(UnsupportedArchitectureError, match="logits differ .* sets use_bidirectional_attention"):
         Engine(build_from_config(config), None, EngineConfig(num_kv_blocks=8))
+
+
+def test_a_minimax_m3_with_sparse_layers_is_refused_with_the_reason() -> None:
+    """MiniMax M3's sparse layers select key blocks through an indexer with a key cache of its own: such a config
+    is refused up front (its forward used to fail inside the engine's probe with an IndexError)."""
+    base = CONFIGS["minimax_m3_vl_text"]
+
+    def config():
+        values = {**base().to_dict(), "layer_types": ["minimax_m3_sparse", "full_attention"], "index_block_size": 4,
+                  "index_topk_blocks": 2, "index_local_blocks": 1}
+        return type(base()).from_dict(values)
+
+    model = build_from_config(config)
+    with pytest.raises(UnsupportedArchitectureError, match="'minimax_m3_sparse'.*lightning indexer"):
+        Engine(model, None, EngineConfig(num_kv_blocks=8))
+    assert model.config._attn_implementation != "paged_backend"
+
+
+def test_a_forward_that_fails_on_the_probe_is_refused_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a layer's code raises on the engine's one-token probe becomes a refusal that names it."""
+    from paged_backend.model import model_loader
+
+    monkeypatch.setattr(model_loader, "UNSUPPORTED_LAYER_TYPES", {})
+    base = CONFIGS["minimax_m3_vl_text"]
+    config = lambda: type(base()).from_dict({**base().to_dict(), "layer_types": ["minimax_m3_sparse",  # noqa: E731
+                                                                                 "full_attention"]})
+    with pytest.raises(UnsupportedArchitectureError, match=r"failed on the engine's one-token probe \(IndexError"):
+        Engine(build_from_config(config), None, EngineConfig(num_kv_blocks=8))
