@@ -192,7 +192,18 @@ def replicas_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
 def self_check_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     return [("load-time self-check (median)", f"{number(r['self_check_median_ms'])} ms"),
             ("one plain 8-token forward (median)", f"{number(r['plain_8_token_forward_median_ms'])} ms"),
-            ("engine start without the check (median)", f"{number(r['engine_start_without_check_median_ms'])} ms")]
+            ("engine start without the check (median)", f"{number(r['engine_start_without_check_median_ms'])} ms"),
+            *fast_path_check_figures(r)]
+
+
+def fast_path_check_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The compiled forward's start-up check at the defaults, where the results file has it."""
+    if "fast_path_check_median_ms" not in r:
+        return []
+    return [("compiled-forward check at the defaults (median)", f"{number(r['fast_path_check_median_ms'])} ms, "
+             f"largest KL {number(r['fast_path_check_max_kl'])} (bound {number(r['fast_path_check_kl_bound'])})"),
+            ("warm default start in a new process (median)", f"{number(r['warm_start_median_ms'])} ms"),
+            ("the check's share of that start", f"{100 * r['fast_path_check_share_of_warm_start']:.1f} %")]
 
 
 def structured_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
