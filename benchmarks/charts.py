@@ -308,6 +308,18 @@ def hybrid_decode_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
             for family, f in r["families"].items()]
 
 
+def step_profile_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for key in ("decode_32", "decode_1"):
+        part = r.get(key)
+        if part is None:
+            continue
+        shares = ", ".join(f"{name} {100 * share:.0f} %" for name, share in part["shares"].items())
+        rows.append((f"decode step of {part['rows']} sequence(s), {part['steps']} steps",
+                     f"{number(part['step_ms_median'])} ms median: {shares}"))
+    return rows
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "throughput": throughput_figures, "prefix_cache": prefix_cache_figures, "pipeline": pipeline_figures,
     "serve": serve_figures, "replicas": replicas_figures, "self_check": self_check_figures,
@@ -315,6 +327,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "lora": lora_figures, "quality": quality_figures, "cpu_vs_llamacpp": cpu_vs_llamacpp_figures,
     "sliding_window_memory": sliding_window_figures, "startup": startup_figures, "gpu_check": gpu_check_figures,
     "fused_projections": fused_projections_figures, "hybrid_decode": hybrid_decode_figures,
+    "step_profile": step_profile_figures,
 }
 
 
