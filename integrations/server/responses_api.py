@@ -435,8 +435,8 @@ def call_status(call: ToolCall) -> str:
     return "completed" if call.complete else "incomplete"
 
 
-def call_item(item_id: str, call: ToolCall, status: str, call_id: list[str] = ()) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id[0] if call_id else call.id,
+def call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call.id,
             "name": call.name, "arguments": call.arguments, "status": status}
 
 
@@ -634,13 +634,16 @@ def close_message(event: EventWriter, message: OpenItem, output: list[dict[str, 
 
 def piece_events(event: EventWriter, deltas: list[CallDelta], output: list[dict[str, Any]],
                  calls: dict[int, dict[str, Any]]) -> list[str]:
-    """A forced call's pieces: its item opens with its name, then its arguments stream."""
+    """A forced call's pieces: its item opens with its name, then its arguments stream. A call ends where
+    the next one begins, so the open one closes first: items stream one at a time, each whole before the
+    next opens, as OpenAI streams them (a client rendering items in order sees complete ones)."""
     events = []
     for delta in deltas:
         if delta.name is not None and delta.index not in calls:
+            events += close_streamed(event, output, calls)
             item = {"id": new_item_id("fc"), "type": "function_call", "call_id": new_call_id(), "name": delta.name,
                     "arguments": "", "status": "in_progress"}
-            calls[delta.index] = item | {"output_index": len(output), "streamed": ""}
+            calls[delta.index] = item | {"output_index": len(output), "streamed": "", "closed": False}
             output.append(item)
             events.append(event("response.output_item.added", output_index=len(output) - 1, item=item))
         if delta.arguments:
@@ -651,26 +654,42 @@ def piece_events(event: EventWriter, deltas: list[CallDelta], output: list[dict[
     return events
 
 
-def close_call(event: EventWriter, index: int, call: ToolCall, output: list[dict[str, Any]],
-               calls: dict[int, dict[str, Any]]) -> list[str]:
-    """A call's last events: a call that streamed closes (under the id it streamed with); one that did not
-    is sent whole."""
+def close_streamed(event: EventWriter, output: list[dict[str, Any]], calls: dict[int, dict[str, Any]]) -> list[str]:
+    """Close the streamed calls still open: a later call began, so they were written whole."""
     events = []
-    if index in calls:  # its arguments as they streamed (the grammar held them to JSON), not re-serialised
-        item_id, output_index, call_id = calls[index]["id"], calls[index]["output_index"], calls[index]["call_id"]
-        call = ToolCall(call.name, calls[index]["streamed"], call_id, call.complete)
-    else:
-        item_id, output_index, call_id = new_item_id("fc"), len(output), call.id
-        output.append({})
-        events.append(event("response.output_item.added", output_index=output_index,
-                            item=call_item(item_id, ToolCall(call.name, "", call_id), "in_progress")))
-        events.append(event("response.function_call_arguments.delta", item_id=item_id, output_index=output_index,
-                            delta=call.arguments))
-    item = call_item(item_id, call, call_status(call), [call_id])
-    output[output_index] = item
-    events.append(event("response.function_call_arguments.done", item_id=item_id, output_index=output_index,
-                        name=call.name, arguments=call.arguments))
-    events.append(event("response.output_item.done", output_index=output_index, item=item))
+    for open_item in calls.values():
+        if not open_item["closed"]:
+            call = ToolCall(open_item["name"], open_item["streamed"], open_item["call_id"])
+            events += end_call(event, open_item["id"], open_item["output_index"], call, output)
+            open_item["closed"] = True
     return events
 
 
+def close_call(event: EventWriter, index: int, call: ToolCall, output: list[dict[str, Any]],
+               calls: dict[int, dict[str, Any]]) -> list[str]:
+    """A call's last events: a call that streamed closes (under the id it streamed with) unless the next
+    call closed it already; one that did not is sent whole."""
+    if index in calls:  # its arguments as they streamed (the grammar held them to JSON), not re-serialised
+        open_item = calls[index]
+        if open_item["closed"]:
+            return []
+        open_item["closed"] = True
+        call = ToolCall(call.name, open_item["streamed"], open_item["call_id"], call.complete)
+        return end_call(event, open_item["id"], open_item["output_index"], call, output)
+    item_id, output_index = new_item_id("fc"), len(output)
+    output.append({})
+    return [event("response.output_item.added", output_index=output_index,
+                  item=call_item(item_id, ToolCall(call.name, "", call.id), "in_progress")),
+            event("response.function_call_arguments.delta", item_id=item_id, output_index=output_index,
+                  delta=call.arguments),
+            *end_call(event, item_id, output_index, call, output)]
+
+
+def end_call(event: EventWriter, item_id: str, output_index: int, call: ToolCall,
+             output: list[dict[str, Any]]) -> list[str]:
+    """The item's arguments done and the item done, in its place in `output`."""
+    item = call_item(item_id, call, call_status(call))
+    output[output_index] = item
+    return [event("response.function_call_arguments.done", item_id=item_id, output_index=output_index,
+                  name=call.name, arguments=call.arguments),
+            event("response.output_item.done", output_index=output_index, item=item)]
