@@ -22,8 +22,13 @@ Sections (each prints PASS/FAIL or its figures; the exit code is 1 if any check 
   each variant is teacher-forced along eager's tokens through its own steps (a logits processor records
   the log-probability of eager's next token, then forces it): max and mean |dlogp| and how often the
   variant's own argmax is eager's token. In bf16 that is the check; greedy token equality is printed.
+  Where they part, the compiled variant is localised: on the first step in which every sequence decodes
+  one token, each layer's attention query and output, compiled against eager along the same tokens; the
+  first layer past the dtype's bound is where to look (a captured step runs no Python and is not localised).
 - steps_fp32: the same variants on the same model in fp32 (fewer requests, no timing): there the
-  fast variants' greedy tokens must equal eager's in every request.
+  fast variants' greedy tokens must equal eager's in every request. The variants run with the engine's
+  start-up checks off (a compiled forward that fails its check is kept, to be measured and localised);
+  each reports what that check says of it.
 
     python benchmarks/gpu_check.py                 # on a CUDA machine: about 4-7 minutes
     python benchmarks/gpu_check.py --only micro    # one or more sections, comma-separated
@@ -59,6 +64,11 @@ SECTIONS = ("kernel_tests", "greedy", "micro", "throughput", "steps", "steps_fp3
 # other; a wrong step (a lost cache write, a wrong mask) moves whole log-probabilities.
 BF16_MEAN_DLOGP = 0.06
 BF16_AGREEMENT = 0.98
+# fp32 fast variants against eager, teacher-forced: summation order alone moves a log-probability by far less.
+FP32_MAX_DLOGP = 1e-3
+# Per-layer localisation: the largest |compiled - eager| of a layer's attention query or output, relative to the
+# largest |eager| value, past which that layer is where the variants part. fp32 differs by summation order only.
+LAYER_BOUND = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 # Requests (of the workload) and tokens each of steps_fp32.
 FP32_REQUESTS, FP32_TOKENS = 32, 32
 # Peak HBM bandwidth (bytes/s) by device-name fragment; the first match wins. --peak-bandwidth overrides.
@@ -562,6 +572,7 @@ def benchmark_steps(sizes: Sizes, device: torch.device, dry_run: bool) -> dict[s
     variants: dict[str, Any] = {}
     tokens: dict[str, list[list[int]]] = {}
     forced: dict[str, list[TeacherForcing]] = {}
+    layers: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for name in STEP_VARIANTS:
         start = time.perf_counter()
         engine = step_variant(model, name, sizes, dry_run)
@@ -570,7 +581,9 @@ def benchmark_steps(sizes: Sizes, device: torch.device, dry_run: bool) -> dict[s
         steps = record_decode_steps(engine, device)
         run = timed_run(lambda engine=engine, name=name: count(tokens.setdefault(name, engine_tokens(
             engine, prompts, sizes.max_tokens))), device)
-        forced[name] = teacher_forced(engine, prompts, tokens["eager"])
+        with AttentionRecorder() as recorder:
+            forced[name] = teacher_forced(engine, prompts, tokens["eager"])
+        layers[name] = recorder.layers
         variants[name] = {**run, "setup_s": round(setup_s, 1), "compile_s": engine.compile_s,
                           "compiled": engine.compiled, "fast_path_check": fast_path_report(engine),
                           "capture_s": engine.capture_s, "captured": engine.captured,
@@ -580,6 +593,7 @@ def benchmark_steps(sizes: Sizes, device: torch.device, dry_run: bool) -> dict[s
     for name in ("compiled", "captured"):
         variants[name]["tokens_equal_eager"] = compare_tokens(tokens[name], tokens["eager"])
         variants[name]["teacher_forced"] = compare_forced(forced[name], forced["eager"])
+        variants[name]["layers"] = compare_layers(layers[name], layers["eager"], sizes.dtype)
     batch, step_ms = variants["captured"]["decode_step_ms"]
     floor = bare_forward_ms(model, batch, device, sizes.repeats) if batch else None
     result = {"variants": variants, "bare_forward": floor,
@@ -611,13 +625,15 @@ def benchmark_steps_fp32(sizes: Sizes, device: torch.device, dry_run: bool) -> d
 
 
 def step_variant(model: torch.nn.Module, name: str, sizes: Sizes, dry_run: bool):
-    """The engine of one step variant (STEP_VARIANTS) over `model`; the CPU dry run pads instead of capturing."""
+    """The engine of one step variant (STEP_VARIANTS) over `model`; the CPU dry run pads instead of capturing. The
+    engine's start-up checks are off, so a compiled forward that would fail its check is kept and measured here
+    (fast_path_report runs that check and reports it)."""
     from paged_backend import Engine, EngineConfig
 
     knobs = STEP_VARIANTS[name]
     if dry_run and name == "captured":
         knobs = {**knobs, "pad_decode": True}
-    return Engine(model, config=EngineConfig(**sizes.engine, **knobs))
+    return Engine(model, config=EngineConfig(**sizes.engine, **knobs, self_check=False))
 
 
 def release(engine, device: torch.device) -> None:
@@ -628,10 +644,14 @@ def release(engine, device: torch.device) -> None:
 
 
 def fast_path_report(engine) -> dict[str, Any] | None:
-    """The engine's start-up check of its compiled forward against the eager one (None: not run)."""
-    check = engine.fast_path_check
-    return None if check is None else {"passed": check.passed, "max_kl": check.worst,
-                                       "bound": check.allowed, "seconds": round(check.seconds, 3)}
+    """The engine's start-up check of its compiled forward against the eager one, run here (None: not compiled):
+    whether the engine, with its checks on, would have kept the compiled forward."""
+    from paged_backend.model.fast_path_check import check_compiled
+
+    if not engine.compiled:
+        return None
+    check = check_compiled(engine.runner)
+    return {"passed": check.passed, "max_kl": check.worst, "bound": check.allowed, "seconds": round(check.seconds, 3)}
 
 
 class TeacherForcing:
@@ -667,6 +687,54 @@ def teacher_forced(engine, prompts: list[list[int]], targets: list[list[int]]) -
     return forcing
 
 
+class AttentionRecorder:
+    """Inside the block, records each layer's attention query and output `[T, H, D]` (fp32, on the CPU) on the first
+    step in which every sequence decodes one token, two sequences at least: the calls through
+    custom_ops.write_and_attend, which eager and compiled forwards make alike (a compiled graph calls the opaque
+    op, whose implementation makes it). The calls of one step come layer by layer, in order."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.step = None
+
+    def __enter__(self) -> "AttentionRecorder":
+        from paged_backend.model import custom_ops
+
+        self.original = custom_ops.write_and_attend
+        custom_ops.write_and_attend = self.record
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from paged_backend.model import custom_ops
+
+        custom_ops.write_and_attend = self.original
+
+    def record(self, query: torch.Tensor, new_key, new_value, kv, metadata, *args):
+        out = self.original(query, new_key, new_value, kv, metadata, *args)
+        decoding = metadata.num_seqs >= 2 and query.shape[0] == metadata.num_seqs
+        if decoding and self.step in (None, id(metadata)):
+            self.step = id(metadata)
+            # Copies: a compiled graph reuses its buffers, so a kept reference would change under us.
+            self.layers.append((query.float().cpu().clone(), out.float().cpu().clone()))
+        return out
+
+
+def compare_layers(variant: list[tuple[torch.Tensor, torch.Tensor]], eager: list[tuple[torch.Tensor, torch.Tensor]],
+                   dtype: torch.dtype) -> dict[str, Any] | None:
+    """Per layer, the largest |variant - eager| of its attention query and output relative to eager's largest value,
+    and the first layer past LAYER_BOUND; None when the variant recorded no step (a captured one)."""
+    if not variant or len(variant) != len(eager):
+        return None
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return round(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item(), 6)
+
+    rows = [{"query": relative(q, qe), "output": relative(o, oe)} for (q, o), (qe, oe) in zip(variant, eager)]
+    bound = LAYER_BOUND.get(dtype, LAYER_BOUND[torch.bfloat16])
+    first = next((i for i, row in enumerate(rows) if max(row.values()) > bound), None)
+    return {"bound": bound, "first_layer_past_bound": first, "per_layer": rows}
+
+
 def compare_forced(variant: list[TeacherForcing], eager: list[TeacherForcing]) -> dict[str, Any]:
     """|dlogp| of eager's tokens, variant against eager, over every teacher-forced step, and how often the
     variant's argmax was eager's token."""
@@ -677,9 +745,11 @@ def compare_forced(variant: list[TeacherForcing], eager: list[TeacherForcing]) -
 
 
 def close_to_eager(variant: dict[str, Any], dtype: torch.dtype, num_requests: int) -> bool:
-    """fp32: every request's greedy tokens equal eager's; bf16/fp16: teacher-forced within the bounds above."""
+    """fp32: every request's greedy tokens equal eager's and their teacher-forced log-probabilities within
+    FP32_MAX_DLOGP; bf16/fp16: teacher-forced within the bounds above."""
     if dtype == torch.float32:
-        return variant["tokens_equal_eager"]["equal"] == num_requests
+        return (variant["tokens_equal_eager"]["equal"] == num_requests
+                and variant["teacher_forced"]["max_abs_dlogp"] <= FP32_MAX_DLOGP)
     forced = variant["teacher_forced"]
     return forced["mean_abs_dlogp"] <= BF16_MEAN_DLOGP and forced["argmax_agreement"] >= BF16_AGREEMENT
 

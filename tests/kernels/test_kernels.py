@@ -221,12 +221,46 @@ def test_gpu_check_steps_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     for name in ("compiled", "captured"):
         forced = variants[name]["teacher_forced"]
         assert forced["tokens"] == 4 * 3 and forced["argmax_agreement"] == 1.0 and forced["max_abs_dlogp"] < 1e-4
+    layers = variants["compiled"]["layers"]  # every layer's attention, compiled against eager: none past the bound
+    assert len(layers["per_layer"]) == 2 and layers["first_layer_past_bound"] is None
     assert all(v["tokens_equal_eager"]["equal"] == 4 for n, v in report["steps_fp32"]["variants"].items()
                if n != "eager")
     assert variants["captured"]["padded_steps"] > 0 and not variants["captured"]["captured"]
     assert variants["captured"]["tokens_equal_eager"] == {"equal": 4, "of": 4, "first_mismatch": None}
     assert steps["bare_forward"]["batch"] == variants["captured"]["decode_step_ms"][0] > 0
     assert steps["decode_step_over_bare_graph"] is None  # no graph on CPU
+
+
+@pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU, run the script itself")
+def test_gpu_check_localises_a_wrong_compiled_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled forward whose second layer's value projection is 50 % off: the steps section fails, teacher
+    forcing shows the distance, the start-up check would have dropped it, and the localisation names layer 1."""
+    from paged_backend.model.compilation import CompiledForward
+
+    call = CompiledForward.__call__
+
+    def off(self, **kwargs):
+        weight = self.model.model.layers[1].self_attn.v_proj.weight
+        weight.mul_(1.5)
+        try:
+            return call(self, **kwargs)
+        finally:
+            weight.div_(1.5)
+
+    monkeypatch.setattr(CompiledForward, "__call__", off)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)
+    spec.loader.exec_module(gpu_check)
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--dry-run", "--only", "steps", "--json", str(out)]) == 1
+    compiled = json.loads(out.read_text())["steps"]["variants"]["compiled"]
+    assert compiled["compiled"] and not compiled["fast_path_check"]["passed"]
+    assert compiled["teacher_forced"]["max_abs_dlogp"] > 1e-3
+    assert compiled["layers"]["first_layer_past_bound"] == 1
+    assert max(compiled["layers"]["per_layer"][0].values()) < compiled["layers"]["bound"]
 
 
 # Compiles every kernel to a cubin for sm_90, no GPU needed, to catch what only the compiler rejects
