@@ -17,7 +17,7 @@ from ..tool_parsers import AUTO, resolve_tool_parser
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import add_embeddings_routes
-from .errors import APIError, JSONErrors, install_error_handlers
+from .errors import APIError, JSONErrors, error_responses, install_error_handlers
 from .legacy import generate
 from .messages import add_messages_routes
 from .metrics import ServerMetrics
@@ -65,6 +65,10 @@ def create_app(aengine: EngineClient, model_name: str, api_key: str | None = Non
     install_error_handlers(app)
     app.add_middleware(JSONErrors)  # inside the counter, so the 500s it writes are counted
     app.add_middleware(HTTPStatusCounter, metrics=state.metrics)
+    add_plain_routes(app, state)
+    # Every route added from here on is an API route: each declares the errors it answers in the OpenAPI
+    # document (FastAPI merges the router's responses into each route as it is added; a route's own win).
+    app.router.responses = error_responses(api_key is not None)
     add_routes(app, state)
     app.state.responses = ResponseStore(max_stored_responses)
     add_responses_routes(app, state, [Depends(require_key(state))], app.state.responses)
@@ -75,8 +79,8 @@ def create_app(aengine: EngineClient, model_name: str, api_key: str | None = Non
     return app
 
 
-def add_routes(app: FastAPI, state: ServerState) -> None:
-    authorised = [Depends(require_key(state))]
+def add_plain_routes(app: FastAPI, state: ServerState) -> None:
+    """Routes for operators and probes, outside the API: no key, nothing to refuse, no errors declared."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -87,6 +91,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         # Off the event loop: the engine's stats are answered between two of its steps.
         body = await asyncio.to_thread(state.metrics.render)
         return Response(body, media_type="text/plain; version=0.0.4")
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    authorised = [Depends(require_key(state))]
 
     @app.get("/v1/models", dependencies=authorised)
     async def models() -> JSONResponse:

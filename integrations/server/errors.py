@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -18,6 +19,45 @@ logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                405: "invalid_request_error", 500: "internal_error", 503: "service_unavailable"}
+
+
+# What each error status means on an API route, for the OpenAPI document (FastAPI lists only 200 and 422
+# by itself, so schema fuzzers and client generators would not know these answers).
+ERROR_MEANINGS = {
+    400: "The request is malformed or asks for what this server cannot do; `param` names the field.",
+    401: "The API key is missing or wrong.",
+    404: "No such model, LoRA adapter or stored response.",
+    405: "The path does not take this method; the `Allow` header names those it takes.",
+    499: "The client closed the connection before the answer was complete.",
+    500: "An unexpected error in the server.",
+}
+ALLOW_HEADER = {"Allow": {"description": "The methods the path takes.", "schema": {"type": "string"}}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape (`error_body`), as the OpenAPI document declares it."""
+
+    error: ErrorDetail
+
+
+def error_responses(keyed: bool, model: Any = ErrorBody, codes: tuple[int, ...] = tuple(ERROR_MEANINGS)
+                    ) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI responses of the `codes` an API route answers in `model`'s shape; 401 only when an
+    API key is set (`keyed`), as only then is it answered."""
+    responses: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        if code != 401 or keyed:
+            responses[code] = {"model": model, "description": ERROR_MEANINGS[code]}
+    if 405 in responses:
+        responses[405]["headers"] = ALLOW_HEADER
+    return responses
 
 
 class APIError(Exception):

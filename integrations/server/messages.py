@@ -19,7 +19,7 @@ import hmac
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -44,7 +44,7 @@ from .answer import (
     thinking_switch,
 )
 from .chat_template import render_chat
-from .errors import APIError, bad_request, not_supported, param_of, request_field
+from .errors import APIError, ErrorBody, bad_request, error_responses, not_supported, param_of, request_field
 from .fanout import Job, collect_finals, merge_streams
 from .protocol import Tool
 from .sampling import build_params, check_prompt
@@ -89,13 +89,35 @@ class CountTokensRequest(BaseModel):
 
 
 def add_messages_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/messages", openapi_extra=json_body(MessagesRequest))
+    errors = anthropic_responses(state.api_key is not None)
+
+    @app.post("/v1/messages", openapi_extra=json_body(MessagesRequest), responses=errors)
     async def messages(request: Request):
         return await anthropic_errors(create_message, state, request, MessagesRequest)
 
-    @app.post("/v1/messages/count_tokens", openapi_extra=json_body(CountTokensRequest))
+    @app.post("/v1/messages/count_tokens", openapi_extra=json_body(CountTokensRequest), responses=errors)
     async def count_tokens(request: Request):
         return await anthropic_errors(count_message_tokens, state, request, CountTokensRequest)
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """Anthropic's error shape (`anthropic_error`), as the OpenAPI document declares it."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+def anthropic_responses(keyed: bool) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI error responses of the routes here: what the route refuses is in Anthropic's shape, but
+    a 405 is answered before the route, and an unexpected error outside it in OpenAI's (the API's
+    default), so a 500 may be either."""
+    responses = error_responses(keyed, AnthropicErrorBody, (400, 401, 404, 499))
+    return responses | error_responses(keyed, AnthropicErrorBody | ErrorBody, (500,))
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

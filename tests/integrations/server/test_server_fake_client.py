@@ -297,3 +297,34 @@ def test_the_openapi_schema_declares_the_messages_bodies():
     for path, field in [("/v1/messages", "max_tokens"), ("/v1/messages/count_tokens", "messages")]:
         body = paths[path]["post"]["requestBody"]
         assert body["required"] and field in body["content"]["application/json"]["schema"]["required"]
+
+
+ERROR_CODES = ["400", "404", "405", "499", "500"]
+
+
+@pytest.mark.parametrize("api_key", [None, "sk-test"])
+def test_the_openapi_schema_declares_the_error_answers(api_key: str | None):
+    document = serve(FakeClient(), api_key=api_key, allow_runtime_lora_updating=True).get("/openapi.json").json()
+    schemas = document["components"]["schemas"]
+    codes = sorted(ERROR_CODES + ["401"] * (api_key is not None))
+    operations = [(path, op) for path, item in document["paths"].items() if path.startswith("/v1/")
+                  for op in item.values()]
+    assert len(operations) == 11
+    for path, operation in operations:
+        declared = operation["responses"]
+        assert sorted(code for code in declared if code not in ("200", "422")) == codes, path
+        for code in codes:
+            schema = declared[code]["content"]["application/json"]["schema"]
+            names = {ref["$ref"].rsplit("/", 1)[1] for ref in schema.get("anyOf", [schema])}
+            assert names == error_schemas(path, code) and declared[code]["description"], (path, code)
+        assert "Allow" in declared["405"]["headers"], path
+    assert set(schemas["ErrorBody"]["properties"]["error"].get("$ref", "").split("/")[-1:]) == {"ErrorDetail"}
+    assert "401" not in document["paths"]["/health"]["get"]["responses"]
+
+
+def error_schemas(path: str, code: str) -> set[str]:
+    """The error shapes a route answers with `code`: /v1/messages refuses in Anthropic's shape, but a 405
+    comes before the route and an unexpected 500 from outside it, in OpenAI's."""
+    if not path.startswith("/v1/messages") or code == "405":
+        return {"ErrorBody"}
+    return {"AnthropicErrorBody", "ErrorBody"} if code == "500" else {"AnthropicErrorBody"}
