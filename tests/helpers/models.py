@@ -313,8 +313,12 @@ def build(arch: str, seed: int = 0) -> tf.PreTrainedModel:
 def build_from_config(make_config, seed: int = 0) -> tf.PreTrainedModel:
     """The model of `make_config()`, seeded, with build()'s weights and generation settings."""
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32)
-    # Larger-than-default init spreads the logits, so greedy argmax has no near-ties to flip on rounding.
+    return spread_weights(tf.AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32))
+
+
+def spread_weights(model: tf.PreTrainedModel) -> tf.PreTrainedModel:
+    """`model` with build()'s weights (drawn from the current seed) and generation settings, in eval mode.
+    Larger-than-default init spreads the logits, so greedy argmax has no near-ties to flip on rounding."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

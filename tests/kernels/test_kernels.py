@@ -183,14 +183,20 @@ def test_engine_through_triton_kernels_matches_hf_generate(monkeypatch: pytest.M
 
 @pytest.mark.slow  # compiles, or runs a whole suite or fuzzer: the slow tier
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU, run the script itself")
-def test_gpu_check_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """benchmarks/gpu_check.py cannot run on a GPU here; its dry run takes every section's code path at
-    toy sizes (kernels interpreted) and compares the kernel with SDPA on the gathered data."""
+def load_gpu_check(monkeypatch: pytest.MonkeyPatch):
+    """benchmarks/gpu_check.py as a module (a script, not a package module)."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     gpu_check = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # dataclasses look their module up there
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def test_gpu_check_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/gpu_check.py cannot run on a GPU here; its dry run takes every section's code path at
+    toy sizes (kernels interpreted) and compares the kernel with SDPA on the gathered data."""
+    gpu_check = load_gpu_check(monkeypatch)
     out = tmp_path / "gpu_check.json"
     # greedy is left out: test_engine_through_triton_kernels_matches_hf_generate covers that path.
     assert gpu_check.main(["--dry-run", "--only", "kernel_tests,micro,throughput", "--json", str(out)]) == 0
@@ -205,11 +211,7 @@ def test_gpu_check_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 def test_gpu_check_steps_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The steps sections on CPU: eager, compiled and padded (the captured variant's CPU part) engines agree
     token for token and teacher-forced, and the report carries what a GPU run reads (capture itself needs CUDA)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    gpu_check = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_gpu_check(monkeypatch)
     out = tmp_path / "gpu_check.json"
     assert gpu_check.main(["--dry-run", "--only", "steps,steps_fp32", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -249,11 +251,7 @@ def test_gpu_check_localises_a_wrong_compiled_layer(tmp_path: Path, monkeypatch:
             weight.div_(1.5)
 
     monkeypatch.setattr(CompiledForward, "__call__", off)
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    gpu_check = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_gpu_check(monkeypatch)
     out = tmp_path / "gpu_check.json"
     assert gpu_check.main(["--dry-run", "--only", "steps", "--json", str(out)]) == 1
     compiled = json.loads(out.read_text())["steps"]["variants"]["compiled"]

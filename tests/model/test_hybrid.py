@@ -18,7 +18,7 @@ from helpers.engine import (
     one_thread,  # noqa: F401  (autouse fixture)
     run_to_completion,
 )
-from helpers.models import CONFIGS, build
+from helpers.models import CONFIGS, build, spread_weights
 from transformers import AutoModelForImageTextToText
 
 from paged_backend import BeamSearchParams, Engine, EngineConfig, SamplingParams
@@ -262,14 +262,7 @@ def test_qwen3_5_multimodal_model_runs_on_text():
     config.vision_config = type(config.vision_config)(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                       out_hidden_size=64)
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    model.eval()
+    model = spread_weights(AutoModelForImageTextToText.from_config(config, dtype=torch.float32))
     assert type(model).__name__ == "Qwen3_5ForConditionalGeneration" and model.config.model_type == "qwen3_5"
     prompts = mixed_prompts(6)
     refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
