@@ -95,3 +95,20 @@ def wait_all_blocks_free(aengine: AsyncEngine, timeout: float = 15.0) -> None:
 def parse_metrics(text: str) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#")}
+
+
+# ChatML that also takes a message without content (an assistant turn of tool calls).
+TOLERANT_CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + "
+                   "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                   "{% endif %}")
+
+
+@contextlib.contextmanager
+def serve_script(script: str) -> Iterator[Served]:
+    """A server of a tiny random model made to write `script` (helpers/scripted.py), whatever it is asked."""
+    from helpers.scripted import ScriptedClient, marker_tokenizer, tiny_llm
+
+    tokenizer = marker_tokenizer([script] * 5, TOLERANT_CHATML)
+    with serve(tiny_llm(tokenizer), "tiny", wrap=ScriptedClient) as served:
+        served.app_client.script = script
+        yield served

@@ -16,8 +16,7 @@ from collections.abc import Iterator
 import anthropic
 import jiter
 import pytest
-from helpers.scripted import ScriptedClient, marker_tokenizer, tiny_llm
-from helpers.server import Served, serve
+from helpers.server import Served, serve_script
 from paged_backend.integrations.server.answer import AnswerPlan
 from paged_backend.integrations.server.messages import written_object
 from paged_backend.integrations.tool_parsers import PARSERS
@@ -87,17 +86,13 @@ def test_a_cut_input_reads_as_the_anthropic_sdk_reads_it_streamed(text: str) -> 
 # ------------------------------------------------------------------ the three routes
 
 
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SCRIPT = FORCED["hermes"]
 ASK = [{"role": "user", "content": "Weather?"}]
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    tokenizer = marker_tokenizer([SCRIPT] * 5, CHATML)
-    with serve(tiny_llm(tokenizer), "tiny", wrap=ScriptedClient) as served:
-        served.app_client.script = SCRIPT
+    with serve_script(SCRIPT) as served:
         yield served
 
 

@@ -10,8 +10,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from helpers.scripted import ScriptedClient, marker_tokenizer, tiny_llm
-from helpers.server import Served, serve
+from helpers.server import Served, serve_script
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,17 +20,13 @@ TOOLS = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
 ARGS = [{"city": "Paris", "days": 2}, {"city": "Rome", "days": 3}]
 SCRIPT = "\n".join(f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(a)}}}\n</tool_call>'
                    for a in ARGS)
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 ITEM_EVENTS = ("response.output_item.added", "response.function_call_arguments.delta",
                "response.function_call_arguments.done", "response.output_item.done")
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    tokenizer = marker_tokenizer([SCRIPT] * 5, CHATML)
-    with serve(tiny_llm(tokenizer), "tiny", wrap=ScriptedClient) as served:
-        served.app_client.script = SCRIPT
+    with serve_script(SCRIPT) as served:
         yield served
 
 
