@@ -80,23 +80,25 @@ def mask_window(module: torch.nn.Module) -> int | None:
     no `sliding_window=` and its window lives only in the mask, which the paged path never reads. That mask is
     transformers' sliding-window mask of `config.sliding_window` positions for every "sliding_attention" entry of
     `config.layer_types`, so the window is read from there; None for a full-attention layer."""
-    config = getattr(module, "config", None)
-    layer_types = getattr(config, "layer_types", None)
-    layer = getattr(module, "layer_idx", None)
-    if not layer_types or layer is None or layer_types[layer] != "sliding_attention":
+    if layer_type(module) != "sliding_attention":
         return None
-    return getattr(config, "sliding_window", None) or None
+    return getattr(module.config, "sliding_window", None) or None
 
 
 def attention_chunk_size(module: torch.nn.Module) -> int | None:
     """The chunk of a chunked-attention layer (Llama 4: "chunked_attention" in `config.layer_types`), whose
     queries see keys only from the start of their own chunk of this many positions; None for other layers."""
-    config = getattr(module, "config", None)
-    layer_types = getattr(config, "layer_types", None)
-    layer = getattr(module, "layer_idx", None)
-    if not layer_types or layer is None or layer_types[layer] != "chunked_attention":
+    if layer_type(module) != "chunked_attention":
         return None
-    return config.attention_chunk_size
+    return module.config.attention_chunk_size
+
+
+def layer_type(module: torch.nn.Module) -> str | None:
+    """The entry of an attention module's layer in its `config.layer_types` (what transformers builds that layer's
+    mask from), or None when the config has none."""
+    layer_types = getattr(getattr(module, "config", None), "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    return layer_types[layer] if layer_types and layer is not None else None
 
 
 def eager_attention(

@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 from paged_backend.kernels import AttentionMetadata
 from paged_backend.model import compile_cache, custom_ops, int4_linear, layer_regions
 from paged_backend.model.model_state import tuner_layers
+from paged_backend.model.rope import has_dynamic_rope
 
 if TYPE_CHECKING:
     from paged_backend.model.paged_cache import PagedCache
@@ -102,24 +103,14 @@ def eager_reason() -> str | None:
 def model_eager_reason(model: torch.nn.Module) -> str | None:
     """Why `model` must run eagerly, or None. PEFT's tuner layers switch adapters by attributes (the active
     adapter, disabled or not) that a compiled forward, having dropped the module guards, would not see
-    change: the graph would keep the adapters as they were when it was traced. A dynamic rope's rotary module
-    (its `rope_type` names "dynamic") decides in Python, per forward, whether to recompute its frequencies."""
+    change: the graph would keep the adapters as they were when it was traced. A model whose config has a dynamic
+    rope (rope.py) has a rotary module that decides in Python, per forward, whether to recompute its frequencies."""
     if tuner_layers(model):
         return "a model with PEFT tuner layers runs eagerly (a compiled graph would not see its adapters switch)"
-    if has_dynamic_rope(model):
+    if has_dynamic_rope(model.config.get_text_config()):
         return ("a model with dynamic NTK rope runs eagerly (transformers' frequency update branches on the step's "
                 "largest position, which a whole-graph trace cannot hold)")
     return None
-
-
-def has_dynamic_rope(model: torch.nn.Module) -> bool:
-    """Whether a rotary module of `model` has a dynamic rope type (one per layer type where it is a dict)."""
-    for module in model.modules():
-        kinds = getattr(module, "rope_type", None)
-        kinds = kinds.values() if isinstance(kinds, dict) else (kinds,)
-        if any(isinstance(kind, str) and "dynamic" in kind for kind in kinds):
-            return True
-    return False
 
 
 def structure_of(model: torch.nn.Module) -> tuple:

@@ -28,6 +28,7 @@ from paged_backend.model.adapters import install_adapters, uninstall_adapters
 from paged_backend.model.attention import ATTENTION_NAME, register
 from paged_backend.model.model_runner import ModelRunner, StepInputs
 from paged_backend.model.paged_cache import KVShape, PagedCache, probe_kv_shape
+from paged_backend.model.rope import has_dynamic_rope
 from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep, state_layout
 
 # Largest |paged - dense| logit difference accepted, relative to the largest |dense logit| (at least
@@ -288,19 +289,12 @@ def usable_context(text_config) -> tuple[int, str] | None:
             or sparse_attention_limit(text_config))
 
 
-def rope_types(text_config) -> set[str]:
-    """The rope types of a config: one, or one per layer type where rope_parameters is keyed by layer type."""
-    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
-    kinds = [rope] if "rope_type" in rope or "type" in rope else [v for v in rope.values() if isinstance(v, dict)]
-    return {str(kind.get("rope_type", kind.get("type"))) for kind in kinds}
-
-
 def dynamic_rope_limit(text_config) -> tuple[int, str] | None:
     """Dynamic NTK rope's usable context (usable_context). transformers recomputes its frequencies from the largest
     position of each forward once that passes max_position_embeddings, and keeps them: in a packed step the
     largest position is the batch's, so chunking and batch-mates would change a request's rotary embedding. Up to
     max_position_embeddings the frequencies are the model's default ones, exactly."""
-    if not any("dynamic" in kind for kind in rope_types(text_config)):
+    if not has_dynamic_rope(text_config):
         return None
     limit = getattr(text_config, "max_position_embeddings", None)
     if not limit:

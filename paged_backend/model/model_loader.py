@@ -255,11 +255,12 @@ UNSUPPORTED_LAYER_TYPES: dict[str, str] = {
 }
 
 
-def refuse_unsupported_layers(name: str, config: PretrainedConfig) -> None:
+def refuse_unsupported_layers(model_or_config: PreTrainedModel | PretrainedConfig, config: PretrainedConfig) -> None:
     """Raise UnsupportedArchitectureError for a config of a supported type with a layer the engine cannot run."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     found = sorted(set(getattr(text_config, "layer_types", None) or ()) & set(UNSUPPORTED_LAYER_TYPES))
     if found:
+        name = _describe_architecture(model_or_config, config)
         raise UnsupportedArchitectureError(
             f"Unsupported configuration of {name} (model_type={config.model_type!r}, layer type {found[0]!r}): "
             f"{UNSUPPORTED_LAYER_TYPES[found[0]]}.")
@@ -270,10 +271,10 @@ def check_architecture(model_or_config: PreTrainedModel | PretrainedConfig) -> N
     (UNSUPPORTED_LAYER_TYPES)."""
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None) or "<unknown>"
-    name = _describe_architecture(model_or_config, config)
     if model_type in SUPPORTED:
-        refuse_unsupported_layers(name, config)
+        refuse_unsupported_layers(model_or_config, config)
         return
+    name = _describe_architecture(model_or_config, config)
     reason = UNSUPPORTED_REASONS.get(
         model_type,
         "the paged engine only runs decoder-only causal LMs whose attention goes through "

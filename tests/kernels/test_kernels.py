@@ -238,19 +238,9 @@ def test_gpu_check_steps_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_gpu_check_localises_a_wrong_compiled_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiled forward whose second layer's value projection is 50 % off: the steps section fails, teacher
     forcing shows the distance, the start-up check would have dropped it, and the localisation names layer 1."""
-    from paged_backend.model.compilation import CompiledForward
+    from helpers.planted import scale_in_compiled_steps
 
-    call = CompiledForward.__call__
-
-    def off(self, **kwargs):
-        weight = self.model.model.layers[1].self_attn.v_proj.weight
-        weight.mul_(1.5)
-        try:
-            return call(self, **kwargs)
-        finally:
-            weight.div_(1.5)
-
-    monkeypatch.setattr(CompiledForward, "__call__", off)
+    scale_in_compiled_steps(monkeypatch, 1, "v_proj", 1.5)
     gpu_check = load_gpu_check(monkeypatch)
     out = tmp_path / "gpu_check.json"
     assert gpu_check.main(["--dry-run", "--only", "steps", "--json", str(out)]) == 1

@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers.engine import greedy, hf_case, run_to_completion
 from helpers.models import build, int4_llama
+from helpers.planted import lose_cache_writes, scale_in_compiled_steps
 
 from paged_backend import Engine, EngineConfig
 from paged_backend.model import fast_path_check
-from paged_backend.model.compilation import CompiledForward
 
 # Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
 pytestmark = pytest.mark.slow
@@ -56,34 +56,9 @@ def test_the_probe_reaches_every_graph_of_an_int4_model():
     assert len(forward.graphs) == 3
 
 
-def lose_cache_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every compiled step gives back the cache as it found it: what it wrote is lost for the next step."""
-    call = CompiledForward.__call__
-
-    def forgetful(self, **kwargs):
-        kv = kwargs["cache"].kv
-        before = kv.clone()
-        try:
-            return call(self, **kwargs)
-        finally:
-            kv.copy_(before)
-
-    monkeypatch.setattr(CompiledForward, "__call__", forgetful)
-
-
 def perturb_a_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every compiled step runs the first layer's output projection 2 % too large."""
-    call = CompiledForward.__call__
-
-    def off(self, **kwargs):
-        weight = self.model.model.layers[0].self_attn.o_proj.weight
-        weight.mul_(1.02)
-        try:
-            return call(self, **kwargs)
-        finally:
-            weight.div_(1.02)
-
-    monkeypatch.setattr(CompiledForward, "__call__", off)
+    scale_in_compiled_steps(monkeypatch, 0, "o_proj", 1.02)
 
 
 @pytest.mark.parametrize("plant", [lose_cache_writes, perturb_a_layer])
