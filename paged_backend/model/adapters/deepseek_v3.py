@@ -46,7 +46,8 @@ def prepare(module: DeepseekV3Attention, config) -> None:
             f"Linear with a {type(projection.weight).__name__} weight" if projection.bias is None
             else "Linear with a bias")
         raise UnsupportedArchitectureError(
-            f"{getattr(config, 'model_type', 'deepseek_v3')}: {type(module).__name__} layer {module.layer_idx} has a {kind} as kv_b_proj; its paged "
+            f"{getattr(config, 'model_type', 'deepseek_v3')}: {type(module).__name__} layer {module.layer_idx} has "
+            f"a {kind} as kv_b_proj; its paged "
             "latent attention multiplies by that projection's weight itself (absorbed into the query and output), "
             "which needs a plain nn.Linear without bias (no quantized or PEFT layer there)")
     projection._paged_absorbed = True  # read by lora.adaptable_linears: an adapter there would be ignored
