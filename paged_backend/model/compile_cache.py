@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from paged_backend.model.default_model import cache_dir
+from paged_backend.cache_folder import cache_dir, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -114,15 +114,6 @@ def machine_kind(device: torch.device) -> list:
     if device.type == "cuda":
         return ["cuda", torch.cuda.get_device_name(device), list(torch.cuda.get_device_capability(device))]
     return ["cpu", platform.machine(), torch.backends.cpu.get_cpu_capability(), cpu_flags()]
-
-
-def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return sorted(flag for flag in line.split() if flag.startswith(("avx", "amx", "fma", "f16c", "sse4")))
 
 
 def model_fingerprint(model: torch.nn.Module) -> list:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from paged_backend.cache_folder import cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL: str = "SmolLM2-135M-Instruct"
@@ -31,16 +33,6 @@ _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # older, non-atomic layout or a hand-made copy) is never trusted.
 _COMPLETE_MARKER = ".conversion-complete"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", _COMPLETE_MARKER)
-
-
-def cache_dir() -> Path:
-    """Return the root cache folder (``$PAGED_BACKEND_CACHE``, else the XDG cache)."""
-    override = os.environ.get("PAGED_BACKEND_CACHE")
-    if override:
-        return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "paged-backend"
 
 
 def gguf_file_path() -> Path:
