@@ -1,4 +1,5 @@
-"""PyTorch paged attention and cache write: the CPU backend and the oracle for the Triton kernels.
+"""PyTorch paged attention and cache write: the CPU backend and the oracle for the Triton kernels. On CPU the
+sequences with a few query rows go to the compiled kernel of cpu_paged_attention.py where it is built.
 
 Per-sequence gather + `scaled_dot_product_attention` was measured 2x to 30x faster on CPU than
 padding the batch or masking a block-diagonal packed batch, so a sequence with many query rows is
@@ -12,13 +13,24 @@ cast to fp32 remains) and 100-140 -> 45-60 us in fp32 (2 threads, AVX-512).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import cpu_paged_attention
 from .kv_quant import dequantize_int8, quantize_int8, split_scales
 from .metadata import AttentionMetadata, host_block_tables
 from .torch_buckets import ContextReader, attend_bucket, plan_buckets
+
+
+class PagedCaches(NamedTuple):
+    """A layer's paged K and V caches `[KVH, num_slots, D]`, and their scales `[KVH, num_slots]` when int8."""
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    key_scales: torch.Tensor | None
+    value_scales: torch.Tensor | None
 
 
 def write_kv_cache(
@@ -88,7 +100,7 @@ def write_and_attend(
         return context[:heads], context[heads:]
 
     return attend_sequences(query, read, heads, metadata, scale, sliding_window, softcap, stored, alibi_slopes,
-                            sinks, chunk_size)
+                            sinks, chunk_size, PagedCaches(layer_cache[0], layer_cache[1], *split_scales(layer_scales)))
 
 
 def write_and_attend_latent(
@@ -110,7 +122,8 @@ def write_and_attend_latent(
         context = read_context(cache, scales, slots, dtype)
         return context, context
 
-    return attend_sequences(query, read, 1, metadata, scale, None, None, (stored, stored), None)
+    return attend_sequences(query, read, 1, metadata, scale, None, None, (stored, stored), None,
+                            caches=PagedCaches(cache, cache, scales, scales))
 
 
 def write_one(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor,
@@ -238,6 +251,8 @@ def attend_one(
     else:
         mask, is_causal = allowed(), False
     if n == 1 and q.dtype in UPCAST_DECODE_DTYPES and q.device.type == "cpu":
+        # An additive (ALiBi) mask joins the upcast: SDPA takes a float mask only in the query's dtype.
+        mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
         return sdpa(q.float(), k.float(), v.float(), mask, is_causal, scale).to(q.dtype)
     return sdpa(q, k, v, mask, is_causal, scale)
 
@@ -354,7 +369,7 @@ def paged_attention(
 
     stored = None if new_key is None else (new_key, new_value)
     return attend_sequences(query, read, key_cache.shape[0], metadata, scale, sliding_window, softcap, stored,
-                            alibi_slopes, sinks, chunk_size)
+                            alibi_slopes, sinks, chunk_size, PagedCaches(key_cache, value_cache, key_scales, value_scales))
 
 
 
@@ -370,11 +385,14 @@ def attend_sequences(
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    caches: PagedCaches | None = None,
 ) -> torch.Tensor:
     """paged_attention() with the context read by `read(slots, dtype) -> (K, V) [KVH, L, D]`, and this step's
-    K/V as stored (`stored`, optional) for sequences with no earlier context. On CPU, sequences whose rows
-    attend in fp32 by matmul (decode rows, few fp32 rows) attend in buckets of similar length
-    (torch_buckets.py); the others (and every sequence of a model with soft-capping, ALiBi or sinks) one by one."""
+    K/V as stored (`stored`, optional) for sequences with no earlier context. On CPU, the sequences with a few
+    query rows attend in one call of the compiled kernel (cpu_paged_attention.py) over `caches` where it serves
+    them; else those whose rows attend in fp32 by matmul (decode rows, few fp32 rows) attend in buckets of
+    similar length (torch_buckets.py). The others (and, without the kernel, every sequence of a model with
+    soft-capping, ALiBi or sinks) attend one by one."""
     # Masks depend on the step's shapes (and the ALiBi slopes, the same in every layer of the models that
     # use them), not on the layer, so one set serves the whole forward.
     masks = metadata.derived.setdefault("torch_masks", {})
@@ -391,10 +409,19 @@ def attend_sequences(
         return attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes, masks, sinks,
                           chunk_size).transpose(0, 1)
 
+    starts = metadata.query_start_loc_host
+    if caches is not None and cpu_paged_attention.serves(query, caches.key_cache):
+        few, rest = cpu_paged_attention.kernel_sequences(metadata)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if len(few):
+            cpu_paged_attention.attend(query, *caches, metadata, few, out, scale, sliding_window, softcap,
+                                       alibi_slopes, sinks, chunk_size)
+        for i in rest:
+            out[starts[i]:starts[i + 1]] = attend_sequence(i)
+        return out
     if metadata.num_seqs == 1:  # one stream: its rows are the output, with no copy into a packed buffer
         return attend_sequence(0).contiguous()
     out = torch.empty_like(query)
-    starts = metadata.query_start_loc_host
     rest = range(metadata.num_seqs)
     if softcap is None and alibi_slopes is None and sinks is None and query.device.type == "cpu":
         plan = plan_buckets(metadata, kv_heads, query.shape[1] // kv_heads, sliding_window,

@@ -1,4 +1,5 @@
-"""Many sequences' few query rows attend together on CPU, in buckets of similar context length.
+"""Many sequences' few query rows attend together on CPU, in buckets of similar context length, where the
+compiled CPU kernel (cpu_paged_attention.py) is not built (no C compiler) or is switched off.
 
 Attending one sequence at a time, a decode step of 32 sequences pays per sequence and layer for a gather,
 a cast and an SDPA call. Each costs tens of microseconds at 250 keys, and the arithmetic is only a small

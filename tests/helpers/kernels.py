@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from paged_backend.kernels import (
     AttentionMetadata,
+    cpu_paged_attention,
     torch_attention,
     triton_attention,
 )
@@ -98,10 +99,11 @@ def oracle(batch: Batch, scale: float, sliding_window: int | None = None, softca
         meta.slot_mapping.cpu(), meta.block_tables.cpu(), meta.query_start_loc.cpu(), meta.seq_lens.cpu(),
         meta.block_size, meta.query_start_loc_host, meta.seq_lens_host, meta.max_query_len, meta.max_seq_len,
     )
-    return torch_attention.paged_attention(
-        batch.query.float().cpu(), batch.key_cache.float().cpu(), batch.value_cache.float().cpu(), cpu_meta,
-        scale, sliding_window, softcap,
-    )
+    with cpu_paged_attention.switched_off():  # PyTorch ops: an oracle that shares no code with a kernel
+        return torch_attention.paged_attention(
+            batch.query.float().cpu(), batch.key_cache.float().cpu(), batch.value_cache.float().cpu(), cpu_meta,
+            scale, sliding_window, softcap,
+        )
 
 
 def check_attention(batch: Batch, config: LaunchConfig | None = None, **options) -> None:

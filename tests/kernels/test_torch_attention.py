@@ -1,7 +1,9 @@
-"""The PyTorch paged attention (CPU backend and kernel oracle) against dense attention per sequence."""
+"""The PyTorch paged attention (CPU backend and kernel oracle) against dense attention per sequence, in PyTorch
+ops and through the compiled CPU kernel that serves its few-row sequences."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from paged_backend.kernels import (
     AttentionMetadata,
+    cpu_paged_attention,
     paged_attention,
     torch_attention,
     write_kv_cache,
@@ -37,7 +40,8 @@ def dense_reference(q, k, v, scale, window=None, softcap=None):
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 20.0), (4, 30.0)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("consecutive", [False, True])
-def test_mixed_batch_matches_dense(window, softcap, heads, kv_heads, consecutive):
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch-ops"])
+def test_mixed_batch_matches_dense(window, softcap, heads, kv_heads, consecutive, kernel):
     torch.manual_seed(0)
     block_size, num_blocks, dim = 4, 32, 16
     # (context already cached, new tokens): decode, chunked prefill after context, fresh prefill
@@ -70,8 +74,10 @@ def test_mixed_batch_matches_dense(window, softcap, heads, kv_heads, consecutive
     metadata = AttentionMetadata(slot_mapping, block_tables, torch.tensor(starts, dtype=torch.int32),
                                  torch.tensor(lens, dtype=torch.int32), block_size, starts, lens,
                                  max(n for _, n in shapes), max(lens))
-    out = paged_attention(torch.cat(queries), key_cache, value_cache, metadata, 0.25, window, softcap,
-                          new_key=new_k, new_value=new_v)
+    with contextlib.nullcontext() if kernel else cpu_paged_attention.switched_off():
+        out = paged_attention(torch.cat(queries), key_cache, value_cache, metadata, 0.25, window, softcap,
+                              new_key=new_k, new_value=new_v)
+    assert ("cpu_kernel_sequences" in metadata.derived) == (kernel and cpu_paged_attention.library() is not None)
     read_as_views = [isinstance(torch_attention.sequence_slots(metadata, i), slice) for i in range(len(shapes))]
     assert read_as_views == [all(b == a + 1 for a, b in itertools.pairwise(t)) for t in tables]
     assert all(read_as_views) == consecutive

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 import torch
 from helpers.kernels import make_batch
 from helpers.tolerances import tolerance
-from paged_backend.kernels import paged_attention, torch_attention, torch_buckets
+from paged_backend.kernels import cpu_paged_attention, paged_attention, torch_attention, torch_buckets
 from paged_backend.kernels.kv_quant import quantize_int8
 
 # Decode rows over contexts of similar and of very different lengths, three sequences verifying 2-5 rows,
@@ -16,6 +17,13 @@ from paged_backend.kernels.kv_quant import quantize_int8
 QUERY_LENS = [1, 1, 1, 1, 1, 1, 1, 4, 2, 5, 20, 9]
 SEQ_LENS = [30, 33, 31, 35, 90, 95, 400, 32, 34, 36, 60, 9]
 KV_HEADS, GROUP = 2, 3
+
+
+@pytest.fixture(autouse=True)
+def torch_ops() -> Iterator[None]:
+    """Buckets serve where the compiled CPU kernel does not (no compiler): these tests attend without it."""
+    with cpu_paged_attention.switched_off():
+        yield
 
 
 def one_by_one(monkeypatch: pytest.MonkeyPatch, query, key_cache, value_cache, metadata, *args, **kwargs):

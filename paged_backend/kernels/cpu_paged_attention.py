@@ -1,0 +1,188 @@
+"""A compiled CPU kernel for the paged attention of every sequence with a few query rows, in one call.
+
+Attended in PyTorch ops, a 32-sequence decode step pays per layer for gathers of every context out of the
+paged cache, a cast of the gathered copy to fp32 and batched matmuls over it: three passes over the
+context's bytes and about 40 % of the step (benchmarks/step_profile.py). The kernel in
+cpu_paged_attention.c reads each key and value row once, by block table, straight from the cache, widens it
+to fp32 in registers and folds it into an online softmax, with the batch's (sequence, KV head) pairs shared
+by torch's threads.
+
+It serves sequences with up to MOST_ROWS query rows (decode rows, a request verifying proposed tokens, a
+short chunk), fp32 or bf16 queries over an fp32, bf16 or int8 cache, with sliding windows, chunks,
+soft-capping, ALiBi and sinks; longer prompts stay on SDPA, whose blocked kernel is the faster one there.
+
+The C source is compiled with the machine's C compiler (`$CC`, else `cc`) for the machine's own
+instructions (`-march=native`), once: the library is kept under the cache folder
+(`kernels/cpu_paged_attention-<key>.so`), keyed by the source, the compiler and the CPU's instruction
+sets. Without a compiler, or with `PAGED_BACKEND_CPU_KERNEL=0`, attention runs in PyTorch ops as before:
+slower, the same answers to within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from paged_backend.cache_folder import cache_dir, cpu_flags
+
+from .metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "PAGED_BACKEND_CPU_KERNEL"
+SOURCE = Path(__file__).with_suffix(".c")
+MOST_ROWS = 16  # a sequence with more query rows attends through SDPA
+QUERY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_switched_off = False
+
+
+class Arguments(ctypes.Structure):
+    """The C kernel's `Arguments`, field for field."""
+    _fields_ = [
+        ("query", ctypes.c_void_p), ("query_dtype", ctypes.c_int),
+        ("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p), ("cache_dtype", ctypes.c_int),
+        ("cache_head_stride", ctypes.c_int64),
+        ("key_scales", ctypes.c_void_p), ("value_scales", ctypes.c_void_p), ("scale_head_stride", ctypes.c_int64),
+        ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int), ("block_size", ctypes.c_int),
+        ("query_start", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p), ("seqs", ctypes.c_void_p),
+        ("num_seqs", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+        ("scale", ctypes.c_float), ("window", ctypes.c_int), ("chunk", ctypes.c_int), ("softcap", ctypes.c_float),
+        ("sinks", ctypes.c_void_p), ("alibi_slopes", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("threads", ctypes.c_int),
+    ]
+
+
+@contextlib.contextmanager
+def switched_off() -> Iterator[None]:
+    """Attention in PyTorch ops inside the block, as on a machine without a compiler (tests, benchmarks)."""
+    global _switched_off
+    before, _switched_off = _switched_off, True
+    try:
+        yield
+    finally:
+        _switched_off = before
+
+
+def serves(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the kernel attends this layer's query over this cache (`[KVH, num_slots, D]`) here."""
+    return (not _switched_off and query.device.type == "cpu" and query.dtype in QUERY_DTYPES
+            and key_cache.dtype in CACHE_DTYPES and key_cache.stride(-1) == 1 and key_cache.stride(-2) == key_cache.shape[-1]
+            and library() is not None)
+
+
+def kernel_sequences(metadata: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
+    """The step's sequences the kernel attends (int32 indices) and the others, memoised for every layer."""
+    split = metadata.derived.get("cpu_kernel_sequences")
+    if split is None:
+        starts = metadata.query_start_loc_host
+        few = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] <= MOST_ROWS]
+        many = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > MOST_ROWS]
+        split = metadata.derived["cpu_kernel_sequences"] = (torch.tensor(few, dtype=torch.int32), many)
+    return split
+
+
+def step_tensors(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block tables, query starts and lengths as the kernel reads them (contiguous int32), once a step."""
+    tensors = metadata.derived.get("cpu_kernel_step")
+    if tensors is None:
+        tensors = metadata.derived["cpu_kernel_step"] = tuple(
+            t.to(torch.int32).contiguous() for t in (metadata.block_tables, metadata.query_start_loc, metadata.seq_lens))
+    return tensors
+
+
+def attend(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    value_scales: torch.Tensor | None,
+    metadata: AttentionMetadata,
+    seqs: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> None:
+    """Write into `out [T, H, D]` (contiguous, the query's dtype) the attention of the rows of sequences `seqs` of
+    packed `query [T, H, D]` over the paged `key_cache/value_cache [KVH, num_slots, D]` (int8: times their
+    `key_scales/value_scales [KVH, num_slots]`). The caller checked serves()."""
+    query = query.contiguous()
+    tables, starts, lens = step_tensors(metadata)
+    kv_heads, _, dim = key_cache.shape
+    floats = [None if t is None else t.float().contiguous() for t in (sinks, alibi_slopes)]
+    args = Arguments(
+        query.data_ptr(), QUERY_DTYPES[query.dtype], key_cache.data_ptr(), value_cache.data_ptr(),
+        CACHE_DTYPES[key_cache.dtype], key_cache.stride(0),
+        key_scales.data_ptr() if key_scales is not None else None,
+        value_scales.data_ptr() if value_scales is not None else None,
+        key_scales.stride(0) if key_scales is not None else 0,
+        tables.data_ptr(), tables.shape[1], metadata.block_size, starts.data_ptr(), lens.data_ptr(), seqs.data_ptr(),
+        len(seqs), query.shape[1], kv_heads, dim, scale, sliding_window or 0, chunk_size or 0, softcap or 0.0,
+        *(None if t is None else t.data_ptr() for t in floats), out.data_ptr(), torch.get_num_threads())
+    library().paged_attention(ctypes.byref(args))
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use, or None (switched off, or no compiler: said once)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(built_library()))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("the CPU paged-attention kernel could not be built (%s); attention runs in PyTorch ops, "
+                       "slower", describe(exc))
+        return None
+    lib.paged_attention.argtypes = [ctypes.POINTER(Arguments)]
+    lib.paged_attention.restype = None
+    return lib
+
+
+def built_library() -> Path:
+    """The library for this source, compiler and CPU, compiled now unless the cache folder has it. A cache
+    folder that cannot be written gets a library built in a temporary folder, used and not kept."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+    key = hashlib.sha256(repr((SOURCE.read_bytes(), compiler, platform.machine(), cpu_flags())).encode()).hexdigest()
+    target = cache_dir() / "kernels" / f"cpu_paged_attention-{key[:16]}.so"
+    if target.is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    except OSError:
+        target = Path(tempfile.mkdtemp(prefix="paged-backend-kernel-")) / target.name
+        handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(handle)
+    command = [compiler, "-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", str(SOURCE), "-o", partial]
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(partial, target)  # whole or not at all: a second process may be loading it
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+    logger.info("built the CPU paged-attention kernel: %s", target)
+    return target
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, subprocess.CalledProcessError):
+        return f"{exc.cmd[0]} exited with {exc.returncode}: {(exc.stderr or '').strip()[-500:]}"
+    return str(exc)

@@ -1,0 +1,154 @@
+"""The compiled CPU paged-attention kernel: the same output as the PyTorch ops it replaces, for every option a
+layer may carry, and a machine without a compiler still served by those ops."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.kernels import make_batch
+from helpers.tolerances import tolerance
+from paged_backend.kernels import cpu_paged_attention, paged_attention
+from paged_backend.kernels.kv_quant import quantize_int8
+
+# Decode rows over short and long contexts, rows verifying proposals, a chunk of exactly MOST_ROWS rows after
+# a context, a fresh prompt of a few rows, and a 20-row chunk and a 40-row prompt that the kernel leaves to SDPA.
+QUERY_LENS = [1, 1, 1, 1, 4, 2, 16, 5, 20, 40]
+SEQ_LENS = [1, 30, 77, 400, 34, 36, 60, 5, 61, 40]
+
+pytestmark = pytest.mark.skipif(cpu_paged_attention.library() is None, reason="no C compiler on this machine")
+
+
+def by_torch_ops(batch, *args, **kwargs) -> torch.Tensor:
+    """paged_attention() in PyTorch ops, with a fresh step memo."""
+    fresh = dataclasses.replace(batch.metadata, derived={})
+    with cpu_paged_attention.switched_off():
+        return paged_attention(batch.query, batch.key_cache, batch.value_cache, fresh, *args, **kwargs)
+
+
+def by_kernel(batch, *args, **kwargs) -> torch.Tensor:
+    metadata = dataclasses.replace(batch.metadata, derived={})
+    out = paged_attention(batch.query, batch.key_cache, batch.value_cache, metadata, *args, **kwargs)
+    few, many = metadata.derived["cpu_kernel_sequences"]  # the kernel took the step
+    assert few.tolist() == [i for i, n in enumerate(QUERY_LENS) if n <= cpu_paged_attention.MOST_ROWS]
+    return out
+
+
+OPTIONS = {
+    "plain": {},
+    "window": {"sliding_window": 7},
+    "chunk": {"chunk_size": 24},
+    "softcap": {"softcap": 5.0},
+    "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625])},
+    "sinks": {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0, 9.0, -3.0])},
+}
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_torch_ops(option: str, dtype: torch.dtype) -> None:
+    batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=2, group=3, head_dim=64, block_size=16, dtype=dtype)
+    got = by_kernel(batch, 0.125, **OPTIONS[option])
+    want = by_torch_ops(batch, 0.125, **OPTIONS[option])
+    assert got.dtype == dtype and torch.isfinite(got).all()  # unwritten slots hold NaN: never read
+    torch.testing.assert_close(got, want, **tolerance(dtype, "kernel"))
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "group"), [(80, 8, 1), (128, 32, 4), (16, 4, 2), (576, 16, 16)])
+def test_kernel_takes_any_head_size_block_size_and_group(head_dim: int, block_size: int, group: int) -> None:
+    """Head sizes that are no whole number of vector lanes (80), blocks smaller and larger than a chunk of
+    keys, multi-query groups and a latent attention's 576-wide rows."""
+    batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=1, group=group, head_dim=head_dim, block_size=block_size)
+    scale = head_dim ** -0.5
+    torch.testing.assert_close(by_kernel(batch, scale, sliding_window=50), by_torch_ops(batch, scale, sliding_window=50),
+                               **tolerance(torch.float32, "kernel"))
+
+
+def test_int8_cache_is_dequantized_by_its_scales() -> None:
+    batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=2, group=3, head_dim=64)
+    (key_codes, key_scales), (value_codes, value_scales) = (
+        quantize_int8(torch.nan_to_num(c)) for c in (batch.key_cache, batch.value_cache))
+    quantized = dataclasses.replace(batch, key_cache=key_codes, value_cache=value_codes)
+    scales = {"key_scales": key_scales, "value_scales": value_scales}
+    torch.testing.assert_close(by_kernel(quantized, 0.125, **scales), by_torch_ops(quantized, 0.125, **scales),
+                               **tolerance(torch.float32, "kernel"))
+
+
+def test_a_bf16_query_over_an_fp32_cache() -> None:
+    batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=2, group=3, head_dim=64)
+    mixed = dataclasses.replace(batch, query=batch.query.to(torch.bfloat16))
+    got = by_kernel(mixed, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, by_torch_ops(mixed, 0.125), **tolerance(torch.bfloat16, "kernel"))
+
+
+def test_fp16_stays_on_torch_ops() -> None:
+    batch = make_batch([1, 1], [10, 20], head_dim=64, dtype=torch.float16)
+    paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.125)
+    assert "cpu_kernel_sequences" not in batch.metadata.derived
+
+
+@pytest.fixture
+def fresh_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The kernel library looked up again, under an empty cache folder; the process's own one restored after."""
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path / "cache"))
+    cpu_paged_attention.library.cache_clear()
+    yield tmp_path
+    cpu_paged_attention.library.cache_clear()
+
+
+def test_the_library_is_built_once_and_kept(fresh_library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_paged_attention.library() is not None
+    kept = list((fresh_library / "cache" / "kernels").glob("cpu_paged_attention-*.so"))
+    assert len(kept) == 1 and not list(kept[0].parent.glob("*.tmp"))
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    cpu_paged_attention.library.cache_clear()
+    assert cpu_paged_attention.library() is not None
+
+
+def test_an_unwritable_cache_folder_builds_in_a_temporary_one(fresh_library: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere")
+    (fresh_library / "cache").mkdir()
+    (fresh_library / "cache").chmod(0o500)
+    try:
+        assert cpu_paged_attention.library() is not None
+    finally:
+        (fresh_library / "cache").chmod(0o700)
+
+
+def test_without_a_compiler_attention_runs_in_torch_ops(fresh_library: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CC", str(fresh_library / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING):
+        assert cpu_paged_attention.library() is None
+    assert "could not be built" in caplog.text and "PyTorch ops" in caplog.text
+    batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=2, group=3, head_dim=64)
+    got = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.125)
+    assert "cpu_kernel_sequences" not in batch.metadata.derived and torch.isfinite(got).all()
+
+
+def test_a_compile_error_is_said_with_the_compilers_words(fresh_library: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    broken = fresh_library / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_paged_attention, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING):
+        assert cpu_paged_attention.library() is None
+    assert "exited with" in caplog.text and "error" in caplog.text
+    assert not list((fresh_library / "cache" / "kernels").glob("*"))  # no partial library left behind
+
+
+def test_the_environment_switches_the_kernel_off(fresh_library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_paged_attention.ENV_SWITCH, "0")
+    assert cpu_paged_attention.library() is None
+    assert not (fresh_library / "cache" / "kernels").exists()
