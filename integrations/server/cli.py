@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import threading
+from typing import TYPE_CHECKING
 
 from paged_backend.integrations.options.flags import (
     ENGINE_FIELDS,
@@ -13,6 +16,13 @@ from paged_backend.integrations.options.flags import (
 
 from .response_store import DEFAULT_MAX_STORED_RESPONSES
 from .state import DEFAULT_MAX_SEQS_PER_REQUEST
+
+if TYPE_CHECKING:
+    from .lifecycle import DrainingServer, Lifecycle
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # on SIGTERM, how long requests in flight have to finish (lifecycle.py)
 
 # EngineConfig fields whose flags sit with the LoRA options below.
 LORA_FIELDS = ("enable_lora", "max_loras", "max_lora_rank")
@@ -28,6 +38,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
                         help="the most sequences (prompts x n or best_of) one request may start; more is a 400 "
                         f"(default {DEFAULT_MAX_SEQS_PER_REQUEST})")
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                        help="on SIGTERM, seconds the requests in flight have to finish before they are aborted "
+                        f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
     add_parser_flags(parser)
     parser.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
                         help="how many /v1/responses answers to keep for previous_response_id (least recently used "
@@ -76,29 +89,58 @@ def lora_config(args: argparse.Namespace) -> dict:
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    """Bind the port, load the model behind it (lifecycle.py: 503 until warmed up), serve until SIGTERM or
+    Ctrl-C, drain, then free the engine. A model that fails to load ends the process with its error."""
     try:
         import uvicorn
     except ImportError as exc:
         raise ImportError("`serve` needs the serve extra: pip install 'paged-backend[serve]'") from exc
 
+    from .lifecycle import DrainingServer, Lifecycle
+
+    lifecycle = Lifecycle(args.drain_timeout)
+    server = DrainingServer(uvicorn.Config(lifecycle, host=args.host, port=args.port), lifecycle)
+    loaded: dict = {}
+    loader = threading.Thread(target=load_then_serve, args=(args, lifecycle, server, loaded), name="model-loader",
+                              daemon=True)  # a signal during the load exits without waiting for it
+    loader.start()
+    try:
+        server.run()
+    finally:
+        if "client" in loaded:
+            loaded["client"].shutdown()
+        if "llm" in loaded:
+            loaded["llm"].close()
+    if "error" in loaded:
+        raise loaded["error"]
+
+
+def load_then_serve(args: argparse.Namespace, lifecycle: Lifecycle, server: DrainingServer, loaded: dict) -> None:
+    """Load and warm up the model, then hand its app to `lifecycle`; on failure, stop `server`. What it
+    built goes into `loaded`, for the caller to free."""
     from paged_backend.entrypoints.async_engine import AsyncEngine
     from paged_backend.entrypoints.llm import LLM
     from paged_backend.model.default_model import DEFAULT_MODEL
 
     from .app import create_app
+    from .lifecycle import TrackedClient
 
-    config = {name: value for name, value in engine_options(args).items() if name not in LORA_FIELDS}
-    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization, **config,
-              **lora_config(args))
-    for lora_name, path in args.lora_modules:
-        llm.add_lora(lora_name, path)
-    aengine = AsyncEngine(llm.engine)
-    name = args.served_model_name or args.model or DEFAULT_MODEL
     try:
-        app = create_app(aengine, name, args.api_key, args.max_seqs_per_request, args.allow_runtime_lora_updating,
+        config = {name: value for name, value in engine_options(args).items() if name not in LORA_FIELDS}
+        llm = loaded["llm"] = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
+                                  quantization=args.quantization, **config, **lora_config(args))
+        for lora_name, path in args.lora_modules:
+            llm.add_lora(lora_name, path)
+        aengine = loaded["client"] = AsyncEngine(llm.engine)
+        client = TrackedClient(aengine)
+        name = args.served_model_name or args.model or DEFAULT_MODEL
+        app = create_app(client, name, args.api_key, args.max_seqs_per_request, args.allow_runtime_lora_updating,
                          max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser,
                          tool_call_parser=args.tool_call_parser)
-        uvicorn.run(app, host=args.host, port=args.port)
-    finally:
-        aengine.shutdown()
-        llm.close()
+    except BaseException as exc:  # noqa: BLE001  (re-raised by run_serve, on the main thread)
+        logger.error("the model failed to load: %s: %s", type(exc).__name__, exc)
+        loaded["error"] = exc
+        server.should_exit = True
+        return
+    lifecycle.serve(app, client)
+    logger.info("ready: serving %s", name)
