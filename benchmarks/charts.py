@@ -320,6 +320,21 @@ def step_profile_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def cpu_attention_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    call = r["one_layer_call"]
+    us = call["median_us"]
+    rows = [(f"one layer's attention, {call['seqs']} decode rows over {call['keys']} keys (bf16): kernel vs PyTorch ops",
+             f"{number(us['kernel'])} vs {number(us['torch_ops'])} us ({number(us['torch_ops'] / us['kernel'], 2)}x)")]
+    if "engine" in r:
+        engine = r["engine"]
+        rate = engine["median_tokens_per_s"]
+        rows.append(("throughput workload at the defaults: kernel vs PyTorch ops (one process, alternating)",
+                     f"{number(rate['kernel'])} vs {number(rate['torch_ops'])} tok/s "
+                     f"({number(rate['kernel'] / rate['torch_ops'], 2)}x)"))
+        rows.append(("answers token for token the same both ways", f"{engine['identical_answers']} of {engine['prompts']}"))
+    return rows
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "throughput": throughput_figures, "prefix_cache": prefix_cache_figures, "pipeline": pipeline_figures,
     "serve": serve_figures, "replicas": replicas_figures, "self_check": self_check_figures,
@@ -327,7 +342,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "lora": lora_figures, "quality": quality_figures, "cpu_vs_llamacpp": cpu_vs_llamacpp_figures,
     "sliding_window_memory": sliding_window_figures, "startup": startup_figures, "gpu_check": gpu_check_figures,
     "fused_projections": fused_projections_figures, "hybrid_decode": hybrid_decode_figures,
-    "step_profile": step_profile_figures,
+    "step_profile": step_profile_figures, "cpu_attention": cpu_attention_figures,
 }
 
 
@@ -401,6 +416,11 @@ HEADLINE: list[tuple[str, str, Callable[[dict[str, Any]], str], Callable[[dict[s
      lambda r: f"{number(r['medians']['engine_one_stream'])} vs {number(r['medians']['llamacpp_one_stream'])} tok/s "
                f"({number(r['ratios']['one_stream'], 2)}x); throughput workload "
                f"{number(r['ratios']['throughput_over_llamacpp_one_stream'], 2)}x llama.cpp's one stream"),
+    ("cpu_attention", "avx512", lambda r: "throughput workload at the defaults: the compiled CPU attention kernel vs "
+                                          "PyTorch ops",
+     lambda r: f"{number(r['engine']['median_tokens_per_s']['kernel'] / r['engine']['median_tokens_per_s']['torch_ops'], 2)}x "
+               f"({number(r['engine']['median_tokens_per_s']['kernel'])} vs "
+               f"{number(r['engine']['median_tokens_per_s']['torch_ops'])} tok/s)"),
 ]
 HEADLINE_CHART = ("throughput", "unrecorded")
 

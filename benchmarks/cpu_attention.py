@@ -1,0 +1,153 @@
+"""The compiled CPU paged-attention kernel against the PyTorch ops it replaces, on one layer's call and on the engine.
+
+1. One layer's call: `--seqs` decode rows (SmolLM2-135M shapes: 9 query heads, 3 KV heads, head size 64) over
+   contexts of 250-700 keys in shuffled 16-slot blocks of a bf16 cache, the kernel and the PyTorch ops
+   (gathers, fp32 casts, batched matmuls in length buckets) alternating, medians of `--repeats` rounds.
+2. The engine: the throughput workload (benchmarks/throughput.py: 32 MT-bench prompts, 16..128 greedy
+   tokens each) at the defaults (compiled, int4, bf16), the kernel switched on and off in one process
+   (`cpu_paged_attention.switched_off()`, no recompile: the attention is an opaque op of the graph),
+   alternating, medians; and how many of the 32 answers came out token for token the same both ways (bf16
+   rounds the two attention paths' fp32 sums differently, so near-ties can part).
+
+    python benchmarks/cpu_attention.py                  # 5 rounds each
+    python benchmarks/cpu_attention.py --repeats 3 --skip-engine
+
+Writes benchmarks/results/cpu_attention_<machine class>.json (common.write_results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `throughput` sit beside this script
+
+from common import load_average, write_results
+
+from paged_backend.kernels import AttentionMetadata, cpu_paged_attention, paged_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+PATHS = ("kernel", "torch_ops")
+
+
+def path_context(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if name == "kernel" else cpu_paged_attention.switched_off()
+
+
+def alternate(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Each run's figure, `repeats` times, the order flipped every round."""
+    figures: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(repeats):
+        for name in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
+            figures[name].append(runs[name]())
+    return figures
+
+
+def one_layer_call(seqs: int, repeats: int) -> dict[str, Any]:
+    """Microseconds per call of one layer's attention for `seqs` decode rows, both ways."""
+    rng = np.random.default_rng(0)
+    lens = rng.integers(250, 700, seqs).tolist()
+    blocks = [-(-n // BLOCK_SIZE) for n in lens]
+    order = rng.permutation(sum(blocks))
+    tables = np.zeros((seqs, max(blocks)), np.int32)
+    offset = 0
+    for i, count in enumerate(blocks):
+        tables[i, :count] = order[offset:offset + count]
+        offset += count
+    cache = torch.randn(2, KV_HEADS, sum(blocks) * BLOCK_SIZE, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    cache = cache.to(torch.bfloat16)
+    query = torch.randn(seqs, HEADS, HEAD_DIM).to(torch.bfloat16)
+    starts = list(range(seqs + 1))
+    metadata = AttentionMetadata(torch.full((seqs,), -1), torch.from_numpy(tables), torch.tensor(starts, dtype=torch.int32),
+                                 torch.tensor(lens, dtype=torch.int32), BLOCK_SIZE, starts, lens, 1, max(lens))
+
+    def timed(name: str) -> Callable[[], float]:
+        def run() -> float:
+            metadata.derived.clear()  # a step's plans are built once and serve its 30 layers: timed apart
+            with path_context(name):
+                paged_attention(query, cache[0], cache[1], metadata, HEAD_DIM ** -0.5)
+                times = []
+                for _ in range(30):
+                    start = time.perf_counter()
+                    paged_attention(query, cache[0], cache[1], metadata, HEAD_DIM ** -0.5)
+                    times.append(time.perf_counter() - start)
+            return statistics.median(times) * 1e6
+        return run
+
+    with path_context("torch_ops"):
+        want = paged_attention(query, cache[0], cache[1], metadata, HEAD_DIM ** -0.5)
+    got = paged_attention(query, cache[0], cache[1], dataclasses.replace(metadata, derived={}), HEAD_DIM ** -0.5)
+    figures = alternate({name: timed(name) for name in PATHS}, repeats)
+    return {"seqs": seqs, "keys": sum(lens), "max_abs_difference": float((got.float() - want.float()).abs().max()),
+            "us_per_call": figures, "median_us": {name: statistics.median(v) for name, v in figures.items()}}
+
+
+def engine_throughput(repeats: int) -> dict[str, Any]:
+    """Tokens/s of the throughput workload at the defaults, both ways, in one process."""
+    from throughput import FULL_WORKLOAD, default_workload
+
+    from paged_backend import LLM, SamplingParams
+    from paged_backend.model.default_model import default_model_path
+
+    llm = LLM(None)
+    workload = default_workload(**FULL_WORKLOAD, model_source=str(default_model_path()))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
+    answers: dict[str, list[list[int]]] = {}
+
+    def timed(name: str) -> Callable[[], float]:
+        def run() -> float:
+            with path_context(name):
+                llm.reset_prefix_cache()  # each round computes the prompts again
+                start = time.perf_counter()
+                outs = llm.generate(workload.prompt_token_ids, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+            answers[name] = [list(o.outputs[0].token_ids) for o in outs]
+            return sum(len(tokens) for tokens in answers[name]) / elapsed
+        return run
+
+    figures = alternate({name: timed(name) for name in PATHS}, repeats)
+    same = sum(a == b for a, b in zip(answers["kernel"], answers["torch_ops"]))
+    return {"prompts": len(params), "tokens_per_s": figures,
+            "median_tokens_per_s": {name: statistics.median(v) for name, v in figures.items()},
+            "identical_answers": same}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seqs", type=int, default=32, help="decode rows of the one-layer call")
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if cpu_paged_attention.library() is None:
+        raise SystemExit("the CPU kernel is not built here (no C compiler, or PAGED_BACKEND_CPU_KERNEL=0)")
+    load_start = load_average()
+    results: dict[str, Any] = {"threads": torch.get_num_threads(), "repeats": args.repeats,
+                               "one_layer_call": one_layer_call(args.seqs, args.repeats)}
+    call = results["one_layer_call"]["median_us"]
+    print(f"one layer, {args.seqs} decode rows: kernel {call['kernel']:.0f} us, torch ops {call['torch_ops']:.0f} us "
+          f"= {call['torch_ops'] / call['kernel']:.2f}x")
+    if not args.skip_engine:
+        engine = results["engine"] = engine_throughput(args.repeats)
+        rate = engine["median_tokens_per_s"]
+        print(f"throughput workload: kernel {rate['kernel']:.1f} tok/s, torch ops {rate['torch_ops']:.1f} tok/s "
+              f"= {rate['kernel'] / rate['torch_ops']:.2f}x; identical answers {engine['identical_answers']} of "
+              f"{engine['prompts']}")
+    results["load_1m_start"], results["load_1m_end"] = load_start, load_average()
+    print(f"threads {results['threads']}; load average {load_start:.1f} -> {results['load_1m_end']:.1f}; "
+          f"wrote {write_results(results, 'cpu_attention', args.json)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
