@@ -57,7 +57,7 @@ def create_app(aengine: EngineClient, model_name: str, api_key: str | None = Non
     and `tool_call_parser` name the model's reasoning and tool-call formats ("auto": read from its chat
     template; an unknown name is a ValueError naming the option)."""
     tokenizer = getattr(aengine, "tokenizer", None)  # None: no chat template to read the formats from
-    state = ServerState(aengine, model_name, ServerMetrics(aengine), api_key, max_seqs_per_request,
+    state = ServerState(aengine, model_name, ServerMetrics(aengine, model_name), api_key, max_seqs_per_request,
                         resolve_reasoning_parser(reasoning_parser, tokenizer),
                         resolve_tool_parser(tool_call_parser, tokenizer))
     app = FastAPI(title="paged-backend", docs_url=None, redoc_url=None)
@@ -182,7 +182,7 @@ class HTTPStatusCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status, finished, gone = 500, False, False
+        status, finished, gone, started = 500, False, False, time.perf_counter()
 
         async def listen():
             nonlocal gone
@@ -201,4 +201,5 @@ class HTTPStatusCounter:
             await self.app(scope, listen, capture)
         finally:
             route = getattr(scope.get("route"), "path", None)
-            self.metrics.record_http(route, CLIENT_CLOSED if gone and not finished else status)
+            self.metrics.record_http(route, CLIENT_CLOSED if gone and not finished else status,
+                                     time.perf_counter() - started)

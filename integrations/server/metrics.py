@@ -3,6 +3,11 @@
 Each app gets its own registry, so several servers (e.g. in one test process) never collide.
 Engine gauges are read at scrape time from the client's `stats()` rather than pushed on every step;
 the client answers from the engine's own thread, so a scrape may run on any thread.
+
+Every metric vLLM also has is written a second time under vLLM's name (`VLLM_NAMES`, with its
+`model_name` label), from the same collected values, so dashboards built for vLLM read this server as
+they are. One difference: `vllm:time_per_output_token_seconds` here observes each finished request's
+mean time per output token once, where vLLM observes every gap between tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from paged_backend.core.outputs import RequestOutput
@@ -20,9 +26,28 @@ PREFIX = "paged_backend"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 
+# Our metric -> (vLLM's name for it, vLLM's type where it differs from ours).
+VLLM_NAMES: dict[str, tuple[str, str | None]] = {
+    f"{PREFIX}_num_requests_running": ("vllm:num_requests_running", None),
+    f"{PREFIX}_num_requests_waiting": ("vllm:num_requests_waiting", None),
+    f"{PREFIX}_kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc", None),  # a fraction in vLLM too
+    f"{PREFIX}_num_preemptions": ("vllm:num_preemptions", "counter"),
+    f"{PREFIX}_requests": ("vllm:request_success", None),
+    f"{PREFIX}_prompt_tokens": ("vllm:prompt_tokens", None),
+    f"{PREFIX}_generation_tokens": ("vllm:generation_tokens", None),
+    f"{PREFIX}_prefix_cache_hit_tokens": ("vllm:prefix_cache_hits", None),
+    f"{PREFIX}_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds", None),
+    f"{PREFIX}_time_per_output_token_seconds": ("vllm:time_per_output_token_seconds", None),
+    f"{PREFIX}_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds", None),
+    f"{PREFIX}_request_queue_time_seconds": ("vllm:request_queue_time_seconds", None),
+}
+# vLLM's prefix-cache queries are the prompt tokens looked up: ours are the prompt tokens.
+VLLM_ALSO = {f"{PREFIX}_prompt_tokens": "vllm:prefix_cache_queries"}
+
 
 class ServerMetrics:
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, model_name: str = "") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         self.http_requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by path and status code",
                                      ["path", "status"], registry=self.registry)
@@ -40,6 +65,11 @@ class ServerMetrics:
                               "of a request", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Time from arrival to finish",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram(f"{PREFIX}_request_queue_time_seconds", "Time from arrival to first being "
+                                    "scheduled", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.http_duration = Histogram(f"{PREFIX}_http_request_duration_seconds", "Time from a request's arrival "
+                                       "to its answer's last byte, by route", ["path"], buckets=LATENCY_BUCKETS,
+                                       registry=self.registry)
         # Plain totals for the hit-rate gauge (prometheus counters keep theirs private).
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
@@ -61,17 +91,51 @@ class ServerMetrics:
         if count:
             self.requests.labels("abort").inc(count)
 
-    def record_http(self, route: str | None, status: int) -> None:
-        """One answer, labelled with its route's path template (`/v1/responses/{response_id}`, never an id):
-        the routes bound the labels; a path no route matched counts as "other"."""
+    def record_http(self, route: str | None, status: int, seconds: float) -> None:
+        """One answer that took `seconds`, labelled with its route's path template
+        (`/v1/responses/{response_id}`, never an id): the routes bound the labels; a path no route matched
+        counts as "other"."""
         self.http_requests.labels(route or "other", str(status)).inc()
+        self.http_duration.labels(route or "other").observe(seconds)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The text exposition: every metric once under its own name, and once under vLLM's where it has one."""
+        families = list(self.registry.collect())
+        return generate_latest(Collected(families + vllm_families(families, self.model_name)))
+
+
+class Collected:
+    """Families collected once, as a registry for generate_latest (the engine's stats are read once a scrape)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def vllm_families(families: list[Metric], model_name: str) -> list[Metric]:
+    """`families` that vLLM also has, renamed to vLLM's names and labelled with `model_name`."""
+    renamed = []
+    for family in families:
+        names = [VLLM_NAMES[family.name]] if family.name in VLLM_NAMES else []
+        if family.name in VLLM_ALSO:
+            names.append((VLLM_ALSO[family.name], None))
+        for name, kind in names:
+            copy = Metric(name, family.documentation, kind or family.type)
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                suffix = sample.name[len(family.name):] or ("_total" if kind == "counter" else "")
+                copy.add_sample(name + suffix, {**sample.labels, "model_name": model_name}, sample.value)
+            renamed.append(copy)
+    return renamed
 
 
 def observe_latencies(metrics: ServerMetrics, output: RequestOutput) -> None:
     m = output.metrics
+    if m.first_scheduled_time is not None:
+        metrics.queue_time.observe(m.first_scheduled_time - m.arrival_time)
     if m.first_token_time is None:
         return
     metrics.ttft.observe(m.first_token_time - m.arrival_time)
