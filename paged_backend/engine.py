@@ -134,6 +134,7 @@ class Engine:
         if pad:
             self.runner.padding = self._make_padding(shape, scratch_block=num_blocks)
         self.compile_s: float | None = None  # seconds the compile and warm-up took, when compiled
+        self.graphs_loaded: bool | None = None  # whether they came from the compile cache; None: not compiled
         self.compiled = self._maybe_compile(param.device)
         self.fast_path_check = self._check_fast_path()  # the compiled forward against the eager one, or None
         self.capture_s: float | None = None  # seconds the CUDA graph capture took, when captured
@@ -208,7 +209,7 @@ class Engine:
             logger.warning("compile: the model forward failed to compile (%s: %s); it runs eagerly",
                            type(exc).__name__, next(iter(str(exc).strip().splitlines()), ""))
             return False
-        self.compile_s = report.seconds
+        self.compile_s, self.graphs_loaded = report.seconds, report.loaded
         source = "loaded from the compile cache" if report.loaded else "compiled"
         logger.info("compile: the model forward %s (%d graphs, %s) and warmed up in %.1f s", source,
                     len(report.forward.graphs), report.folder, report.seconds)
@@ -528,7 +529,16 @@ class Engine:
             **self._recurrent_stats(),
             **(self.speculator.stats() if self.speculator else speculation_stats(0, 0, 0)),
             **(self.fast_path_check.stats() if self.fast_path_check else {}),
+            **self.grammar_queue.stats(),
+            **self._startup_stats(),
         }
+
+    def _startup_stats(self) -> dict[str, float]:
+        """How the compiled forward came to be at start-up: its seconds (compile or load, and warm-up) and
+        whether its graphs were loaded from the compile cache (1) or compiled (0); nothing when eager."""
+        if self.graphs_loaded is None:
+            return {}
+        return {"startup_compile_seconds": self.compile_s, "startup_graphs_loaded": float(self.graphs_loaded)}
 
     def _recurrent_stats(self) -> dict[str, float]:
         """A hybrid model's state slots (prefix caching is off for it: prefix_caching_enabled 0)."""

@@ -162,6 +162,15 @@ class EngineCollector(Collector):
         yield gauge("num_preemptions", "Requests preempted so far", stats["num_preemptions"])
         yield gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens",
                     prefix_hit_rate(self.metrics))
+        yield counter("structured_grammar_wait_seconds", "Seconds structured requests waited for their grammar "
+                      "(compiled, or found in the cache), in all", stats.get("structured_grammar_wait_seconds", 0))
+        yield counter("structured_requests_started", "Structured requests whose grammar was ready and that started",
+                      stats.get("structured_requests_started", 0))
+        if "startup_graphs_loaded" in stats:
+            yield gauge("startup_compile_seconds", "Seconds the compiled forward took at start-up (compile or "
+                        "load, and warm-up)", stats["startup_compile_seconds"])
+            yield gauge("startup_graphs_loaded", "1 when the compiled forward's graphs came from the compile cache "
+                        "at start-up, 0 when they were compiled", stats["startup_graphs_loaded"])
         yield from speculation_metrics(stats)
         yield from group_metrics(stats)
 

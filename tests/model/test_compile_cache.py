@@ -62,6 +62,9 @@ def test_graphs_are_saved_then_loaded_and_give_the_same_tokens(cache_folder, mod
     compilation._graphs.clear()  # as a new process: only the disk remembers
     second = Engine(model, None, EngineConfig(**CONFIG))
     assert second.runner.forward_model.new_graphs == 0, "the second start compiled instead of loading"
+    # What /metrics says of each start: compiled, then loaded from the cache.
+    assert (first.stats()["startup_graphs_loaded"], second.stats()["startup_graphs_loaded"]) == (0.0, 1.0)
+    assert first.stats()["startup_compile_seconds"] > 0
     assert tokens(first) == tokens(second) == eager
     assert second.runner.forward_model.eager_steps == 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -176,15 +177,19 @@ def test_a_compiling_grammar_holds_up_no_one(tiny, tokenizer, monkeypatch):
     engine = make_engine(tiny, tokenizer)
     slow = engine.add_request("plate:", SamplingParams(temperature=0, max_tokens=20,
                                                        structured_outputs={"regex": "z{2}[0-9]"}))
+    added = time.perf_counter()
     plain = engine.add_request("free:", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     finished = []
     while plain not in finished:
         finished += [o.request_id for o in engine.step() if o.finished]
     assert slow not in finished and engine.has_unfinished_requests()
+    held = time.perf_counter() - added
     release.set()
     final = run_to_completion(engine)[slow].outputs[0]
     assert re.fullmatch("z{2}[0-9]", final.text)
     assert_all_blocks_free(engine)
+    stats = engine.stats()  # what /metrics reports of grammar waits
+    assert stats["structured_requests_started"] == 1 and stats["structured_grammar_wait_seconds"] >= held
 
 
 def test_a_grammar_that_fails_to_compile_ends_only_its_request(tiny, tokenizer, monkeypatch):

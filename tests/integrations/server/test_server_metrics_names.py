@@ -29,11 +29,13 @@ def scraped() -> Iterator[tuple[Served, dict[str, float]]]:
         yield served, parse_metrics(httpx.get(f"{served.url}/metrics").text)
 
 
-def test_route_latency_and_queue_time_are_observed(scraped: tuple[Served, dict[str, float]]) -> None:
+def test_route_latency_queue_time_and_start_up_are_observed(scraped: tuple[Served, dict[str, float]]) -> None:
     _, values = scraped
     assert values['paged_backend_http_request_duration_seconds_count{path="/v1/completions"}'] == 2
     assert values['paged_backend_http_request_duration_seconds_sum{path="/v1/completions"}'] > 0
     assert values["paged_backend_request_queue_time_seconds_count"] == 2
+    assert values["paged_backend_structured_requests_started_total"] == 0
+    assert "paged_backend_startup_graphs_loaded" not in values  # an eager engine: nothing compiled or loaded
 
 
 def test_every_vllm_metric_is_written_under_vllms_name_too(scraped: tuple[Served, dict[str, float]]) -> None:
