@@ -173,15 +173,14 @@ def test_unsupported_or_bad_fields_are_400_naming_the_field(tiny: Served, kwargs
 def test_the_serve_command_sizes_the_store(monkeypatch) -> None:
     import argparse
 
-    import uvicorn
     from paged_backend.integrations.server import cli
+    from paged_backend.integrations.server.lifecycle import Lifecycle
 
     from paged_backend.entrypoints import async_engine, llm
 
     parser = argparse.ArgumentParser()
     cli.add_serve_arguments(parser)
     assert parser.parse_args([]).max_stored_responses == 1024
-    served = {}
 
     class FakeLLM:
         def __init__(self, *args, **kwargs) -> None:
@@ -199,9 +198,11 @@ def test_the_serve_command_sizes_the_store(monkeypatch) -> None:
 
     monkeypatch.setattr(llm, "LLM", FakeLLM)  # the server's command builds them from their modules
     monkeypatch.setattr(async_engine, "AsyncEngine", FakeAsyncEngine)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.setdefault("app", app))
-    cli.run_serve(parser.parse_args(["--max-stored-responses", "7"]))
-    assert served["app"].state.responses.max_responses == 7
+    lifecycle = Lifecycle(drain_timeout=1.0)
+    loaded: dict = {}
+    cli.load_then_serve(parser.parse_args(["--max-stored-responses", "7"]), lifecycle, None, loaded)
+    assert "error" not in loaded
+    assert lifecycle.app.state.responses.max_responses == 7
 
 
 def test_response_store_is_bounded_least_recently_used_first() -> None:
