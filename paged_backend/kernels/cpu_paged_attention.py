@@ -83,13 +83,15 @@ def serves(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
             and library() is not None)
 
 
-def kernel_sequences(metadata: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
-    """The step's sequences the kernel attends (int32 indices) and the others, memoised for every layer."""
+def kernel_sequences(metadata: AttentionMetadata, most_rows: int = MOST_ROWS) -> tuple[torch.Tensor, list[int]]:
+    """The step's sequences of at most `most_rows` query rows, which the kernel attends (int32 indices), and the
+    others, memoised for every layer. A bf16 model's several rows keep SDPA in bf16, as HF's own attention does
+    (the kernel computes in fp32): the caller passes 1 for it."""
     split = metadata.derived.get("cpu_kernel_sequences")
     if split is None:
         starts = metadata.query_start_loc_host
-        few = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] <= MOST_ROWS]
-        many = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > MOST_ROWS]
+        few = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] <= most_rows]
+        many = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > most_rows]
         split = metadata.derived["cpu_kernel_sequences"] = (torch.tensor(few, dtype=torch.int32), many)
     return split
 

@@ -411,7 +411,7 @@ def attend_sequences(
 
     starts = metadata.query_start_loc_host
     if caches is not None and cpu_paged_attention.serves(query, caches.key_cache):
-        few, rest = cpu_paged_attention.kernel_sequences(metadata)
+        few, rest = cpu_paged_attention.kernel_sequences(metadata, most_matmul_rows(query.dtype))
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if len(few):
             cpu_paged_attention.attend(query, *caches, metadata, few, out, scale, sliding_window, softcap,
