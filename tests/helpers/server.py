@@ -66,6 +66,16 @@ def serve(llm: LLM, name: str, api_key: str | None = None, wrap=None, **app_opti
     aengine = AsyncEngine(llm.engine)
     client = wrap(aengine) if wrap is not None else aengine
     server = uvicorn.Server(uvicorn.Config(create_app(client, name, api_key, **app_options), log_level="warning"))
+    try:
+        with running(server) as url:
+            yield Served(url, aengine, llm.tokenizer, client)
+    finally:
+        aengine.shutdown()
+
+
+@contextlib.contextmanager
+def running(server: uvicorn.Server) -> Iterator[str]:
+    """`server` run in a thread on a free port of 127.0.0.1, until the block ends; yields its URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -74,11 +84,10 @@ def serve(llm: LLM, name: str, api_key: str | None = None, wrap=None, **app_opti
     while not server.started and time.time() < deadline:
         time.sleep(0.02)
     try:
-        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", aengine, llm.tokenizer, client)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
-        aengine.shutdown()
+        thread.join(timeout=20)
         sock.close()
 
 

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import uvicorn
-from helpers.server import KEY, build_chat_tokenizer, tiny_llama, wait_all_blocks_free
+from helpers.server import KEY, build_chat_tokenizer, running, tiny_llama, wait_all_blocks_free
 from paged_backend.integrations.server import create_app
 from paged_backend.integrations.server.lifecycle import DrainingServer, Lifecycle, TrackedClient
 
@@ -33,19 +32,8 @@ def lifecycle_server(drain_timeout: float) -> Iterator[tuple[str, Lifecycle, Dra
     """A DrainingServer in a thread on a free port, its model not yet loaded."""
     lifecycle = Lifecycle(drain_timeout)
     server = DrainingServer(uvicorn.Config(lifecycle, log_level="warning"), lifecycle)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", lifecycle, server
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
-        sock.close()
+    with running(server) as url:
+        yield url, lifecycle, server
 
 
 @pytest.fixture(scope="module")
