@@ -56,11 +56,13 @@ async def merge_streams(client: EngineClient, jobs: Sequence[Job], request_id: s
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
     tasks = [asyncio.create_task(pump(client, job, f"{request_id}-{job.index}", queue)) for job in jobs]
     unfinished = {choice for job in jobs for choice in job.choices}
+    last_output_at: dict[int, float] = {}
     try:
         while unfinished:
             index, item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
+            metrics.record_tokens(last_output_at, index, item)
             if item.finished:
                 unfinished.discard(index)
                 metrics.record_finished(item)

@@ -6,12 +6,14 @@ the client answers from the engine's own thread, so a scrape may run on any thre
 
 Every metric vLLM also has is written a second time under vLLM's name (`VLLM_NAMES`, with its
 `model_name` label), from the same collected values, so dashboards built for vLLM read this server as
-they are. One difference: `vllm:time_per_output_token_seconds` here observes each finished request's
-mean time per output token once, where vLLM observes every gap between tokens.
+they are. The time between a request's outputs is observed as each output arrives (one observation per
+engine step that gave the request tokens, as vLLM's inter-token latency); a finished request's mean time
+per output token is observed once (vLLM's `request_time_per_output_token`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -37,12 +39,15 @@ VLLM_NAMES: dict[str, tuple[str, str | None]] = {
     f"{PREFIX}_generation_tokens": ("vllm:generation_tokens", None),
     f"{PREFIX}_prefix_cache_hit_tokens": ("vllm:prefix_cache_hits", None),
     f"{PREFIX}_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds", None),
-    f"{PREFIX}_time_per_output_token_seconds": ("vllm:time_per_output_token_seconds", None),
+    f"{PREFIX}_time_per_output_token_seconds": ("vllm:request_time_per_output_token_seconds", None),
+    f"{PREFIX}_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", None),
     f"{PREFIX}_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds", None),
     f"{PREFIX}_request_queue_time_seconds": ("vllm:request_queue_time_seconds", None),
 }
 # vLLM's prefix-cache queries are the prompt tokens looked up: ours are the prompt tokens.
-VLLM_ALSO = {f"{PREFIX}_prompt_tokens": "vllm:prefix_cache_queries"}
+# vLLM's older name for the inter-token latency, which its dashboards still read.
+VLLM_ALSO = {f"{PREFIX}_prompt_tokens": "vllm:prefix_cache_queries",
+             f"{PREFIX}_inter_token_latency_seconds": "vllm:time_per_output_token_seconds"}
 
 
 class ServerMetrics:
@@ -63,6 +68,8 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds", "Mean time between output tokens "
                               "of a request", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between two outputs of a request that "
+                             "carry new tokens", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Time from arrival to finish",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queue_time = Histogram(f"{PREFIX}_request_queue_time_seconds", "Time from arrival to first being "
@@ -85,6 +92,17 @@ class ServerMetrics:
         self.total_prompt_tokens += len(output.prompt_token_ids)
         self.total_cached_tokens += output.num_cached_tokens
         observe_latencies(self, output)
+
+    def record_tokens(self, last_output_at: dict[int, float], choice: int, output: RequestOutput) -> None:
+        """Observe the time since the choice's previous output with tokens (none for its first: that is the
+        time to first token), keeping the times per choice in the caller's `last_output_at`."""
+        if not output.delta_token_ids:
+            return
+        now = time.monotonic()
+        previous = last_output_at.get(choice)
+        if previous is not None:
+            self.itl.observe(now - previous)
+        last_output_at[choice] = now
 
     def record_aborted(self, count: int) -> None:
         """Requests the server abandoned (the client went away); their engine output is never read."""

@@ -49,6 +49,11 @@ def test_every_vllm_metric_is_written_under_vllms_name_too(scraped: tuple[Served
     assert values[f"vllm:kv_cache_usage_perc{label}"] == values["paged_backend_kv_cache_usage_ratio"]
     assert values[f"vllm:time_to_first_token_seconds_count{label}"] == 2
     assert values['vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="tiny"}'] == 2
+    # Two requests of three tokens: two gaps each between outputs; each request's mean once.
+    assert values["paged_backend_inter_token_latency_seconds_count"] == 4
+    assert values[f"vllm:inter_token_latency_seconds_count{label}"] == 4
+    assert values[f"vllm:time_per_output_token_seconds_count{label}"] == 4
+    assert values[f"vllm:request_time_per_output_token_seconds_count{label}"] == 2
     written = {key.split("{")[0] for key in values}
     for name, _ in [*VLLM_NAMES.values(), *[(also, None) for also in VLLM_ALSO.values()]]:
         assert written & {name, f"{name}_total", f"{name}_count"}, name
