@@ -11,7 +11,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -44,6 +45,7 @@ from paged_backend.model.paged_cache import KVShape, PagedCache
 from paged_backend.output_processor import OutputProcessor
 from paged_backend.model.recurrent_state import hybrid_state
 from paged_backend.parallel.step_protocol import agree_on_blocks
+from paged_backend import tracing
 from paged_backend.sampling import prompt_logprobs
 from paged_backend.sampling.grammar_queue import GrammarQueue
 from paged_backend.sampling.sampler import SamplerOutput, sample
@@ -302,6 +304,13 @@ class Engine:
         return min(model_len, self.kv.capacity_tokens)
 
     @property
+    def model_name(self) -> str:
+        """The model's hub id, or its folder's name when loaded from disk (what traces call
+        `gen_ai.request.model`); the class name when it has neither."""
+        name = getattr(self.model, "name_or_path", "") or type(self.model).__name__
+        return Path(name).name if Path(name).is_dir() else name
+
+    @property
     def device(self) -> torch.device:
         """Where the model and its KV cache live."""
         return self.cache.kv.device
@@ -319,6 +328,7 @@ class Engine:
         logits_processor: LogitsProcessor | None = None,
         prompt_token_ids: list[int] | None = None,
         lora: LoRASpec | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); raise ValueError, leaving the engine untouched, if it is invalid.
 
@@ -328,7 +338,9 @@ class Engine:
         `logits_processor(output_token_ids, row)` maps this request's logits row `[V]` to the row it is
         sampled from (vLLM's form; every sample of an n > 1 request is passed its own output ids).
         `prompt_token_ids`, when the caller has already tokenized a text prompt, saves doing it twice.
-        `lora` (an adapter name or a `LoRARequest`) runs the request with that adapter (see `add_lora`)."""
+        `lora` (an adapter name or a `LoRARequest`) runs the request with that adapter (see `add_lora`).
+        `trace_headers`: the W3C trace context its span continues when tracing is on (tracing.py; default:
+        the calling thread's current span)."""
         params = params or SamplingParams()
         request_id = self._new_request_id(request_id)
         text, token_ids = self.inputs.prompt_tokens(prompt, prompt_token_ids)
@@ -337,13 +349,15 @@ class Engine:
         group = self.inputs.make_group(request_id, text, token_ids, params, stream=stream, arrival_time=arrival_time,
                                        cache_salt=cache_salt, logits_processor=logits_processor, adapter=adapter,
                                        model_state=self.model_states.current())
+        group.leader.metrics.timeline = tracing.start_timeline(trace_headers, self.model_name, params)
         for request in group.samples:
             self._enqueue(request)
         self.requests[request_id] = group
         return request_id
 
     def add_pooling_request(self, prompt: Prompt, pooling: PoolingParams | None = None, request_id: str | None = None,
-                            prompt_token_ids: list[int] | None = None) -> str:
+                            prompt_token_ids: list[int] | None = None,
+                            trace_headers: Mapping[str, str] | None = None) -> str:
         """Queue a prompt whose final hidden states become an embedding (core/pooling.py); its finished
         output carries it in `embedding`. ValueError, leaving the engine untouched, if it is invalid."""
         pooling = pooling or PoolingParams()
@@ -351,6 +365,7 @@ class Engine:
         text, token_ids = self.inputs.prompt_tokens(prompt, prompt_token_ids)
         self.inputs.validate_pooling(token_ids, pooling)
         request = self.inputs.make_pooling_request(request_id, text, token_ids, pooling, self.model_states.current())
+        request.metrics.timeline = tracing.start_timeline(trace_headers, self.model_name, None, "embeddings")
         self.scheduler.add(request)
         self.requests[request_id] = request.group
         return request_id
@@ -427,16 +442,23 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs that changed (every new token when streaming)."""
+        outputs = self._step()
+        tracing.end_spans(outputs)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         self._admit_compiled()
         outputs = self.output_processor.take_pending()
         batch = self.scheduler.schedule()
         if not batch.requests:
             self.grammar_queue.wait(GRAMMAR_WAIT_S)  # nothing else to run: sleep until a grammar is ready
             return outputs
+        started = time.time()
         try:
             result = self._run(batch)
         except Exception as exc:  # noqa: BLE001  (a failed forward ends its step's requests, not the engine)
             return outputs + self._fail(batch, exc)
+        tracing.record_chunks(batch, started, time.time())
         updates = self.scheduler.update_from_output(batch, result)
         outputs += self.output_processor.process(updates, result.sampled)
         self._forget_finished(updates)
@@ -446,6 +468,8 @@ class Engine:
         """Hand requests whose grammar is ready to the scheduler; a grammar that failed ends its request."""
         for request, error in self.grammar_queue.ready():
             if error is None:
+                if request.metrics.timeline is not None:
+                    request.metrics.timeline.grammar_ready = time.time()
                 self.scheduler.add(request)
             else:
                 self.abort_request(request.group.request_id, error)

@@ -30,6 +30,7 @@ from .protocol import (
 )
 from .response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from .responses_api import add_responses_routes
+from .route_spans import RouteSpans
 from .state import DEFAULT_MAX_SEQS_PER_REQUEST, ServerState
 from .tokenization import (
     DetokenizeRequest,
@@ -65,6 +66,7 @@ def create_app(aengine: EngineClient, model_name: str, api_key: str | None = Non
     install_error_handlers(app)
     app.add_middleware(JSONErrors)  # inside the counter, so the 500s it writes are counted
     app.add_middleware(HTTPStatusCounter, metrics=state.metrics)
+    app.add_middleware(RouteSpans)  # outermost: the route's span covers everything the server does
     add_plain_routes(app, state)
     # Every route added from here on is an API route: each declares the errors it answers in the OpenAPI
     # document (FastAPI merges the router's responses into each route as it is added; a route's own win).

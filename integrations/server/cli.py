@@ -7,6 +7,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from paged_backend import tracing
 from paged_backend.integrations.options.flags import (
     ENGINE_FIELDS,
     add_engine_flags,
@@ -41,6 +42,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                         help="on SIGTERM, seconds the requests in flight have to finish before they are aborted "
                         f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="send OpenTelemetry traces of every request to this OTLP/HTTP collector, e.g. "
+                        "http://localhost:4318/v1/traces (needs the trace extra; default: no traces)")
     add_parser_flags(parser)
     parser.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
                         help="how many /v1/responses answers to keep for previous_response_id (least recently used "
@@ -98,6 +102,8 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from .lifecycle import DrainingServer, Lifecycle
 
+    if args.otlp_traces_endpoint:
+        tracing.export_otlp(args.otlp_traces_endpoint)
     lifecycle = Lifecycle(args.drain_timeout)
     server = DrainingServer(uvicorn.Config(lifecycle, host=args.host, port=args.port), lifecycle)
     loaded: dict = {}

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from paged_backend.tracing import Timeline
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -43,6 +45,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    timeline: Timeline | None = field(default=None, repr=False)  # when traced: what it went through (tracing.py)
 
     @property
     def time_to_first_token(self) -> float | None:

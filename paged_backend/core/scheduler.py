@@ -175,6 +175,8 @@ class Scheduler:
         request.num_draft_computed = 0
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
+        if request.metrics.timeline is not None:
+            request.metrics.timeline.preemptions.append(time.time())
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 

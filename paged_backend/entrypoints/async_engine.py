@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from typing import Any
 
+from paged_backend import tracing
 from paged_backend.core.outputs import RequestOutput, failed_output
 from paged_backend.core.pooling import PoolingParams
 from paged_backend.core.request import LogitsProcessor
@@ -97,7 +98,7 @@ class AsyncEngine:
         adapter = self.engine.resolve_lora(lora)
         request_id = request_id if request_id is not None else f"async-{next(self.ids)}"
         self.commands.put(("add", (request_id, text if text is not None else token_ids, token_ids, params, sink,
-                                   logits_processor, adapter)))
+                                   logits_processor, adapter, tracing.current_headers())))
         self.wakeup.set()
         return request_id
 
@@ -125,7 +126,8 @@ class AsyncEngine:
         text, token_ids = self.tokenize(prompt)
         self.engine.inputs.validate_pooling(token_ids, pooling)
         request_id = request_id if request_id is not None else f"async-{next(self.ids)}"
-        self.commands.put(("pool", (request_id, text if text is not None else token_ids, token_ids, pooling, sink)))
+        self.commands.put(("pool", (request_id, text if text is not None else token_ids, token_ids, pooling, sink,
+                                    tracing.current_headers())))
         self.wakeup.set()
         return request_id
 
@@ -214,10 +216,12 @@ class AsyncEngine:
             reply.set_exception(exc)
 
     def add(self, request_id: str, prompt: Prompt, token_ids: list[int], params: SamplingParams, sink: Sink,
-            logits_processor: LogitsProcessor | None, adapter: LoRAAdapter | None = None) -> None:
+            logits_processor: LogitsProcessor | None, adapter: LoRAAdapter | None = None,
+            trace_headers: dict[str, str] | None = None) -> None:
         try:
+            # The submitting thread's trace context: this thread has none of its own.
             self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=token_ids,
-                                    logits_processor=logits_processor, lora=adapter)
+                                    logits_processor=logits_processor, lora=adapter, trace_headers=trace_headers or {})
         except ValueError as exc:  # e.g. a duplicate id: the caller gets a finished output with the error
             logger.warning("request %s refused: %s", request_id, exc)
             sink(failed_output(request_id, prompt if isinstance(prompt, str) else None, token_ids, str(exc)))
@@ -225,9 +229,10 @@ class AsyncEngine:
         self.sinks[request_id] = sink
 
     def add_pooling(self, request_id: str, prompt: Prompt, token_ids: list[int], pooling: PoolingParams,
-                    sink: Sink) -> None:
+                    sink: Sink, trace_headers: dict[str, str] | None = None) -> None:
         try:
-            self.engine.add_pooling_request(prompt, pooling, request_id=request_id, prompt_token_ids=token_ids)
+            self.engine.add_pooling_request(prompt, pooling, request_id=request_id, prompt_token_ids=token_ids,
+                                            trace_headers=trace_headers or {})
         except ValueError as exc:  # e.g. a duplicate id: the caller gets a finished output with the error
             logger.warning("request %s refused: %s", request_id, exc)
             sink(failed_output(request_id, prompt if isinstance(prompt, str) else None, token_ids, str(exc)))

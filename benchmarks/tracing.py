@@ -1,0 +1,132 @@
+"""What OpenTelemetry tracing costs the engine: the throughput workload with tracing off and on, in one process.
+
+1. The throughput workload (benchmarks/throughput.py: 32 MT-bench prompts, 16..128 greedy tokens each) at
+   the defaults, tracing off (no tracer provider) and on (an SDK provider whose batch processor hands every
+   span to an exporter that counts and drops them, as a collector's client would send them), alternating,
+   medians of `--repeats` rounds; on, the spans per request are counted.
+2. The off path alone: what a step of 32 untraced requests pays for tracing (`record_chunks` and
+   `end_spans` over its requests and outputs), in microseconds, against the step's time.
+
+    python benchmarks/tracing.py                 # 5 rounds each
+    python benchmarks/tracing.py --repeats 3
+
+Writes benchmarks/results/tracing_<machine class>.json (common.write_results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import timeit
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `throughput` sit beside this script
+
+from common import load_average, write_results
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from paged_backend import tracing
+
+MODES = ("off", "on")
+
+
+class CountingExporter(SpanExporter):
+    """Drops the spans it is given, counting them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def export(self, spans) -> SpanExportResult:
+        self.count += len(spans)
+        return SpanExportResult.SUCCESS
+
+
+def alternate(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Each run's figure, `repeats` times, the order flipped every round."""
+    figures: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(repeats):
+        for name in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
+            figures[name].append(runs[name]())
+    return figures
+
+
+def engine_throughput(repeats: int) -> dict[str, Any]:
+    """Tokens/s of the throughput workload, tracing off and on, in one process."""
+    from throughput import FULL_WORKLOAD, default_workload
+
+    from paged_backend import LLM, SamplingParams
+    from paged_backend.model.default_model import default_model_path
+
+    llm = LLM(None)
+    workload = default_workload(**FULL_WORKLOAD, model_source=str(default_model_path()))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
+    exporter = CountingExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    answers: dict[str, list[list[int]]] = {}
+
+    def timed(mode: str) -> Callable[[], float]:
+        def run() -> float:
+            with tracing.traced_by(provider if mode == "on" else None):
+                llm.reset_prefix_cache()  # each round computes the prompts again
+                start = time.perf_counter()
+                outs = llm.generate(workload.prompt_token_ids, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+            answers[mode] = [list(o.outputs[0].token_ids) for o in outs]
+            return sum(len(tokens) for tokens in answers[mode]) / elapsed
+        return run
+
+    figures = alternate({mode: timed(mode) for mode in MODES}, repeats)
+    provider.force_flush()
+    return {"prompts": len(params), "tokens_per_s": figures,
+            "median_tokens_per_s": {mode: statistics.median(v) for mode, v in figures.items()},
+            "spans_per_request": exporter.count / (repeats * len(params)),
+            "same_answers": answers["on"] == answers["off"]}
+
+
+def off_path_us(requests: int = 32, repeats: int = 2000) -> float:
+    """Microseconds a step of `requests` untraced decoding requests spends in tracing's two calls."""
+    metrics = SimpleNamespace(timeline=None)
+    reqs = [SimpleNamespace(metrics=metrics, output_token_ids=[1], num_computed_tokens=9, num_tokens=10)
+            for _ in range(requests)]
+    batch = SimpleNamespace(requests=reqs, num_new_tokens=[1] * requests)
+    outputs = [SimpleNamespace(finished=False, metrics=metrics) for _ in range(requests)]
+
+    def step() -> None:
+        tracing.record_chunks(batch, 0.0, 1.0)
+        tracing.end_spans(outputs)
+
+    return min(timeit.repeat(step, number=repeats, repeat=5)) / repeats * 1e6
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    load_start = load_average()
+    results: dict[str, Any] = {"threads": torch.get_num_threads(), "repeats": args.repeats,
+                               "off_path_us_per_32_request_step": off_path_us()}
+    engine = results["engine"] = engine_throughput(args.repeats)
+    rate = engine["median_tokens_per_s"]
+    results["on_over_off"] = rate["on"] / rate["off"]
+    print(f"throughput workload: tracing off {rate['off']:.1f} tok/s, on {rate['on']:.1f} tok/s = "
+          f"{results['on_over_off']:.3f}x; {engine['spans_per_request']:.1f} spans per request; "
+          f"same answers: {engine['same_answers']}")
+    print(f"tracing off: {results['off_path_us_per_32_request_step']:.1f} us per 32-request step")
+    results["load_1m_start"], results["load_1m_end"] = load_start, load_average()
+    print(f"threads {results['threads']}; load average {load_start:.1f} -> {results['load_1m_end']:.1f}; "
+          f"wrote {write_results(results, 'tracing', args.json)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
