@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from helpers.server import build_chat_tokenizer, tiny_llama
 from helpers.traces import children, covered, recording, request_spans
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.outputs import LLMResult
 from paged_backend.integrations.langchain import ChatPaged
 
 from paged_backend import LLM, AsyncEngine, SamplingParams, tracing
@@ -71,17 +73,30 @@ def test_a_preempted_request_is_marked_queued_again_and_recomputed(tokenizer) ->
         assert covered(span, kids) >= 0.95
 
 
+class UsageCallbacks(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.usage: list[int] = []
+
+    def on_llm_end(self, response: LLMResult, **kwargs) -> None:
+        self.usage.append(response.generations[0][0].message.usage_metadata["output_tokens"])
+
+
 def test_the_span_crosses_to_the_engine_thread_from_async_engine_and_chat_paged(tokenizer) -> None:
     aengine = AsyncEngine(tiny_llm(tokenizer, num_kv_blocks=64).engine)
+    callbacks = UsageCallbacks()
     try:
         with recording() as exporter, tracing.tracer().start_as_current_span("caller") as caller:
             list(aengine.stream([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
-            ChatPaged(model=aengine, max_tokens=3).invoke("tell me about rivers")
+            answer = ChatPaged(model=aengine, max_tokens=3).invoke("tell me about rivers",
+                                                                  config={"callbacks": [callbacks]})
     finally:
         aengine.shutdown()
     requests = request_spans(exporter.get_finished_spans())
     assert len(requests) == 2
     assert {span.parent.span_id for span in requests} == {caller.get_span_context().span_id}
+    # LangChain's callbacks still see the call, with the same usage the span records.
+    assert callbacks.usage == [requests[1].attributes["gen_ai.usage.output_tokens"]] == [
+        answer.usage_metadata["output_tokens"]]
 
 
 def test_no_tracer_provider_records_nothing(tokenizer) -> None:
