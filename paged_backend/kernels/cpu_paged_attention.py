@@ -11,11 +11,9 @@ It serves sequences with up to MOST_ROWS query rows (decode rows, a request veri
 short chunk), fp32 or bf16 queries over an fp32, bf16 or int8 cache, with sliding windows, chunks,
 soft-capping, ALiBi and sinks; longer prompts stay on SDPA, whose blocked kernel is the faster one there.
 
-The C source is compiled with the machine's C compiler (`$CC`, else `cc`) for the machine's own
-instructions (`-march=native`), once: the library is kept under the cache folder
-(`kernels/cpu_paged_attention-<key>.so`), keyed by the source, the compiler and the CPU's instruction
-sets. Without a compiler, or with `PAGED_BACKEND_CPU_KERNEL=0`, attention runs in PyTorch ops as before:
-slower, the same answers to within fp32 rounding.
+The C source is compiled on the user's machine, once, and kept (cpu_build.py). Without a compiler, or
+with `PAGED_BACKEND_CPU_KERNEL=0`, attention runs in PyTorch ops as before: slower, the same answers to
+within fp32 rounding.
 """
 
 from __future__ import annotations
@@ -23,25 +21,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from paged_backend.cache_folder import cache_dir, cpu_flags
-
+from . import cpu_build
 from .metadata import AttentionMetadata
 
-logger = logging.getLogger(__name__)
-
-ENV_SWITCH = "PAGED_BACKEND_CPU_KERNEL"
+ENV_SWITCH = cpu_build.ENV_SWITCH
 SOURCE = Path(__file__).with_suffix(".c")
 MOST_ROWS = 16  # a sequence with more query rows attends through SDPA
 QUERY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -142,49 +130,10 @@ def attend(
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use, or None (switched off, or no compiler: said once)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(built_library()))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("the CPU paged-attention kernel could not be built (%s); attention runs in PyTorch ops, "
-                       "slower", describe(exc))
-        return None
+    """The compiled kernel, built on first use (cpu_build.py), or None (switched off, or no compiler: said once)."""
+    return cpu_build.load(SOURCE, declare, "attention runs in PyTorch ops, slower")
+
+
+def declare(lib: ctypes.CDLL) -> None:
     lib.paged_attention.argtypes = [ctypes.POINTER(Arguments)]
     lib.paged_attention.restype = None
-    return lib
-
-
-def built_library() -> Path:
-    """The library for this source, compiler and CPU, compiled now unless the cache folder has it. A cache
-    folder that cannot be written gets a library built in a temporary folder, used and not kept."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
-    key = hashlib.sha256(repr((SOURCE.read_bytes(), compiler, platform.machine(), cpu_flags())).encode()).hexdigest()
-    target = cache_dir() / "kernels" / f"cpu_paged_attention-{key[:16]}.so"
-    if target.is_file():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    except OSError:
-        target = Path(tempfile.mkdtemp(prefix="paged-backend-kernel-")) / target.name
-        handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(handle)
-    command = [compiler, "-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", str(SOURCE), "-o", partial]
-    try:
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
-        os.replace(partial, target)  # whole or not at all: a second process may be loading it
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
-    logger.info("built the CPU paged-attention kernel: %s", target)
-    return target
-
-
-def describe(exc: BaseException) -> str:
-    if isinstance(exc, subprocess.CalledProcessError):
-        return f"{exc.cmd[0]} exited with {exc.returncode}: {(exc.stderr or '').strip()[-500:]}"
-    return str(exc)

@@ -1,9 +1,11 @@
 """Int8 weight-only linear layers on CPU: the LM head of an int4 model (quantization.py).
 
 Each output row is rounded to int8 with its own scale (`max |w| / 127`). Small steps multiply by the
-codes through torch's CPU int8 kernel (`_weight_int8pack_mm`, bf16 activations): for the default
-model's 49,152 x 576 head on an AVX-512 CPU (2 threads) it measured 2.3 ms at 1 row against 3.9 ms for
-the bf16 weight and 3.1 against 4.8 at 4 rows, but 15.3 against 6.7 at 16 rows. So steps of more
+codes: one to four rows through the compiled CPU kernel (kernels/cpu_int8_matmul.py) where it is built,
+else through torch's CPU int8 kernel (`_weight_int8pack_mm`, bf16 activations). For the default model's
+49,152 x 576 head on an AVX-512 CPU (2 threads) torch's kernel measured 2.3 ms at 1 row against 3.9 ms for
+the bf16 weight and 3.1 against 4.8 at 4 rows, but 15.3 against 6.7 at 16 rows; the compiled kernel
+takes about 1.0 ms at 1 row (benchmarks/cpu_int8_head.py). So steps of more
 than `DENSE_ROWS[torch.bfloat16]` rows multiply by a dense bf16 copy of the same dequantized weight
 (quantized_linear.py). On an AVX2 CPU without native bf16 the copy is fp32, and the kernel (rows rounded to
 bf16 for it; given fp32 rows it measured 5x slower) beat it up to about 32 rows: 4.7 against 15.8 ms at 1
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from paged_backend.kernels import cpu_int8_matmul
 from paged_backend.model.quantized_linear import (
     COMPUTE_DTYPE,
     QuantizedLinear,
@@ -67,13 +70,18 @@ class Int8Linear(QuantizedLinear):
 
 def int8_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor,
                 row_norms: torch.Tensor) -> torch.Tensor:
-    """`rows [n, in]` times the weight `codes * scales[:, None]`, in the dtype of `rows`: through the int8
-    kernel (bf16) for up to DENSE_ROWS rows of the dense copy's dtype, else through the copy `dense [out, in]`.
+    """`rows [n, in]` times the weight `codes * scales[:, None]`, in the dtype of `rows`: through an int8
+    kernel for up to DENSE_ROWS rows of the dense copy's dtype (the compiled CPU kernel for a few rows,
+    kernels/cpu_int8_matmul.py, where it is built; else torch's, on rows rounded to bf16), else through the
+    copy `dense [out, in]`.
     fp32 rows through the kernel get the outputs that could be their row's largest recomputed in fp32
     (refine_near_max, with `row_norms [out]`, the copy's row norms)."""
     if rows.shape[0] > DENSE_ROWS[dense.dtype]:
         return dense_matmul(rows, dense)
-    out = cast_to(torch._weight_int8pack_mm(cast_to(rows, COMPUTE_DTYPE), codes, scales), rows.dtype)
+    if cpu_int8_matmul.serves(rows, codes, scales):
+        out = cast_to(cpu_int8_matmul.int8_matmul(rows, codes, scales), rows.dtype)
+    else:
+        out = cast_to(torch._weight_int8pack_mm(cast_to(rows, COMPUTE_DTYPE), codes, scales), rows.dtype)
     if rows.dtype == torch.float32 and dense.dtype == torch.float32:
         out = refine_near_max(rows, out, dense, error_bound(rows, out, row_norms))
     return out

@@ -1,0 +1,76 @@
+"""Building the engine's CPU kernels: C sources compiled on the user's machine, once, and kept.
+
+A kernel's source (`cpu_*.c` beside this file) is compiled with the machine's C compiler (`$CC`, else `cc`)
+for the machine's own instructions (`-march=native`, OpenMP from torch's runtime). The library is kept
+under the cache folder (`kernels/<source name>-<key>.so`), keyed by the source, the compiler and the CPU's
+instruction sets, so a later process loads it; a cache folder that cannot be written gets a library built
+in a temporary folder, used and not kept. Without a compiler, or with `PAGED_BACKEND_CPU_KERNEL=0`, no
+kernel loads and their callers run PyTorch ops, as each says once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from paged_backend.cache_folder import cache_dir, cpu_flags
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "PAGED_BACKEND_CPU_KERNEL"  # "0": every CPU kernel off
+
+
+def load(source: Path, declare: Callable[[ctypes.CDLL], None], what: str) -> ctypes.CDLL | None:
+    """The library built from `source`, its functions' signatures set by `declare`; None when the kernels
+    are switched off or it cannot be built (said once, naming `what` runs instead)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(built_library(source)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("the CPU kernel %s could not be built (%s); %s", source.name, describe(exc), what)
+        return None
+    declare(lib)
+    return lib
+
+
+def built_library(source: Path) -> Path:
+    """The library for `source`, this compiler and this CPU, compiled now unless the cache folder has it."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+    key = hashlib.sha256(repr((source.read_bytes(), compiler, platform.machine(), cpu_flags())).encode()).hexdigest()
+    target = cache_dir() / "kernels" / f"{source.stem}-{key[:16]}.so"
+    if target.is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    except OSError:
+        target = Path(tempfile.mkdtemp(prefix="paged-backend-kernel-")) / target.name
+        handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(handle)
+    command = [compiler, "-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", str(source), "-o", partial]
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(partial, target)  # whole or not at all: a second process may be loading it
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+    logger.info("built the CPU kernel %s: %s", source.name, target)
+    return target
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, subprocess.CalledProcessError):
+        return f"{exc.cmd[0]} exited with {exc.returncode}: {(exc.stderr or '').strip()[-500:]}"
+    return str(exc)

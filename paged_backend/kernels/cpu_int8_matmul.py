@@ -1,0 +1,71 @@
+"""A compiled CPU kernel for a few rows times an int8 weight: the LM head of a one-stream int4 model.
+
+One stream's decode step multiplies one row by the int8 head (model/int8_linear.py: 49,152 x 576 for the
+default model, 28 MB of codes), a pass over memory that torch's `_weight_int8pack_mm` made at about half of
+what the machine's memory gives. The kernel in cpu_int8_matmul.c streams each output row's codes once, in
+order, widens them in registers and multiplies them with the (at most MOST_ROWS) input rows kept in fp32,
+the output rows split between torch's threads. Its products are fp32 sums of the rows as given, where
+torch's kernel rounds the rows to bf16 first.
+
+Built on the user's machine like the other CPU kernels (cpu_build.py); without a compiler, or with
+`PAGED_BACKEND_CPU_KERNEL=0`, torch's kernel serves as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from . import cpu_build
+
+SOURCE = Path(__file__).with_suffix(".c")
+MOST_ROWS = 4  # the C kernel's limit; more rows go to the caller's other paths
+ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_switched_off = False
+
+
+@contextlib.contextmanager
+def switched_off() -> Iterator[None]:
+    """torch's kernel inside the block, as on a machine without a compiler (tests, benchmarks)."""
+    global _switched_off
+    before, _switched_off = _switched_off, True
+    try:
+        yield
+    finally:
+        _switched_off = before
+
+
+def serves(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether the kernel multiplies these `rows [n, in]` by `codes [out, in]` with bf16 `scales [out]` here."""
+    return (not _switched_off and rows.device.type == "cpu" and rows.dim() == 2 and 1 <= rows.shape[0] <= MOST_ROWS
+            and rows.dtype in ROW_DTYPES and codes.dtype == torch.int8 and codes.is_contiguous()
+            and scales.dtype == torch.bfloat16 and scales.is_contiguous() and library() is not None)
+
+
+def int8_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`rows [n, in]` times `codes [out, in] * scales[:, None]`, as fp32 `[n, out]`. The caller checked serves()."""
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], codes.shape[0], dtype=torch.float32)
+    failed = library().int8_matmul(rows.data_ptr(), ROW_DTYPES[rows.dtype], rows.shape[0], rows.shape[1],
+                                   codes.data_ptr(), scales.data_ptr(), codes.shape[0], out.data_ptr(),
+                                   torch.get_num_threads())
+    if failed:
+        raise MemoryError("the int8 matmul kernel could not allocate its rows")
+    return out
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use, or None (switched off, or no compiler: said once)."""
+    return cpu_build.load(SOURCE, declare, "the int8 head runs through torch's kernel")
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    lib.int8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.int8_matmul.restype = ctypes.c_int

@@ -1,0 +1,61 @@
+"""The compiled CPU int8 matmul (kernels/cpu_int8_matmul.py): a few rows times int8 codes with a bf16 scale per
+output row equal the fp32 product of the rows and the dequantized weight, for every row count it takes and
+both row dtypes; it leaves what it does not take to torch's kernel; the int8 head gives the same logits
+through it as through torch's kernel, to within bf16 rounding of the rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_backend.kernels import cpu_int8_matmul
+from paged_backend.model.int8_linear import Int8Linear
+
+pytestmark = pytest.mark.skipif(cpu_int8_matmul.library() is None, reason="no C compiler on this machine")
+
+
+def weight(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+    scales = (torch.rand(out_features, generator=g) * 0.01 + 1e-4).bfloat16()
+    return codes, scales
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1000, 576), (37, 100), (16, 1)])
+def test_products_equal_the_fp32_product_with_the_dequantized_weight(rows: int, dtype: torch.dtype,
+                                                                     shape: tuple[int, int]) -> None:
+    codes, scales = weight(*shape)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert cpu_int8_matmul.serves(x, codes, scales)
+    got = cpu_int8_matmul.int8_matmul(x, codes, scales)
+    expected = x.double() @ (codes.double() * scales.double()[:, None]).T
+    assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * shape[1] ** 0.5)
+
+
+def test_what_it_does_not_take_is_left_to_torch() -> None:
+    codes, scales = weight(64, 32)
+    assert not cpu_int8_matmul.serves(torch.randn(5, 32), codes, scales)  # more rows than MOST_ROWS
+    assert not cpu_int8_matmul.serves(torch.randn(1, 32, dtype=torch.float16), codes, scales)
+    assert not cpu_int8_matmul.serves(torch.randn(1, 32), codes.t().contiguous().t(), scales)
+    assert not cpu_int8_matmul.serves(torch.randn(1, 32), codes, scales.float())
+    with cpu_int8_matmul.switched_off():
+        assert not cpu_int8_matmul.serves(torch.randn(1, 32), codes, scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_head_gives_torchs_logits_through_the_kernel(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 2048, bias=False)
+    head = Int8Linear.from_float(linear.to(dtype))
+    rows = torch.randn(1, 576).to(dtype)
+    with cpu_int8_matmul.switched_off():
+        through_torch = head(rows)
+    through_kernel = head(rows)
+    assert through_kernel.dtype == dtype
+    # torch's kernel rounds the rows (and its outputs) to bf16: the two differ by that rounding only.
+    torch.testing.assert_close(through_kernel.float(), through_torch.float(), rtol=2e-2, atol=2e-2)
+    weight = head.codes.float() * head.scales.float()[:, None]
+    assert through_kernel.argmax() == (rows.float() @ weight.T).argmax()
