@@ -204,6 +204,15 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+def alternate(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Each run's figure, `repeats` times, the order flipped every round (A/B comparisons in one process)."""
+    figures: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(repeats):
+        for name in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
+            figures[name].append(runs[name]())
+    return figures
+
+
 def time_median(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
     """Median wall time of `fn()` over `repeats` calls after `warmup` untimed calls; medians resist noisy neighbours."""
     return time_medians(fn, repeats, warmup)[0]

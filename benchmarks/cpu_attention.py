@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `throughput` sit beside this script
 
-from common import load_average, write_results
+from common import alternate, load_average, write_results
 
 from paged_backend.kernels import AttentionMetadata, cpu_paged_attention, paged_attention
 
@@ -42,15 +42,6 @@ PATHS = ("kernel", "torch_ops")
 
 def path_context(name: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if name == "kernel" else cpu_paged_attention.switched_off()
-
-
-def alternate(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
-    """Each run's figure, `repeats` times, the order flipped every round."""
-    figures: dict[str, list[float]] = {name: [] for name in runs}
-    for round_ in range(repeats):
-        for name in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
-            figures[name].append(runs[name]())
-    return figures
 
 
 def one_layer_call(seqs: int, repeats: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `throughput` sit beside this script
 
-from common import load_average, write_results
+from common import alternate, load_average, write_results
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
@@ -47,15 +47,6 @@ class CountingExporter(SpanExporter):
     def export(self, spans) -> SpanExportResult:
         self.count += len(spans)
         return SpanExportResult.SUCCESS
-
-
-def alternate(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
-    """Each run's figure, `repeats` times, the order flipped every round."""
-    figures: dict[str, list[float]] = {name: [] for name in runs}
-    for round_ in range(repeats):
-        for name in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
-            figures[name].append(runs[name]())
-    return figures
 
 
 def engine_throughput(repeats: int) -> dict[str, Any]:
