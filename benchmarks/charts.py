@@ -335,6 +335,39 @@ def cpu_attention_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def cpu_int8_head_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    us = r["one_call"]["median_us"]
+    rate = r["one_stream"]["median_tokens_per_s"]
+    same = r["one_stream"]["first_difference"]
+    return [("the default model's int8 LM head at one row, its codes from memory: kernel vs torch's int8 kernel",
+             f"{number(us['kernel'])} vs {number(us['torch'])} us ({number(us['torch'] / us['kernel'], 2)}x)"),
+            (f"one stream of {r['one_stream']['tokens']} greedy tokens at the defaults: kernel vs torch's kernel "
+             "(one process, alternating)",
+             f"{number(rate['kernel'])} vs {number(rate['torch'])} tok/s ({number(rate['kernel'] / rate['torch'], 2)}x); "
+             + ("the same tokens" if same is None else f"tokens part at position {same}"))]
+
+
+def tracing_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rate = r["engine"]["median_tokens_per_s"]
+    return [("throughput workload at the defaults: tracing on (every span exported) vs off (one process, alternating)",
+             f"{number(rate['on'])} vs {number(rate['off'])} tok/s ({number(r['on_over_off'], 3)}x), "
+             f"{number(r['engine']['spans_per_request'])} spans per request, same answers {r['engine']['same_answers']}"),
+            ("tracing off: what a 32-request step pays for it", f"{number(r['off_path_us_per_32_request_step'])} us")]
+
+
+def cpu_peers_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    medians, rows = r["medians"], []
+    for figure, label in (("throughput", f"throughput, {r['workload']['chats']} chats at once"),
+                          ("one_stream", f"one stream, {r['tokens']} tokens incl. the prompt")):
+        values = ", ".join(f"{system} {number(m[figure])}" for system, m in medians.items() if figure in m)
+        rows.append((f"{label} (tok/s, medians of {r['rounds']} rounds)", values))
+    if "llama_bench_tg" in medians.get("llama.cpp", {}):
+        rows.append(("llama.cpp decode only (llama-bench tg128, tok/s)", number(medians["llama.cpp"]["llama_bench_tg"])))
+    for pair, ratios in r["ratios"].items():
+        rows.append((pair, f"throughput {number(ratios['throughput'], 2)}x, one stream {number(ratios['one_stream'], 2)}x"))
+    return rows
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "throughput": throughput_figures, "prefix_cache": prefix_cache_figures, "pipeline": pipeline_figures,
     "serve": serve_figures, "replicas": replicas_figures, "self_check": self_check_figures,
@@ -343,6 +376,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "sliding_window_memory": sliding_window_figures, "startup": startup_figures, "gpu_check": gpu_check_figures,
     "fused_projections": fused_projections_figures, "hybrid_decode": hybrid_decode_figures,
     "step_profile": step_profile_figures, "cpu_attention": cpu_attention_figures,
+    "cpu_int8_head": cpu_int8_head_figures, "tracing": tracing_figures, "cpu_peers": cpu_peers_figures,
 }
 
 
@@ -382,6 +416,15 @@ def benchmarks_section() -> str:
 # The README's headline: (benchmark, machine class, what was measured, the figure); both are formatted from
 # the record, so every number the README shows is one of its results file's.
 HEADLINE: list[tuple[str, str, Callable[[dict[str, Any]], str], Callable[[dict[str, Any]], str]]] = [
+    ("cpu_peers", "avx512",
+     lambda r: f"served over HTTP on 2 cores, default model: {r['workload']['chats']} chats at once vs "
+               "vLLM's CPU backend (bf16); one stream vs llama.cpp (same GGUF file)",
+     lambda r: f"{number(r['ratios']['paged-backend / vLLM CPU']['throughput'], 2)}x "
+               f"({number(r['medians']['paged-backend']['throughput'])} vs "
+               f"{number(r['medians']['vLLM CPU']['throughput'])} tok/s); "
+               f"{number(r['ratios']['paged-backend / llama.cpp']['one_stream'], 2)}x "
+               f"({number(r['medians']['paged-backend']['one_stream'])} vs "
+               f"{number(r['medians']['llama.cpp']['one_stream'])} tok/s)"),
     ("throughput", "unrecorded",
      lambda r: f"{r['workload']['num_prompts']} MT-bench chats, default model in fp32: engine vs HF `generate` static batches",
      lambda r: f"{number(r['systems']['engine']['tokens_per_s'])} vs {number(r['systems']['static']['tokens_per_s'])} tok/s "
