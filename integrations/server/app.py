@@ -20,7 +20,7 @@ from .embeddings import add_embeddings_routes
 from .errors import APIError, JSONErrors, error_responses, install_error_handlers
 from .legacy import generate
 from .messages import add_messages_routes
-from .metrics import ServerMetrics
+from .metrics import CURRENT_SCOPE, ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -199,9 +199,11 @@ class HTTPStatusCounter:
             finished = finished or (message["type"] == "http.response.body" and not message.get("more_body"))
             await send(message)
 
+        token = CURRENT_SCOPE.set(scope)
         try:
             await self.app(scope, listen, capture)
         finally:
+            CURRENT_SCOPE.reset(token)
             route = getattr(scope.get("route"), "path", None)
             self.metrics.record_http(route, CLIENT_CLOSED if gone and not finished else status,
                                      time.perf_counter() - started)

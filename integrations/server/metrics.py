@@ -13,6 +13,7 @@ per output token is observed once (vLLM's `request_time_per_output_token`).
 
 from __future__ import annotations
 
+import contextvars
 import time
 from collections.abc import Iterator
 
@@ -25,6 +26,9 @@ from paged_backend.core.outputs import RequestOutput
 from paged_backend.entrypoints.engine_client import EngineClient
 
 PREFIX = "paged_backend"
+# The ASGI scope of the HTTP request the current task answers, so that latencies recorded deep in a route
+# (fanout.merge_streams) carry its route: set by app.HTTPStatusCounter, seen by the tasks the route starts.
+CURRENT_SCOPE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("paged_backend_http_scope", default=None)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -64,16 +68,17 @@ class ServerMetrics:
                                          registry=self.registry)
         self.cached_tokens = Counter(f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens served from the "
                                      "prefix cache", registry=self.registry)
+        # The engine requests' latencies, by the route that submitted them (`path`, as http_duration's).
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time from arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
+                              ["path"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds", "Mean time between output tokens "
-                              "of a request", buckets=LATENCY_BUCKETS, registry=self.registry)
+                              "of a request", ["path"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between two outputs of a request that "
-                             "carry new tokens", buckets=LATENCY_BUCKETS, registry=self.registry)
+                             "carry new tokens", ["path"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Time from arrival to finish",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
+                             ["path"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queue_time = Histogram(f"{PREFIX}_request_queue_time_seconds", "Time from arrival to first being "
-                                    "scheduled", buckets=LATENCY_BUCKETS, registry=self.registry)
+                                    "scheduled", ["path"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.http_duration = Histogram(f"{PREFIX}_http_request_duration_seconds", "Time from a request's arrival "
                                        "to its answer's last byte, by route", ["path"], buckets=LATENCY_BUCKETS,
                                        registry=self.registry)
@@ -101,7 +106,7 @@ class ServerMetrics:
         now = time.monotonic()
         previous = last_output_at.get(choice)
         if previous is not None:
-            self.itl.observe(now - previous)
+            self.itl.labels(current_route()).observe(now - previous)
         last_output_at[choice] = now
 
     def record_aborted(self, count: int) -> None:
@@ -151,17 +156,25 @@ def vllm_families(families: list[Metric], model_name: str) -> list[Metric]:
 
 
 def observe_latencies(metrics: ServerMetrics, output: RequestOutput) -> None:
-    m = output.metrics
+    m, route = output.metrics, current_route()
     if m.first_scheduled_time is not None:
-        metrics.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        metrics.queue_time.labels(route).observe(m.first_scheduled_time - m.arrival_time)
     if m.first_token_time is None:
         return
-    metrics.ttft.observe(m.first_token_time - m.arrival_time)
+    metrics.ttft.labels(route).observe(m.first_token_time - m.arrival_time)
     num_tokens = len(output.outputs[0].token_ids)
     if m.finished_time is not None:
-        metrics.e2e.observe(m.finished_time - m.arrival_time)
+        metrics.e2e.labels(route).observe(m.finished_time - m.arrival_time)
         if num_tokens > 1:
-            metrics.tpot.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
+            metrics.tpot.labels(route).observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
+
+
+def current_route() -> str:
+    """The path template of the route whose request is being answered (the ASGI scope `HTTPStatusCounter`
+    keeps for it; the route is set once routing chose it); "other" outside a request."""
+    scope = CURRENT_SCOPE.get()
+    route = getattr(scope.get("route"), "path", None) if scope is not None else None
+    return route or "other"
 
 
 class EngineCollector(Collector):

@@ -337,8 +337,8 @@ def test_metrics_count_requests_tokens_and_latency(real: Served) -> None:
     values = parse_metrics(text)
     assert values['paged_backend_requests_total{finished_reason="length"}'] >= 1
     assert values["paged_backend_prompt_tokens_total"] >= 1 and values["paged_backend_generation_tokens_total"] >= 3
-    assert values["paged_backend_time_to_first_token_seconds_count"] >= 1
-    assert values["paged_backend_time_per_output_token_seconds_count"] >= 1
+    assert values['paged_backend_time_to_first_token_seconds_count{path="/v1/completions"}'] >= 1
+    assert values['paged_backend_time_per_output_token_seconds_count{path="/v1/completions"}'] >= 1
     assert values['paged_backend_http_requests_total{path="/v1/completions",status="400"}'] >= 1
     assert values["paged_backend_num_requests_running"] == 0 and values["paged_backend_kv_cache_usage_ratio"] == 0
     assert "paged_backend_num_requests_waiting" in values and "paged_backend_prefix_cache_hit_rate" in values

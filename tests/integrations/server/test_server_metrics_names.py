@@ -33,7 +33,7 @@ def test_route_latency_queue_time_and_start_up_are_observed(scraped: tuple[Serve
     _, values = scraped
     assert values['paged_backend_http_request_duration_seconds_count{path="/v1/completions"}'] == 2
     assert values['paged_backend_http_request_duration_seconds_sum{path="/v1/completions"}'] > 0
-    assert values["paged_backend_request_queue_time_seconds_count"] == 2
+    assert values['paged_backend_request_queue_time_seconds_count{path="/v1/completions"}'] == 2
     assert values["paged_backend_structured_requests_started_total"] == 0
     assert "paged_backend_startup_graphs_loaded" not in values  # an eager engine: nothing compiled or loaded
 
@@ -47,13 +47,14 @@ def test_every_vllm_metric_is_written_under_vllms_name_too(scraped: tuple[Served
     assert values['vllm:request_success_total{finished_reason="length",model_name="tiny"}'] == 2
     assert values[f"vllm:num_preemptions_total{label}"] == values["paged_backend_num_preemptions"]
     assert values[f"vllm:kv_cache_usage_perc{label}"] == values["paged_backend_kv_cache_usage_ratio"]
-    assert values[f"vllm:time_to_first_token_seconds_count{label}"] == 2
-    assert values['vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="tiny"}'] == 2
+    routed = '{path="/v1/completions",model_name="tiny"}'  # the engine requests' latencies carry their route
+    assert values[f"vllm:time_to_first_token_seconds_count{routed}"] == 2
+    assert values['vllm:e2e_request_latency_seconds_bucket{path="/v1/completions",le="+Inf",model_name="tiny"}'] == 2
     # Two requests of three tokens: two gaps each between outputs; each request's mean once.
-    assert values["paged_backend_inter_token_latency_seconds_count"] == 4
-    assert values[f"vllm:inter_token_latency_seconds_count{label}"] == 4
-    assert values[f"vllm:time_per_output_token_seconds_count{label}"] == 4
-    assert values[f"vllm:request_time_per_output_token_seconds_count{label}"] == 2
+    assert values['paged_backend_inter_token_latency_seconds_count{path="/v1/completions"}'] == 4
+    assert values[f"vllm:inter_token_latency_seconds_count{routed}"] == 4
+    assert values[f"vllm:time_per_output_token_seconds_count{routed}"] == 4
+    assert values[f"vllm:request_time_per_output_token_seconds_count{routed}"] == 2
     written = {key.split("{")[0] for key in values}
     for name, _ in [*VLLM_NAMES.values(), *[(also, None) for also in VLLM_ALSO.values()]]:
         assert written & {name, f"{name}_total", f"{name}_count"}, name
