@@ -349,8 +349,9 @@ def cpu_int8_head_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
 
 def tracing_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     rate = r["engine"]["median_tokens_per_s"]
-    return [("throughput workload at the defaults: tracing on (every span exported) vs off (one process, alternating)",
-             f"{number(rate['on'])} vs {number(rate['off'])} tok/s ({number(r['on_over_off'], 3)}x), "
+    return [("throughput workload at the defaults: tracing on (every span exported) vs off (one process, alternating; "
+             "the ratio is the median of the rounds' on / off)",
+             f"{number(rate['on'])} vs {number(rate['off'])} tok/s (medians; {number(r['on_over_off'], 3)}x), "
              f"{number(r['engine']['spans_per_request'])} spans per request, same answers {r['engine']['same_answers']}"),
             ("tracing off: what a 32-request step pays for it", f"{number(r['off_path_us_per_32_request_step'])} us")]
 
