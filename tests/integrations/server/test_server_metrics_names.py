@@ -47,9 +47,9 @@ def test_every_vllm_metric_is_written_under_vllms_name_too(scraped: tuple[Served
     assert values['vllm:request_success_total{finished_reason="length",model_name="tiny"}'] == 2
     assert values[f"vllm:num_preemptions_total{label}"] == values["paged_backend_num_preemptions"]
     assert values[f"vllm:kv_cache_usage_perc{label}"] == values["paged_backend_kv_cache_usage_ratio"]
-    routed = '{path="/v1/completions",model_name="tiny"}'  # the engine requests' latencies carry their route
+    routed = '{model_name="tiny",path="/v1/completions"}'  # the engine requests' latencies carry their route
     assert values[f"vllm:time_to_first_token_seconds_count{routed}"] == 2
-    assert values['vllm:e2e_request_latency_seconds_bucket{path="/v1/completions",le="+Inf",model_name="tiny"}'] == 2
+    assert values['vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="tiny",path="/v1/completions"}'] == 2
     # Two requests of three tokens: two gaps each between outputs; each request's mean once.
     assert values['paged_backend_inter_token_latency_seconds_count{path="/v1/completions"}'] == 4
     assert values[f"vllm:inter_token_latency_seconds_count{routed}"] == 4
