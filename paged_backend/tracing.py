@@ -18,6 +18,7 @@ stays open across steps, and a step with no traced request reads one attribute p
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from paged_backend.core.outputs import RequestOutput
     from paged_backend.core.scheduler_output import SchedulerOutput
     from paged_backend.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 TRACER_NAME = "paged_backend"
 PROVIDER = "paged_backend"  # gen_ai.provider.name: the engine that served the request
@@ -51,6 +54,7 @@ class Timeline:
 
 
 _provider: Any | None = None  # set by `traced_by`: the provider spans go to instead of the global one
+_warned = False  # whether a failing tracer has been reported (warn_once)
 
 
 @contextlib.contextmanager
@@ -108,14 +112,26 @@ def start_timeline(headers: Mapping[str, str] | None, model: str, params: Sampli
                    operation: str = "text_completion") -> Timeline | None:
     """A timeline for a new request when tracing is on (None otherwise): its span will continue `headers`
     (the current thread's context when None) and carry the request's model and sampling parameters."""
-    if tracer() is None:
+    try:
+        if tracer() is None:
+            return None
+        if headers is None:
+            headers = current_headers() or {}
+    except Exception:  # noqa: BLE001  (a provider or propagator of the application's that fails: no trace)
+        warn_once("reading the trace context failed; the request runs untraced")
         return None
-    if headers is None:
-        headers = current_headers() or {}
     attributes = {"gen_ai.operation.name": operation, "gen_ai.provider.name": PROVIDER, "gen_ai.request.model": model}
     if params is not None:
         attributes |= sampling_attributes(params)
     return Timeline(dict(headers), attributes, operation)
+
+
+def warn_once(message: str) -> None:
+    """Log `message` with the exception being handled, the first time only (a broken tracer fails every call)."""
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.exception(message)
 
 
 def sampling_attributes(params: SamplingParams) -> dict[str, Any]:
@@ -140,10 +156,14 @@ def record_chunks(batch: SchedulerOutput, start: float, end: float) -> None:
 
 
 def end_spans(outputs: list[RequestOutput]) -> None:
-    """Make the spans of every traced request that has finished among `outputs`."""
+    """Make the spans of every traced request that has finished among `outputs`. A tracer that fails costs
+    the request its spans, never the engine its step (said once)."""
     for output in outputs:
         if output.finished and output.metrics.timeline is not None:
-            make_spans(output)
+            try:
+                make_spans(output)
+            except Exception:  # noqa: BLE001  (the application's tracer provider: not the engine's to fail on)
+                warn_once("making a request's spans failed; the request is unaffected")
 
 
 def make_spans(output: RequestOutput) -> None:

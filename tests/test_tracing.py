@@ -99,6 +99,24 @@ def test_the_span_crosses_to_the_engine_thread_from_async_engine_and_chat_paged(
         answer.usage_metadata["output_tokens"]]
 
 
+class BrokenProvider:
+    """A tracer provider whose spans cannot be made."""
+
+    def get_tracer(self, *args, **kwargs):
+        return self
+
+    def start_span(self, *args, **kwargs):
+        raise RuntimeError("exporter misconfigured")
+
+
+def test_a_failing_tracer_costs_the_request_its_spans_not_its_answer(tokenizer, caplog) -> None:
+    llm = tiny_llm(tokenizer, num_kv_blocks=64)
+    with tracing.traced_by(BrokenProvider()), caplog.at_level("ERROR"):
+        outputs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3]
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_no_tracer_provider_records_nothing(tokenizer) -> None:
     assert tracing.tracer() is None  # the API's default provider: tracing is off
     outputs = tiny_llm(tokenizer, num_kv_blocks=64).generate([[5, 6, 7]], SamplingParams(max_tokens=2))

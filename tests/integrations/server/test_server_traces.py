@@ -74,6 +74,16 @@ def test_a_structured_request_shows_its_wait_for_the_grammar(traced) -> None:
     assert covered(engine, kids) >= 0.95
 
 
+def test_a_malformed_traceparent_starts_a_trace_of_its_own(traced) -> None:
+    served, exporter = traced
+    exporter.clear()
+    headers = HEADERS | {"traceparent": "00-not-a-trace-id-01"}
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+    assert httpx.post(f"{served.url}/v1/completions", headers=headers, json=body).status_code == 200
+    route = route_span(exporter, "POST /v1/completions")
+    assert route.parent is None and format(route.context.trace_id, "032x") != TRACE_ID
+
+
 def test_a_route_without_a_template_keeps_its_path_and_error_status(traced) -> None:
     served, exporter = traced
     exporter.clear()
