@@ -19,10 +19,8 @@ static float bf16_to_float(uint16_t h) {
     return f;
 }
 
-/* The sums over i < k of x[i] * codes[r * k + i] for the R code rows r starting at `codes`, into acc[0..R).
- * With AVX-512 or AVX2, 16 (8) codes of each row are widened to fp32 per step and the R rows' sums kept in
- * R vector registers: independent chains of fused multiply-adds, each x loaded once for all R rows (the
- * compiler's own vectorisation of this loop widened the codes through several shuffles and ran 3x slower). */
+/* With AVX-512 or AVX2, 16 (8) codes are widened to fp32 per step by intrinsics: the compiler's own
+ * vectorisation of these loops widened the codes through several shuffles and ran 3x slower. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define LANES 16
@@ -48,37 +46,22 @@ static inline float vsum(vec v) {
 }
 #endif
 
-static inline void code_rows_dot(const float *x, const int8_t *codes, int64_t k, int rows, float *acc) {
+/* The sums over i < k of x_r[i] * c_r[i] for r < pairs, where x_r = x + r * x_step and c_r = codes + r * code_step:
+ * one input row against several code rows (x_step 0) or several input rows against one code row (code_step 0).
+ * Each pair keeps its own vector sum, so the fused multiply-adds of the pairs do not wait on each other. */
+static inline void pair_dots(const float *x, int64_t x_step, const int8_t *codes, int64_t code_step, int pairs,
+                             int64_t k, float *acc) {
     int64_t i = 0;
 #ifdef LANES
-    vec a[4] = {vzero(), vzero(), vzero(), vzero()};
-    for (; i + LANES <= k; i += LANES) {
-        vec xi = vload(x + i);
-        for (int r = 0; r < rows; r++) a[r] = vfma(xi, vcodes(codes + r * k + i), a[r]);
-    }
-    for (int r = 0; r < rows; r++) acc[r] = vsum(a[r]);
+    vec a[MOST_ROWS] = {vzero(), vzero(), vzero(), vzero()};
+    for (; i + LANES <= k; i += LANES)
+        for (int r = 0; r < pairs; r++) a[r] = vfma(vload(x + r * x_step + i), vcodes(codes + r * code_step + i), a[r]);
+    for (int r = 0; r < pairs; r++) acc[r] = vsum(a[r]);
 #else
-    for (int r = 0; r < rows; r++) acc[r] = 0.0f;
+    for (int r = 0; r < pairs; r++) acc[r] = 0.0f;
 #endif
     for (; i < k; i++)
-        for (int r = 0; r < rows; r++) acc[r] += x[i] * (float)codes[r * k + i];
-}
-
-/* The sums over i < k of xs[r * k + i] * codes[i] for the R input rows r: one code row, widened once. */
-static inline void input_rows_dot(const float *xs, int rows, const int8_t *codes, int64_t k, float *acc) {
-    int64_t i = 0;
-#ifdef LANES
-    vec a[4] = {vzero(), vzero(), vzero(), vzero()};
-    for (; i + LANES <= k; i += LANES) {
-        vec c = vcodes(codes + i);
-        for (int r = 0; r < rows; r++) a[r] = vfma(vload(xs + r * k + i), c, a[r]);
-    }
-    for (int r = 0; r < rows; r++) acc[r] = vsum(a[r]);
-#else
-    for (int r = 0; r < rows; r++) acc[r] = 0.0f;
-#endif
-    for (; i < k; i++)
-        for (int r = 0; r < rows; r++) acc[r] += xs[r * k + i] * (float)codes[i];
+        for (int r = 0; r < pairs; r++) acc[r] += x[r * x_step + i] * (float)codes[r * code_step + i];
 }
 
 /* out [rows, n] (fp32) = x [rows, k] (fp32 or bf16, contiguous) times codes [n, k] (int8, contiguous), each
@@ -104,7 +87,7 @@ int int8_matmul(const void *x, int x_dtype, int rows, int64_t k, const int8_t *c
             const char *ahead = (const char *)(codes + (4 * q + PREFETCH_ROWS) * k);
             for (int64_t b = 0; b < 4 * k; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
 #endif
-            code_rows_dot(xf, codes + 4 * q * k, k, 4, acc);
+            pair_dots(xf, 0, codes + 4 * q * k, k, 4, k, acc);
             for (int i = 0; i < 4; i++) out[4 * q + i] = acc[i] * bf16_to_float(scales[4 * q + i]);
         }
 #pragma omp for schedule(static)
@@ -113,7 +96,7 @@ int int8_matmul(const void *x, int x_dtype, int rows, int64_t k, const int8_t *c
             const char *ahead = (const char *)(codes + (j + PREFETCH_ROWS) * k);
             for (int64_t b = 0; b < k; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
 #endif
-            input_rows_dot(xf, rows, codes + j * k, k, acc);
+            pair_dots(xf, k, codes + j * k, 0, rows, k, acc);
             float scale = bf16_to_float(scales[j]);
             for (int r = 0; r < rows; r++) out[r * n + j] = acc[r] * scale;
         }
