@@ -19,7 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from paged_backend.cache_folder import cache_dir, cpu_flags
@@ -27,6 +27,22 @@ from paged_backend.cache_folder import cache_dir, cpu_flags
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PAGED_BACKEND_CPU_KERNEL"  # "0": every CPU kernel off
+
+
+class Switch:
+    """A kernel's off switch for a block of code (tests, benchmarks): inside `switched_off()` its callers run
+    as on a machine without a compiler."""
+
+    def __init__(self) -> None:
+        self.off = False
+
+    @contextlib.contextmanager
+    def switched_off(self) -> Iterator[None]:
+        before, self.off = self.off, True
+        try:
+            yield
+        finally:
+            self.off = before
 
 
 def load(source: Path, declare: Callable[[ctypes.CDLL], None], what: str) -> ctypes.CDLL | None:

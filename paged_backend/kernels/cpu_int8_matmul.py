@@ -13,10 +13,8 @@ Built on the user's machine like the other CPU kernels (cpu_build.py); without a
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,23 +24,13 @@ from . import cpu_build
 SOURCE = Path(__file__).with_suffix(".c")
 MOST_ROWS = 4  # the C kernel's limit; more rows go to the caller's other paths
 ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_switched_off = False
-
-
-@contextlib.contextmanager
-def switched_off() -> Iterator[None]:
-    """torch's kernel inside the block, as on a machine without a compiler (tests, benchmarks)."""
-    global _switched_off
-    before, _switched_off = _switched_off, True
-    try:
-        yield
-    finally:
-        _switched_off = before
+SWITCH = cpu_build.Switch()  # switched_off(): torch's kernel inside the block (tests, benchmarks)
+switched_off = SWITCH.switched_off
 
 
 def serves(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether the kernel multiplies these `rows [n, in]` by `codes [out, in]` with bf16 `scales [out]` here."""
-    return (not _switched_off and rows.device.type == "cpu" and rows.dim() == 2 and 1 <= rows.shape[0] <= MOST_ROWS
+    return (not SWITCH.off and rows.device.type == "cpu" and rows.dim() == 2 and 1 <= rows.shape[0] <= MOST_ROWS
             and rows.dtype in ROW_DTYPES and codes.dtype == torch.int8 and codes.is_contiguous()
             and scales.dtype == torch.bfloat16 and scales.is_contiguous() and library() is not None)
 

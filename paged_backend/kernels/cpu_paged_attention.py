@@ -18,10 +18,8 @@ within fp32 rounding.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,7 +32,6 @@ SOURCE = Path(__file__).with_suffix(".c")
 MOST_ROWS = 16  # a sequence with more query rows attends through SDPA
 QUERY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-_switched_off = False
 
 
 class Arguments(ctypes.Structure):
@@ -51,22 +48,13 @@ class Arguments(ctypes.Structure):
         ("sinks", ctypes.c_void_p), ("alibi_slopes", ctypes.c_void_p), ("out", ctypes.c_void_p),
         ("threads", ctypes.c_int),
     ]
-
-
-@contextlib.contextmanager
-def switched_off() -> Iterator[None]:
-    """Attention in PyTorch ops inside the block, as on a machine without a compiler (tests, benchmarks)."""
-    global _switched_off
-    before, _switched_off = _switched_off, True
-    try:
-        yield
-    finally:
-        _switched_off = before
+SWITCH = cpu_build.Switch()  # switched_off(): attention in PyTorch ops inside the block (tests, benchmarks)
+switched_off = SWITCH.switched_off
 
 
 def serves(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether the kernel attends this layer's query over this cache (`[KVH, num_slots, D]`) here."""
-    return (not _switched_off and query.device.type == "cpu" and query.dtype in QUERY_DTYPES
+    return (not SWITCH.off and query.device.type == "cpu" and query.dtype in QUERY_DTYPES
             and key_cache.dtype in CACHE_DTYPES and key_cache.stride(-1) == 1 and key_cache.stride(-2) == key_cache.shape[-1]
             and library() is not None)
 
