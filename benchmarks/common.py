@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -211,6 +212,35 @@ def alternate(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, l
         for name in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
             figures[name].append(runs[name]())
     return figures
+
+
+def workload_runs(contexts: dict[str, Callable[[], AbstractContextManager]]
+                  ) -> tuple[dict[str, Callable[[], float]], dict[str, list[list[int]]], int]:
+    """For an A/B in one process: the default engine (`LLM()`) on the throughput workload (throughput.py's 32
+    chats), one run per named context it runs inside. Each run computes every prompt again and returns
+    tokens/s; each context's last answers land in the returned dict. Also returns the number of prompts."""
+    from throughput import FULL_WORKLOAD, default_workload
+
+    from paged_backend import LLM, SamplingParams
+    from paged_backend.model.default_model import default_model_path
+
+    llm = LLM(None)
+    workload = default_workload(**FULL_WORKLOAD, model_source=str(default_model_path()))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
+    answers: dict[str, list[list[int]]] = {}
+
+    def timed(name: str) -> Callable[[], float]:
+        def run() -> float:
+            with contexts[name]():
+                llm.reset_prefix_cache()
+                start = time.perf_counter()
+                outs = llm.generate(workload.prompt_token_ids, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+            answers[name] = [list(o.outputs[0].token_ids) for o in outs]
+            return sum(len(tokens) for tokens in answers[name]) / elapsed
+        return run
+
+    return {name: timed(name) for name in contexts}, answers, len(params)
 
 
 def time_median(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:

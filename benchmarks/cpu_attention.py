@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -32,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `throughput` sit beside this script
 
-from common import alternate, load_average, write_results
+from common import alternate, load_average, workload_runs, write_results
 
 from paged_backend.kernels import AttentionMetadata, cpu_paged_attention, paged_attention
 
@@ -85,30 +86,10 @@ def one_layer_call(seqs: int, repeats: int) -> dict[str, Any]:
 
 def engine_throughput(repeats: int) -> dict[str, Any]:
     """Tokens/s of the throughput workload at the defaults, both ways, in one process."""
-    from throughput import FULL_WORKLOAD, default_workload
-
-    from paged_backend import LLM, SamplingParams
-    from paged_backend.model.default_model import default_model_path
-
-    llm = LLM(None)
-    workload = default_workload(**FULL_WORKLOAD, model_source=str(default_model_path()))
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
-    answers: dict[str, list[list[int]]] = {}
-
-    def timed(name: str) -> Callable[[], float]:
-        def run() -> float:
-            with path_context(name):
-                llm.reset_prefix_cache()  # each round computes the prompts again
-                start = time.perf_counter()
-                outs = llm.generate(workload.prompt_token_ids, params, use_tqdm=False)
-                elapsed = time.perf_counter() - start
-            answers[name] = [list(o.outputs[0].token_ids) for o in outs]
-            return sum(len(tokens) for tokens in answers[name]) / elapsed
-        return run
-
-    figures = alternate({name: timed(name) for name in PATHS}, repeats)
+    runs, answers, prompts = workload_runs({name: functools.partial(path_context, name) for name in PATHS})
+    figures = alternate(runs, repeats)
     same = sum(a == b for a, b in zip(answers["kernel"], answers["torch_ops"]))
-    return {"prompts": len(params), "tokens_per_s": figures,
+    return {"prompts": prompts, "tokens_per_s": figures,
             "median_tokens_per_s": {name: statistics.median(v) for name, v in figures.items()},
             "identical_answers": same}
 

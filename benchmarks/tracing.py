@@ -19,9 +19,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import timeit
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `throughput` sit beside this script
 
-from common import alternate, load_average, write_results
+from common import alternate, load_average, workload_runs, write_results
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
@@ -52,31 +51,11 @@ class CountingExporter(SpanExporter):
 
 def engine_throughput(repeats: int) -> dict[str, Any]:
     """Tokens/s of the throughput workload, tracing off and on, in one process."""
-    from throughput import FULL_WORKLOAD, default_workload
-
-    from paged_backend import LLM, SamplingParams
-    from paged_backend.model.default_model import default_model_path
-
-    llm = LLM(None)
-    workload = default_workload(**FULL_WORKLOAD, model_source=str(default_model_path()))
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
     exporter = CountingExporter()
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    answers: dict[str, list[list[int]]] = {}
-
-    def timed(mode: str) -> Callable[[], float]:
-        def run() -> float:
-            with tracing.traced_by(provider if mode == "on" else None):
-                llm.reset_prefix_cache()  # each round computes the prompts again
-                start = time.perf_counter()
-                outs = llm.generate(workload.prompt_token_ids, params, use_tqdm=False)
-                elapsed = time.perf_counter() - start
-            answers[mode] = [list(o.outputs[0].token_ids) for o in outs]
-            return sum(len(tokens) for tokens in answers[mode]) / elapsed
-        return run
-
-    runs = {mode: timed(mode) for mode in MODES}
+    contexts = {"off": lambda: tracing.traced_by(None), "on": lambda: tracing.traced_by(provider)}
+    runs, answers, prompts = workload_runs(contexts)
     for mode in MODES:  # warm-up: the exporter's thread started, the first spans' set-up paid
         runs[mode]()
     provider.force_flush()  # the warm-up's spans exported before the count starts
@@ -85,10 +64,10 @@ def engine_throughput(repeats: int) -> dict[str, Any]:
     provider.force_flush()
     # Each round ran both modes back to back: the ratio within a round is less exposed to the machine's drift.
     paired = [on / off for on, off in zip(figures["on"], figures["off"])]
-    return {"prompts": len(params), "tokens_per_s": figures,
+    return {"prompts": prompts, "tokens_per_s": figures,
             "median_tokens_per_s": {mode: statistics.median(v) for mode, v in figures.items()},
             "median_round_ratio": statistics.median(paired), "round_ratios": paired,
-            "spans_per_request": exporter.count / (repeats * len(params)),
+            "spans_per_request": exporter.count / (repeats * prompts),
             "same_answers": answers["on"] == answers["off"]}
 
 
