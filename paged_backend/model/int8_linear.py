@@ -5,7 +5,7 @@ codes: one to four rows through the compiled CPU kernel (kernels/cpu_int8_matmul
 else through torch's CPU int8 kernel (`_weight_int8pack_mm`, bf16 activations). For the default model's
 49,152 x 576 head on an AVX-512 CPU (2 threads) torch's kernel measured 2.3 ms at 1 row against 3.9 ms for
 the bf16 weight and 3.1 against 4.8 at 4 rows, but 15.3 against 6.7 at 16 rows; the compiled kernel
-takes about 1.0 ms at 1 row (benchmarks/cpu_int8_head.py). So steps of more
+takes 1.0-1.25 ms at 1 row (benchmarks/cpu_int8_head.py and a throwaway A/B). So steps of more
 than `DENSE_ROWS[torch.bfloat16]` rows multiply by a dense bf16 copy of the same dequantized weight
 (quantized_linear.py). On an AVX2 CPU without native bf16 the copy is fp32, and the kernel (rows rounded to
 bf16 for it; given fp32 rows it measured 5x slower) beat it up to about 32 rows: 4.7 against 15.8 ms at 1
