@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from paged_backend.kernels.cpu_int4_matmul import TILE, TiledWeight
 from paged_backend.model.int4_linear import Int4Linear, packed_rows_stack
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,11 @@ def views_rows(group: FusedGroup, member: nn.Module, start: int, size: int) -> b
             pairs.append((member.bias, stack.bias))
         if member.scales_and_zeros._version != group.scale_versions[group.members.index(member)]:
             return False
+        if stack.tiles is not None:  # rows of 16 outputs (the int4 kernel's tiles)
+            tile_pairs = zip(member.tiles or (), stack.tiles)
+            if member.tiles is None or not all(is_row_view(part, whole, start // TILE, size // TILE)
+                                               for part, whole in tile_pairs):
+                return False
     return all(is_row_view(part, whole, start, size) for part, whole in pairs)
 
 
@@ -300,6 +306,8 @@ def share_rows(member: nn.Module, stack: nn.Module | DenseStack, start: int, siz
         return
     member.dense = stack.dense[start:start + size]
     member.packed = stack.packed[start:start + size]
+    if stack.tiles is not None:  # whole tiles: an int4 layer's outputs are a multiple of 16
+        member.register_tiles(TiledWeight(*(part[start // TILE:(start + size) // TILE] for part in stack.tiles)))
     if stack.bias is not None:
         member.bias.data = stack.bias[start:start + size]
 

@@ -19,6 +19,7 @@ from helpers.models import build, int4_llama
 from torch._dynamo.utils import counters
 
 from paged_backend import Engine, EngineConfig
+from paged_backend.kernels import cpu_int4_matmul
 from paged_backend.model import fused_projections
 from paged_backend.model.compilation import CompiledForward
 from paged_backend.model.fused_projections import fuse_projections, groups_of
@@ -52,9 +53,13 @@ def test_a_traced_forward_holds_one_matmul_per_group():
     """What a compiled step runs: one int4 kernel call per group (and per o/down projection), not per projection."""
     model = int4_llama()
     fuse_projections(model)
-    # The int4 kernel as a traced graph calls it (int4_linear.Int4Linear.quantized_matmul).
-    assert traced_calls(model, fused=False)["int4mm_packed_weight_cpu"] == 2 * 7
-    assert traced_calls(model, fused=True)["int4mm_packed_weight_cpu"] == 2 * 4
+    # The int4 kernel as a traced graph calls it (int4_linear.Int4Linear.quantized_matmul): the compiled
+    # kernel's op where it is built, else torch's.
+    kernel = "int4_matmul.default" if cpu_int4_matmul.library() is not None else "int4mm_packed_weight_cpu"
+    assert traced_calls(model, fused=False)[kernel] == 2 * 7
+    assert traced_calls(model, fused=True)[kernel] == 2 * 4
+    with cpu_int4_matmul.switched_off():
+        assert traced_calls(model, fused=True)["int4mm_packed_weight_cpu"] == 2 * 4
 
 
 def tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:

@@ -12,10 +12,12 @@ from helpers.engine import hf_greedy, mixed_prompts, one_thread  # noqa: F401
 from helpers.models import build
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.kernels import cpu_int4_matmul
 from paged_backend.model import int4_linear, int8_linear
 from paged_backend.model.int4_linear import (
     DENSE_ROWS,
     GROUP_SIZE,
+    KERNEL_DENSE_ROWS,
     Int4Linear,
     has_int4_layers,
 )
@@ -31,10 +33,16 @@ def random_linear(out_features: int = 48, in_features: int = 64, bias: bool = Tr
 
 
 FP32_DENSE_ROWS = DENSE_ROWS[torch.float32]  # where an fp32 model's int4 layers switch to their dense copy
+assert KERNEL_DENSE_ROWS[torch.float32] == FP32_DENSE_ROWS  # the same with the compiled kernel or without
+
+
+def dense_rows(dtype: torch.dtype) -> int:
+    """Where this machine's int4 layers of a `dtype` model switch to their dense copy."""
+    return (KERNEL_DENSE_ROWS if cpu_int4_matmul.library() is not None else DENSE_ROWS)[dtype]
 
 
 def threshold_rows(most: int) -> list[int]:
-    return [1, 3, most, most + 1, 70]
+    return [1, 3, most, most + 1, 2 * most + 6]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -42,12 +50,12 @@ def threshold_rows(most: int) -> list[int]:
 def test_both_paths_multiply_by_the_dequantized_weight(dtype: torch.dtype, step: int) -> None:
     """The kernel takes rows rounded to bf16; the dense copy is in the model's dtype, so an fp32 model's
     large steps multiply its rows as they are, in fp32."""
-    rows = threshold_rows(DENSE_ROWS[dtype])[step]
+    rows = threshold_rows(dense_rows(dtype))[step]
     linear = random_linear().to(dtype)
     layer = Int4Linear.from_float(linear)
-    assert layer.dense.dtype == dtype and layer.dense_rows == DENSE_ROWS[dtype]
+    assert layer.dense.dtype == dtype and layer.dense_rows == dense_rows(dtype)
     x = torch.randn(1, rows, 64, dtype=dtype)
-    kernel = rows <= DENSE_ROWS[dtype]
+    kernel = rows <= dense_rows(dtype)
     assert layer.uses_dense(x.view(-1, 64)) != kernel
     exact_rows = x.bfloat16() if kernel or dtype == torch.bfloat16 else x
     expected = F.linear(exact_rows.double(), layer.weight_float().double(), linear.bias.double())

@@ -1,0 +1,100 @@
+"""A compiled CPU kernel for rows times an int4 weight: every int4 step of an int4 model short of a long prefill.
+
+torch's int4 kernel (`_weight_int4pack_mm_for_cpu`) is built for one row: past it, it widens the codes again
+for every few rows, and on an AMD EPYC with AVX-512 (2 threads, the default model's 120 projections, bf16
+rows) it ran at about 165 GFLOP/s from 8 rows on, 41 ms at 32 rows, where a dense bf16 matmul took 32.
+The kernel in cpu_int4_matmul.c widens each code once per call and multiplies it with every row by
+AVX512-BF16 dot products, scaling each group's sums in fp32: per pass over the 120 projections, 3.2 ms at
+one row (torch 3.9), 6.3 at 8 (11.1), 20.5 at 32 (41.2; dense bf16 31.8), 76 at 128 (dense 79), and past
+that the dense copy leads (159 against 142 at 256): `python benchmarks/cpu_int4_batch.py`, results in
+benchmarks/results/cpu_int4_batch_<machine>.json.
+
+Its arithmetic is torch's kernel's: the rows rounded to bf16, the weights (code - 8) * scale + zero in fp32
+(never rounded to bf16), products and sums in fp32, the output rounded to bf16. A row's output does not depend
+on the other rows of the call, so a request's tokens do not depend on what it is batched with.
+
+Needs AVX512-BF16 (`available()`); built on the user's machine like the other CPU kernels (cpu_build.py).
+Elsewhere, without a compiler, or with `PAGED_BACKEND_CPU_KERNEL=0`, torch's kernel serves as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from . import cpu_build
+
+SOURCE = Path(__file__).with_suffix(".c")
+TILE = 16  # output rows per tile of the kernel's layout
+GROUP_SIZE = 32  # inputs per scale and zero
+SWITCH = cpu_build.Switch()  # switched_off(): torch's kernel inside the block (tests, benchmarks)
+switched_off = SWITCH.switched_off
+
+
+class TiledWeight(NamedTuple):
+    """An int4 weight in the kernel's layout: `codes [out / 16, in / 2, 16]` uint8, byte j of pair p holding
+    output row 16t + j's codes for inputs 2p (low nibble) and 2p + 1 (high); `scales` and `zeros
+    [out / 16, in / 32, 16]` bf16. A weight is (code - 8) * scale + zero."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+
+def tile(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> TiledWeight:
+    """The kernel's layout of `codes [out, in]` (0..15) with bf16 `scale` and `zero [out, in / 32]`."""
+    out_features, in_features = codes.shape
+    tiles = out_features // TILE
+    nibbles = codes.to(torch.uint8).view(tiles, TILE, in_features // 2, 2)
+    packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).transpose(1, 2).contiguous()
+
+    def by_tile(values: torch.Tensor) -> torch.Tensor:
+        return values.to(torch.bfloat16).view(tiles, TILE, -1).transpose(1, 2).contiguous()
+
+    return TiledWeight(packed, by_tile(scale), by_tile(zero))
+
+
+def runs_here() -> bool:
+    """Whether weights should be tiled for the kernel: it is built here and not switched off. A layer made
+    inside `switched_off()` has no tiles and always runs torch's kernel (a compiled graph, which took its
+    kernel when traced and does not look at the switch, too)."""
+    return not SWITCH.off and library() is not None
+
+
+def serves(rows: torch.Tensor) -> bool:
+    """Whether the kernel multiplies these `rows [n, in]` by a weight tiled here (which a layer does only where
+    library() loads; not asked again here, as a graph being traced cannot call it)."""
+    return not SWITCH.off and rows.device.type == "cpu" and rows.dim() == 2 and rows.dtype == torch.bfloat16
+
+
+def int4_matmul(rows: torch.Tensor, weight: TiledWeight) -> torch.Tensor:
+    """bf16 `rows [n, in]` times `weight`, as bf16 `[n, out]`. The caller checked serves()."""
+    rows = rows.contiguous()
+    codes, scales, zeros = weight
+    out = torch.empty(rows.shape[0], codes.shape[0] * TILE, dtype=torch.bfloat16)
+    failed = library().int4_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], codes.data_ptr(),
+                                   scales.data_ptr(), zeros.data_ptr(), out.shape[1], out.data_ptr(),
+                                   torch.get_num_threads())
+    if failed:
+        raise MemoryError("the int4 matmul kernel could not allocate its panel")
+    return out
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use, or None (switched off, no compiler, or a CPU without
+    AVX512-BF16: the first two said once)."""
+    lib = cpu_build.load(SOURCE, declare, "int4 layers run through torch's kernel")
+    return lib if lib is not None and lib.available() else None
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    lib.available.argtypes = []
+    lib.available.restype = ctypes.c_int
+    lib.int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.int4_matmul.restype = ctypes.c_int
