@@ -32,7 +32,7 @@ from paged_backend import LLM, SamplingParams  # noqa: E402
 
 # Profiler op names (substrings) -> the part of the forward they are. The first match wins.
 CATEGORIES = (
-    ("int4 matmul", ("_weight_int4pack_mm", "int4mm")),
+    ("int4 matmul", ("_weight_int4pack_mm", "int4mm", "paged_backend::int4_matmul")),
     ("int8 matmul", ("_weight_int8pack_mm", "int8_matmul")),
     ("paged attention (with cache writes and context reads)", ("paged_backend::paged_attention",
                                                                "paged_backend::latent_attention", "scaled_dot_product")),

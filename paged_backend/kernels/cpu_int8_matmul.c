@@ -104,3 +104,68 @@ int int8_matmul(const void *x, int x_dtype, int rows, int64_t k, const int8_t *c
     free(xf);
     return 0;
 }
+
+/* Several rows (up to any number) on a CPU with AVX512-BF16: the codes tiled 16 output rows at a time,
+ * `tiled` [n / 16, k / 2, 16, 2] (output row 16t + j's codes for inputs 2p and 2p + 1 side by side). Per input
+ * pair, the 16 rows' codes become one vector of bf16 pairs (exact: |code| <= 127 fits bf16's 8 bits), and one
+ * `vdpbf16ps` per input row multiplies them with the row's pair of inputs (broadcast): products exact, sums in
+ * fp32, the scale applied at the end, as above. The rows go in blocks of TILED_ROWS, each block a pass over the
+ * codes, so the widening is paid once per block, not per row. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+enum { TILE = 16, TILED_ROWS = 16, TILED_PREFETCH_BYTES = 1024 };
+
+static inline __m512bh widen_tiled_pair(const int8_t *codes) {
+    __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+    __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+    return _mm512_cvtne2ps_pbh(high, low);  /* 16-bit word 2j + i: row j's code for input 2p + i */
+}
+
+static inline __attribute__((always_inline)) void multiply_tiled_block(
+        const uint16_t *x, int64_t k, int rows, const int8_t *codes, const uint16_t *scales, float *out, int64_t n) {
+    __m512 acc[TILED_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    const int32_t *pairs = (const int32_t *)x;  /* a row's inputs 2p and 2p + 1 as one 32-bit word */
+    for (int64_t p = 0; p < k / 2; p++) {
+        if (p % 2 == 0) _mm_prefetch((const char *)(codes + 2 * TILE * p) + TILED_PREFETCH_BYTES, _MM_HINT_T0);
+        __m512bh w = widen_tiled_pair(codes + 2 * TILE * p);
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32(pairs[r * (k / 2) + p]));
+    }
+    __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)scales)), 16));
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * n, _mm512_mul_ps(acc[r], scale));
+}
+
+static void multiply_tiled_rows(const uint16_t *x, int64_t k, int rows, const int8_t *codes, const uint16_t *scales,
+                                float *out, int64_t n) {
+    switch (rows) {
+#define BLOCK(R) case R: multiply_tiled_block(x, k, R, codes, scales, out, n); break;
+        BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
+        BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12) BLOCK(13) BLOCK(14) BLOCK(15) BLOCK(16)
+#undef BLOCK
+    }
+}
+
+int tiled_available(void) { return 1; }
+
+/* out [rows, n] (fp32) = x [rows, k] (bf16, contiguous) times the tiled codes (n a multiple of 16, k even), each
+ * output column j scaled by scales[j] (bf16). Returns 0, or -1 when the shapes are not the kernel's. */
+int int8_matmul_tiled(const uint16_t *x, int64_t rows, int64_t k, const int8_t *tiled, const uint16_t *scales,
+                      int64_t n, float *out, int threads) {
+    if (rows < 1 || k % 2 || n % TILE) return -1;
+    for (int64_t r = 0; r < rows; r += TILED_ROWS) {
+        int block = rows - r < TILED_ROWS ? (int)(rows - r) : TILED_ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t t = 0; t < n / TILE; t++)
+            multiply_tiled_rows(x + r * k, k, block, tiled + t * TILE * k, scales + t * TILE, out + r * n + t * TILE, n);
+    }
+    return 0;
+}
+#else
+int tiled_available(void) { return 0; }
+
+int int8_matmul_tiled(const uint16_t *x, int64_t rows, int64_t k, const int8_t *tiled, const uint16_t *scales,
+                      int64_t n, float *out, int threads) {
+    (void)x; (void)rows; (void)k; (void)tiled; (void)scales; (void)n; (void)out; (void)threads;
+    return -1;
+}
+#endif

@@ -31,6 +31,8 @@ from paged_backend.model.quantized_linear import (
 
 # Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers, module docstring).
 DENSE_ROWS = {torch.bfloat16: 4, torch.float32: 32}
+# The same for bf16 rows where the tiled kernel runs (AVX512-BF16): it kept ahead of the dense copy to 64 rows.
+TILED_DENSE_ROWS = 48
 
 
 class Int8Linear(QuantizedLinear):
@@ -47,6 +49,8 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("codes", codes.to(torch.int8).contiguous())
         self.register_buffer("scales", scales)
         self.register_buffer("row_norms", self.dense.float().norm(dim=1))  # for int8_matmul's error bound
+        # The codes tiled for the several-rows kernel, where it runs (not saved: tiled again at load).
+        self.register_buffer("tiled_codes", cpu_int8_matmul.tiled_here(self.codes), persistent=False)
 
     @classmethod
     def from_float(cls, linear: torch.nn.Linear) -> Int8Linear:
@@ -65,17 +69,20 @@ class Int8Linear(QuantizedLinear):
         # The registered op inside a graph being compiled; its implementation directly in an eager forward,
         # which skips the dispatcher (as custom_ops.paged_attention does).
         matmul = int8_matmul_op if torch.compiler.is_compiling() else int8_matmul
-        return matmul(rows, self.codes, self.scales, self.dense, self.row_norms)
+        return matmul(rows, self.codes, self.scales, self.dense, self.row_norms, self.tiled_codes)
 
 
 def int8_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor,
-                row_norms: torch.Tensor) -> torch.Tensor:
+                row_norms: torch.Tensor, tiled: torch.Tensor | None = None) -> torch.Tensor:
     """`rows [n, in]` times the weight `codes * scales[:, None]`, in the dtype of `rows`: through an int8
     kernel for up to DENSE_ROWS rows of the dense copy's dtype (the compiled CPU kernel for a few rows,
     kernels/cpu_int8_matmul.py, where it is built; else torch's, on rows rounded to bf16), else through the
     copy `dense [out, in]`.
     fp32 rows through the kernel get the outputs that could be their row's largest recomputed in fp32
-    (refine_near_max, with `row_norms [out]`, the copy's row norms)."""
+    (refine_near_max, with `row_norms [out]`, the copy's row norms). With the codes `tiled` (where the tiled
+    kernel runs), bf16 rows up to TILED_DENSE_ROWS go through it."""
+    if tiled is not None and rows.shape[0] <= TILED_DENSE_ROWS and cpu_int8_matmul.serves_tiled(rows):
+        return cast_to(cpu_int8_matmul.int8_matmul_tiled(rows, tiled, scales), rows.dtype)
     if rows.shape[0] > DENSE_ROWS[dense.dtype]:
         return dense_matmul(rows, dense)
     if cpu_int8_matmul.serves(rows, codes, scales):
@@ -114,5 +121,5 @@ int8_matmul_op = torch.library.custom_op("paged_backend::int8_matmul", int8_matm
 
 
 @int8_matmul_op.register_fake
-def _(rows, codes, scales, dense, row_norms):
+def _(rows, codes, scales, dense, row_norms, tiled=None):
     return rows.new_empty(rows.shape[0], codes.shape[0])

@@ -59,3 +59,52 @@ def test_the_int8_head_gives_torchs_logits_through_the_kernel(dtype: torch.dtype
     torch.testing.assert_close(through_kernel.float(), through_torch.float(), rtol=2e-2, atol=2e-2)
     weight = head.codes.float() * head.scales.float()[:, None]
     assert through_kernel.argmax() == (rows.float() @ weight.T).argmax()
+
+
+tiled_kernel = pytest.mark.skipif(cpu_int8_matmul.tiled_here(torch.zeros(16, 2, dtype=torch.int8)) is None,
+                                  reason="the tiled int8 kernel needs AVX512-BF16")
+
+
+@tiled_kernel
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("shape", [(1024, 576), (32, 2)])
+def test_tiled_products_equal_the_fp32_product_with_the_dequantized_weight(rows: int, shape: tuple[int, int]) -> None:
+    codes, scales = weight(*shape)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
+    tiled = cpu_int8_matmul.tiled_here(codes)
+    assert tiled is not None and cpu_int8_matmul.serves_tiled(x)
+    got = cpu_int8_matmul.int8_matmul_tiled(x, tiled, scales)
+    expected = x.double() @ (codes.double() * scales.double()[:, None]).T
+    assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * shape[1] ** 0.5)
+    # Each row on its own: the same numbers (a row's sum does not depend on the rows beside it).
+    assert torch.equal(torch.cat([cpu_int8_matmul.int8_matmul_tiled(row[None], tiled, scales) for row in x]), got)
+
+
+@tiled_kernel
+def test_the_tiled_layout_puts_an_output_rows_pair_of_codes_side_by_side() -> None:
+    codes, _ = weight(32, 8)
+    tiled = cpu_int8_matmul.tile(codes)
+    assert tiled.shape == (2, 4, 16, 2)
+    assert tiled[1, 3, 5].tolist() == codes[16 + 5, 6:8].tolist()
+
+
+@tiled_kernel
+def test_an_int8_layer_takes_the_tiled_kernel_for_bf16_rows_up_to_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paged_backend.model import int8_linear
+
+    torch.manual_seed(0)
+    head = Int8Linear.from_float(torch.nn.Linear(64, 48, bias=False).bfloat16())
+    assert head.tiled_codes is not None
+    calls = []
+    real = cpu_int8_matmul.int8_matmul_tiled
+    monkeypatch.setattr(cpu_int8_matmul, "int8_matmul_tiled", lambda *a: calls.append(len(a[0])) or real(*a))
+    limit = int8_linear.TILED_DENSE_ROWS
+    for rows in (1, 9, limit, limit + 1):
+        head(torch.randn(rows, 64).bfloat16())
+    head(torch.randn(2, 64))  # fp32 rows: the fp32 paths
+    assert calls == [1, 9, limit]
+    with cpu_int8_matmul.switched_off():
+        head(torch.randn(2, 64).bfloat16())
+        assert Int8Linear.from_float(torch.nn.Linear(64, 48, bias=False).bfloat16()).tiled_codes is None
+    assert calls == [1, 9, limit]
