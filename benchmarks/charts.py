@@ -347,6 +347,21 @@ def cpu_int8_head_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
              + ("the same tokens" if same is None else f"tokens part at position {same}"))]
 
 
+def cpu_int4_batch_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [(f"the default model's 120 int4 projections at {count} row(s): kernel / torch's int4 kernel / dense bf16 (ms)",
+             f"{number(ms['kernel'])} / {number(ms['torch int4'])} / {number(ms['dense bf16'])} "
+             f"({number(ms['torch int4'] / ms['kernel'], 2)}x torch's)")
+            for count, ms in r["matmul_ms_per_pass"].items()]
+    for figure, label in (("throughput", "throughput workload"), ("one_stream", "one stream")):
+        if figure in r.get("engine", {}):
+            rate = r["engine"][figure]["median_tokens_per_s"]
+            rows.append((f"{label} at the defaults: the kernel vs torch's int4 kernel (one process, alternating)",
+                         f"{number(rate['kernel'])} vs {number(rate['torch'])} tok/s "
+                         f"({number(rate['kernel'] / rate['torch'], 2)}x); answers equal "
+                         f"{r['engine'][figure]['answers_equal']}"))
+    return rows
+
+
 def tracing_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     rate = r["engine"]["median_tokens_per_s"]
     return [("throughput workload at the defaults: tracing on (every span exported) vs off (one process, alternating; "
@@ -378,6 +393,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "fused_projections": fused_projections_figures, "hybrid_decode": hybrid_decode_figures,
     "step_profile": step_profile_figures, "cpu_attention": cpu_attention_figures,
     "cpu_int8_head": cpu_int8_head_figures, "tracing": tracing_figures, "cpu_peers": cpu_peers_figures,
+    "cpu_int4_batch": cpu_int4_batch_figures,
 }
 
 
@@ -465,6 +481,10 @@ HEADLINE: list[tuple[str, str, Callable[[dict[str, Any]], str], Callable[[dict[s
      lambda r: f"{number(r['engine']['median_tokens_per_s']['kernel'] / r['engine']['median_tokens_per_s']['torch_ops'], 2)}x "
                f"({number(r['engine']['median_tokens_per_s']['kernel'])} vs "
                f"{number(r['engine']['median_tokens_per_s']['torch_ops'])} tok/s)"),
+    ("cpu_int4_batch", "avx512", lambda r: "throughput workload at the defaults: the compiled CPU int4 kernel vs torch's",
+     lambda r: f"{number(r['engine']['throughput']['median_tokens_per_s']['kernel'] / r['engine']['throughput']['median_tokens_per_s']['torch'], 2)}x "
+               f"({number(r['engine']['throughput']['median_tokens_per_s']['kernel'])} vs "
+               f"{number(r['engine']['throughput']['median_tokens_per_s']['torch'])} tok/s)"),
 ]
 HEADLINE_CHART = ("throughput", "unrecorded")
 
