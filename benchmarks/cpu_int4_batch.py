@@ -63,7 +63,7 @@ def matmuls(rows_list: Sequence[int], repeats: int) -> dict[str, Any]:
     for rows in rows_list:
         inputs = {n: torch.randn(rows, n).bfloat16() for n in {s[0] for s in SHAPES}}
         ways = {
-            "kernel": lambda w: cpu_int4_matmul.int4_matmul(inputs[w["in"]], w["tiled"]),
+            "kernel": lambda w: cpu_int4_matmul.int4_matmul(inputs[w["in"]], *w["tiled"]),
             "torch int4": lambda w: torch._weight_int4pack_mm_for_cpu(inputs[w["in"]], w["packed"], 32,
                                                                       w["scales_and_zeros"]),
             "dense bf16": lambda w: F.linear(inputs[w["in"]], w["dense"]),

@@ -2,12 +2,12 @@
 
 torch's int4 kernel (`_weight_int4pack_mm_for_cpu`) is built for one row: past it, it widens the codes again
 for every few rows, and on an AMD EPYC with AVX-512 (2 threads, the default model's 120 projections, bf16
-rows) it ran at about 165 GFLOP/s from 8 rows on, 41 ms at 32 rows, where a dense bf16 matmul took 32.
+rows) it ran at about 165 GFLOP/s from 8 rows on, 51.8 ms at 32 rows, where a dense bf16 matmul took 37.2.
 The kernel in cpu_int4_matmul.c widens each code once per call and multiplies it with every row by
-AVX512-BF16 dot products, scaling each group's sums in fp32: per pass over the 120 projections, 3.2 ms at
-one row (torch 3.9), 6.3 at 8 (11.1), 20.5 at 32 (41.2; dense bf16 31.8), 76 at 128 (dense 79), and past
-that the dense copy leads (159 against 142 at 256): `python benchmarks/cpu_int4_batch.py`, results in
-benchmarks/results/cpu_int4_batch_<machine>.json.
+AVX512-BF16 dot products, scaling each group's sums in fp32: per pass over the 120 projections, 3.4 ms at
+one row (torch 3.8), 6.3 at 8 (11.1), 25.5 at 32, 78.3 at 128 (dense 90.3), and past that the dense copy
+leads (159.7 against 154.7 at 256, 315.6 against 293.6 at 512): `python benchmarks/cpu_int4_batch.py`,
+benchmarks/results/cpu_int4_batch_avx512.json.
 
 Its arithmetic is torch's kernel's: the rows rounded to bf16, the weights (code - 8) * scale + zero in fp32
 (never rounded to bf16), products and sums in fp32, the output rounded to bf16. A row's output does not depend
@@ -30,7 +30,6 @@ from . import cpu_build
 
 SOURCE = Path(__file__).with_suffix(".c")
 TILE = 16  # output rows per tile of the kernel's layout
-GROUP_SIZE = 32  # inputs per scale and zero
 SWITCH = cpu_build.Switch()  # switched_off(): torch's kernel inside the block (tests, benchmarks)
 switched_off = SWITCH.switched_off
 
@@ -58,11 +57,11 @@ def tile(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> TiledW
     return TiledWeight(packed, by_tile(scale), by_tile(zero))
 
 
-def runs_here() -> bool:
-    """Whether weights should be tiled for the kernel: it is built here and not switched off. A layer made
-    inside `switched_off()` has no tiles and always runs torch's kernel (a compiled graph, which took its
+def tiled_here(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> TiledWeight | None:
+    """The weight tiled (tile()) where the kernel runs: built here and not switched off; else None. A layer
+    made inside `switched_off()` has no tiles and always runs torch's kernel (a compiled graph, which took its
     kernel when traced and does not look at the switch, too)."""
-    return not SWITCH.off and library() is not None
+    return tile(codes, scale, zero) if not SWITCH.off and library() is not None else None
 
 
 def serves(rows: torch.Tensor) -> bool:
@@ -71,10 +70,10 @@ def serves(rows: torch.Tensor) -> bool:
     return not SWITCH.off and rows.device.type == "cpu" and rows.dim() == 2 and rows.dtype == torch.bfloat16
 
 
-def int4_matmul(rows: torch.Tensor, weight: TiledWeight) -> torch.Tensor:
-    """bf16 `rows [n, in]` times `weight`, as bf16 `[n, out]`. The caller checked serves()."""
+def int4_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """bf16 `rows [n, in]` times the tiled weight `(codes, scales, zeros)` (a TiledWeight's parts), as bf16
+    `[n, out]`. The caller checked serves()."""
     rows = rows.contiguous()
-    codes, scales, zeros = weight
     out = torch.empty(rows.shape[0], codes.shape[0] * TILE, dtype=torch.bfloat16)
     failed = library().int4_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], codes.data_ptr(),
                                    scales.data_ptr(), zeros.data_ptr(), out.shape[1], out.data_ptr(),

@@ -34,8 +34,8 @@ from paged_backend.model.quantized_linear import COMPUTE_DTYPE, QuantizedLinear,
 GROUP_SIZE = 32  # weights per (scale, offset) pair along the input dimension, as in GGUF's Q4_1
 # Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers, module docstring).
 DENSE_ROWS = {torch.bfloat16: 32, torch.float32: 24}
-# The same where the compiled kernel (kernels/cpu_int4_matmul.py) multiplies: it kept up with a dense bf16
-# matmul to about 256 rows. An fp32 model's large steps still multiply its own fp32 rows, unrounded.
+# The same where the compiled kernel (kernels/cpu_int4_matmul.py) multiplies: it kept ahead of a dense bf16
+# matmul to about 128 rows (benchmarks/cpu_int4_batch.py). An fp32 model's large steps still multiply its own fp32 rows, unrounded.
 KERNEL_DENSE_ROWS = {torch.bfloat16: 128, torch.float32: 24}
 
 
@@ -74,8 +74,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
         self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous())
         # The same codes in the layout of the compiled kernel, where it runs (not saved: tiled again at load).
-        tiled = cpu_int4_matmul.tile(codes, scale, zero) if cpu_int4_matmul.runs_here() else None
-        self.register_tiles(tiled)
+        self.register_tiles(cpu_int4_matmul.tiled_here(codes, scale, zero))
 
     def register_tiles(self, tiled: TiledWeight | None) -> None:
         for name, tensor in zip(TiledWeight._fields, tiled or (None,) * len(TiledWeight._fields)):
@@ -116,7 +115,7 @@ class Int4Linear(QuantizedLinear):
         kernel_rows = cast_to(rows, COMPUTE_DTYPE)
         if self.tile_codes is not None and cpu_int4_matmul.serves(kernel_rows):
             # The registered op inside a graph being compiled, its implementation directly in an eager forward.
-            matmul = int4_matmul_op if torch.compiler.is_compiling() else int4_matmul
+            matmul = int4_matmul_op if torch.compiler.is_compiling() else cpu_int4_matmul.int4_matmul
             return cast_to(matmul(kernel_rows, self.tile_codes, self.tile_scales, self.tile_zeros), rows.dtype)
         if torch.compiler.is_compiling():
             # The same kernel, its group size a tensor computed in the graph: inductor's lowering of
@@ -156,16 +155,11 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
     return ((groups - 8) * scale.float()[..., None] + zero.float()[..., None]).view(codes.shape)
 
 
-def int4_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """bf16 `rows [n, in]` times the tiled weight `(codes, scales, zeros)`, bf16 `[n, out]`, by the compiled kernel."""
-    return cpu_int4_matmul.int4_matmul(rows, TiledWeight(codes, scales, zeros))
-
-
 # Registered through torch.library's low-level API, not `custom_op`: a compiled step calls it about 120 times,
 # and custom_op's Python wrapping cost 10-16 us a call against 7.6 (the kernel's own call is 5).
 _library = torch.library.Library("paged_backend", "FRAGMENT")
 _library.define("int4_matmul(Tensor rows, Tensor codes, Tensor scales, Tensor zeros) -> Tensor")
-_library.impl("int4_matmul", int4_matmul, "CPU")
+_library.impl("int4_matmul", cpu_int4_matmul.int4_matmul, "CPU")
 int4_matmul_op = torch.ops.paged_backend.int4_matmul.default
 
 

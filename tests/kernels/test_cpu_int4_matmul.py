@@ -32,7 +32,7 @@ def weight(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Te
 def test_products_equal_the_fp32_product_to_within_the_outputs_rounding(rows: int, shape: tuple[int, int]) -> None:
     codes, scale, zero = weight(*shape)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
-    got = cpu_int4_matmul.int4_matmul(x, cpu_int4_matmul.tile(codes, scale, zero))
+    got = cpu_int4_matmul.int4_matmul(x, *cpu_int4_matmul.tile(codes, scale, zero))
     assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
     expected = x.double() @ dequantize(codes, scale, zero).double().T
     # The weights in fp32 as torch's kernel takes them (not rounded to bf16), sums in fp32: the output's
@@ -45,10 +45,10 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it() -> None:
     codes, scale, zero = weight(64, 256)
     tiled = cpu_int4_matmul.tile(codes, scale, zero)
     x = torch.randn(2 * BLOCK + 3, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
-    together = cpu_int4_matmul.int4_matmul(x, tiled)
+    together = cpu_int4_matmul.int4_matmul(x, *tiled)
     for count in (1, 5, BLOCK + 2):
-        assert torch.equal(cpu_int4_matmul.int4_matmul(x[:count], tiled), together[:count])
-    assert torch.equal(torch.cat([cpu_int4_matmul.int4_matmul(row[None], tiled) for row in x]), together)
+        assert torch.equal(cpu_int4_matmul.int4_matmul(x[:count], *tiled), together[:count])
+    assert torch.equal(torch.cat([cpu_int4_matmul.int4_matmul(row[None], *tiled) for row in x]), together)
 
 
 def test_the_tiled_layout_holds_the_codes_scales_and_zeros() -> None:
@@ -68,7 +68,7 @@ def test_int4_linear_takes_the_kernel_up_to_its_dense_rows(monkeypatch: pytest.M
     assert layer.tiles is not None and layer.dense_rows == int4_linear.KERNEL_DENSE_ROWS[torch.bfloat16]
     calls = []
     real = cpu_int4_matmul.int4_matmul
-    monkeypatch.setattr(cpu_int4_matmul, "int4_matmul", lambda rows, tiled: calls.append(len(rows)) or real(rows, tiled))
+    monkeypatch.setattr(cpu_int4_matmul, "int4_matmul", lambda rows, *tiled: calls.append(len(rows)) or real(rows, *tiled))
     for rows in (1, 7, layer.dense_rows, layer.dense_rows + 1):
         layer(torch.randn(rows, 64).bfloat16())
     assert calls == [1, 7, layer.dense_rows]  # past its dense rows, the dense copy
