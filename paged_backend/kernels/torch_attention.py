@@ -84,10 +84,17 @@ def write_and_attend(
     num_slots, D]` (an int8 one with its `layer_scales [2, KVH, num_slots]`), then paged_attention() of
     `query [T, H, D]` over the context they joined. Which rows have a slot is found once per step, not per
     layer, and a sequence's K and V are gathered together (one gather and one cast, not two of each)."""
-    if "torch_writable_rows" not in metadata.derived:
-        metadata.derived["torch_writable_rows"] = writable_rows(metadata.slot_mapping)
-    stored = write_rows(key, value, layer_cache[0], layer_cache[1], metadata.slot_mapping,
-                        metadata.derived["torch_writable_rows"], *split_scales(layer_scales))
+    caches = PagedCaches(layer_cache[0], layer_cache[1], *split_scales(layer_scales))
+    if (cpu_paged_attention.serves(query, caches.key_cache)
+            and cpu_paged_attention.stores(key, value, caches.key_cache, metadata.slot_mapping)):
+        # The kernel's call stores the rows itself, first: no index_copy per K and V, and one call per layer.
+        new_rows, stored = (key, value), (key, value)
+    else:
+        if "torch_writable_rows" not in metadata.derived:
+            metadata.derived["torch_writable_rows"] = writable_rows(metadata.slot_mapping)
+        new_rows = None
+        stored = write_rows(key, value, caches.key_cache, caches.value_cache, metadata.slot_mapping,
+                            metadata.derived["torch_writable_rows"], caches.key_scales, caches.value_scales)
 
     # K and V as one `[2 * KVH, slots, D]` tensor: one 3-D gather is as fast as either of two (a 4-D one
     # takes torch's slower general path), and one cast follows it.
@@ -100,7 +107,7 @@ def write_and_attend(
         return context[:heads], context[heads:]
 
     return attend_sequences(query, read, heads, metadata, scale, sliding_window, softcap, stored, alibi_slopes,
-                            sinks, chunk_size, PagedCaches(layer_cache[0], layer_cache[1], *split_scales(layer_scales)))
+                            sinks, chunk_size, caches, new_rows)
 
 
 def write_and_attend_latent(
@@ -386,13 +393,15 @@ def attend_sequences(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     caches: PagedCaches | None = None,
+    new_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """paged_attention() with the context read by `read(slots, dtype) -> (K, V) [KVH, L, D]`, and this step's
     K/V as stored (`stored`, optional) for sequences with no earlier context. On CPU, the sequences with a few
     query rows attend in one call of the compiled kernel (cpu_paged_attention.py) over `caches` where it serves
     them; else those whose rows attend in fp32 by matmul (decode rows, few fp32 rows) attend in buckets of
     similar length (torch_buckets.py). The others (and, without the kernel, every sequence of a model with
-    soft-capping, ALiBi or sinks) attend one by one."""
+    soft-capping, ALiBi or sinks) attend one by one. `new_rows`: the step's K/V, which the kernel's call stores
+    into `caches` before anything is read (cpu_paged_attention.stores() said it can)."""
     # Masks depend on the step's shapes (and the ALiBi slopes, the same in every layer of the models that
     # use them), not on the layer, so one set serves the whole forward.
     masks = metadata.derived.setdefault("torch_masks", {})
@@ -413,9 +422,9 @@ def attend_sequences(
     if caches is not None and cpu_paged_attention.serves(query, caches.key_cache):
         few, rest = cpu_paged_attention.kernel_sequences(metadata, most_matmul_rows(query.dtype))
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        if len(few):
+        if len(few) or new_rows is not None:  # with no sequence of its own, the call still stores the rows
             cpu_paged_attention.attend(query, *caches, metadata, few, out, scale, sliding_window, softcap,
-                                       alibi_slopes, sinks, chunk_size)
+                                       alibi_slopes, sinks, chunk_size, new_rows)
         for i in rest:
             out[starts[i]:starts[i + 1]] = attend_sequence(i)
         return out

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.kernels import make_batch
 from helpers.tolerances import tolerance
-from paged_backend.kernels import cpu_paged_attention, paged_attention
+from paged_backend.kernels import cpu_paged_attention, paged_attention, torch_attention
 from paged_backend.kernels.kv_quant import quantize_int8
 
 # Decode rows over short and long contexts, rows verifying proposals, a chunk of exactly MOST_ROWS rows after
@@ -68,6 +68,47 @@ def test_kernel_takes_any_head_size_block_size_and_group(head_dim: int, block_si
     scale = head_dim ** -0.5
     torch.testing.assert_close(by_kernel(batch, scale, sliding_window=50), by_torch_ops(batch, scale, sliding_window=50),
                                **tolerance(torch.float32, "kernel"))
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "group"), [(64, 16, 3), (128, 8, 8), (96, 32, 1), (80, 16, 2)])
+def test_bf16_decode_rows_over_a_bf16_cache(head_dim: int, block_size: int, group: int) -> None:
+    """A bf16 model's decode rows: with AVX512-BF16, keys multiplied in bf16 pairs and scored 16 at a time
+    (rows in tiles of 4, so a group of 8 takes two); head sizes of no whole 32 (80) take the generic path.
+    Contexts from 1 to 400 keys, some ending inside a chunk, many crossing the running max's rescaling."""
+    lens = [1, 17, 30, 77, 400, 129, 16, 33]
+    batch = make_batch([1] * len(lens), lens, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size,
+                       dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    metadata = dataclasses.replace(batch.metadata, derived={})
+    got = paged_attention(batch.query, batch.key_cache, batch.value_cache, metadata, scale)
+    assert len(metadata.derived["cpu_kernel_sequences"][0]) == len(lens)  # every sequence in the kernel
+    torch.testing.assert_close(got, by_torch_ops(batch, scale), **tolerance(torch.bfloat16, "kernel"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_call_stores_the_steps_rows_before_it_reads(dtype: torch.dtype) -> None:
+    """A layer's write and attention as the engine calls them: the step's new K/V (as a model hands them over,
+    the key its own tensor and the value a slice of a fused projection's output) go into the cache inside the
+    kernel's call, before the kernel's sequences and those left to SDPA read it. The cache ends as the PyTorch
+    write leaves it."""
+    batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=2, group=3, head_dim=64, dtype=dtype)
+    # The key its own tensor (rotated), the value a slice of the fused projection's output: strides differ.
+    key = batch.new_key.contiguous()
+    value = torch.cat([batch.new_value, batch.new_key, batch.new_value], dim=1)[:, 2:4]
+    forgotten = torch.stack([batch.key_cache, batch.value_cache])
+    forgotten[:, :, batch.metadata.slot_mapping] = float("nan")  # the new tokens' slots, unwritten
+
+    def write_and_attend(layer_cache: torch.Tensor) -> torch.Tensor:
+        metadata = dataclasses.replace(batch.metadata, derived={})
+        return torch_attention.write_and_attend(batch.query, key, value, layer_cache, metadata, 0.125)
+
+    by_kernel_cache, by_torch_cache = forgotten.clone(), forgotten.clone()
+    got = write_and_attend(by_kernel_cache)
+    with cpu_paged_attention.switched_off():
+        want = write_and_attend(by_torch_cache)
+    assert cpu_paged_attention.stores(key, value, by_kernel_cache[0], batch.metadata.slot_mapping)
+    torch.testing.assert_close(by_kernel_cache, by_torch_cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(got, want, **tolerance(dtype, "kernel"))
 
 
 def test_int8_cache_is_dequantized_by_its_scales() -> None:
