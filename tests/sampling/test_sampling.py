@@ -9,7 +9,7 @@ from helpers.models import build
 from helpers.tolerances import approx
 
 from paged_backend import Engine, EngineConfig, SamplingParams
-from paged_backend.sampling.sampler import apply_penalties, filter_logits
+from paged_backend.sampling.sampler import ARGMAX_BLOCK, apply_penalties, argmax_rows, filter_logits
 
 PROMPT = [5, 17, 42, 7]
 
@@ -62,6 +62,18 @@ def test_first_token_distribution_matches_softmax(model):
     for token in probs.topk(5).indices:
         p = probs[token].item()
         assert abs(counts[token].item() / n - p) < 4.5 * (p * (1 - p) / n) ** 0.5 + 1e-3
+
+
+@pytest.mark.parametrize("vocab", [ARGMAX_BLOCK * 3, ARGMAX_BLOCK * 3 + 17, ARGMAX_BLOCK - 1, 49_152])
+def test_greedy_argmax_by_blocks_is_torchs_argmax(vocab: int):
+    """The first of equal maxima, whether they share a block, lie in two blocks or in a short last block."""
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
+    top = logits.max() + 1
+    logits[0, [5, 9]] = top  # a tie inside one block
+    logits[1, [vocab - 1, ARGMAX_BLOCK // 2]] = top  # a tie across blocks (the last one short, when it is)
+    logits[2, vocab - 1] = top  # the maximum in the last entry
+    logits[3] = 0.0  # every entry equal
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
 
 
 def test_top_k_top_p_min_p_keep_the_right_sets():
