@@ -91,7 +91,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     the row's maximum (0.18 ms). An earlier block wins a tie, as an earlier entry does in a block."""
     rows, vocab = logits.shape
     whole = vocab // ARGMAX_BLOCK * ARGMAX_BLOCK
-    if logits.device.type != "cpu" or whole == 0:
+    if logits.device.type != "cpu" or whole == 0 or rows == 0:  # no rows: a step of embeddings only
         return logits.argmax(dim=-1)
     block_max = logits[:, :whole].view(rows, -1, ARGMAX_BLOCK).amax(-1)
     if whole < vocab:

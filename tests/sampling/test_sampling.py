@@ -74,6 +74,7 @@ def test_greedy_argmax_by_blocks_is_torchs_argmax(vocab: int):
     logits[2, vocab - 1] = top  # the maximum in the last entry
     logits[3] = 0.0  # every entry equal
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits[:0]).shape == (0,)  # a step that samples nothing (embeddings only)
 
 
 def test_top_k_top_p_min_p_keep_the_right_sets():
