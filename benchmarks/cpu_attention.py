@@ -80,8 +80,9 @@ def one_layer_call(seqs: int, repeats: int) -> dict[str, Any]:
         want = paged_attention(query, cache[0], cache[1], metadata, HEAD_DIM ** -0.5)
     got = paged_attention(query, cache[0], cache[1], dataclasses.replace(metadata, derived={}), HEAD_DIM ** -0.5)
     figures = alternate({name: timed(name) for name in PATHS}, repeats)
+    medians = {name: statistics.median(v) for name, v in figures.items()}
     return {"seqs": seqs, "keys": sum(lens), "max_abs_difference": float((got.float() - want.float()).abs().max()),
-            "us_per_call": figures, "median_us": {name: statistics.median(v) for name, v in figures.items()}}
+            "us_per_call": figures, "median_us": medians, "speedup": medians["torch_ops"] / medians["kernel"]}
 
 
 def engine_throughput(repeats: int) -> dict[str, Any]:
@@ -89,9 +90,9 @@ def engine_throughput(repeats: int) -> dict[str, Any]:
     runs, answers, prompts = workload_runs({name: functools.partial(path_context, name) for name in PATHS})
     figures = alternate(runs, repeats)
     same = sum(a == b for a, b in zip(answers["kernel"], answers["torch_ops"]))
-    return {"prompts": prompts, "tokens_per_s": figures,
-            "median_tokens_per_s": {name: statistics.median(v) for name, v in figures.items()},
-            "identical_answers": same}
+    medians = {name: statistics.median(v) for name, v in figures.items()}
+    return {"prompts": prompts, "tokens_per_s": figures, "median_tokens_per_s": medians,
+            "speedup": medians["kernel"] / medians["torch_ops"], "identical_answers": same}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -111,6 +111,25 @@ def test_the_kernels_call_stores_the_steps_rows_before_it_reads(dtype: torch.dty
     torch.testing.assert_close(got, want, **tolerance(dtype, "kernel"))
 
 
+def test_the_kernels_call_skips_a_padding_row() -> None:
+    """A row past the step's sequences with slot -1 (a padded decode step) is not stored: a store at slot -1
+    would land in the row before each head's slots (the guard row, or the previous head's last slot)."""
+    batch = make_batch([1, 1, 1], [30, 77, 5], num_kv_heads=2, group=3, head_dim=64, dtype=torch.bfloat16)
+    pad = lambda rows: torch.cat([rows, rows[:1] + 100])  # noqa: E731
+    query, key, value = pad(batch.query.contiguous()), pad(batch.new_key), pad(batch.new_value)
+    metadata = dataclasses.replace(batch.metadata, slot_mapping=torch.cat([batch.metadata.slot_mapping,
+                                                                          torch.tensor([-1])]), derived={})
+    cache = torch.stack([batch.key_cache, batch.value_cache])
+    memory = torch.full((64 + cache.numel(),), float("nan"), dtype=cache.dtype)  # a guard row, then the cache
+    layer_cache = memory[64:].view(cache.shape)
+    layer_cache.copy_(cache)
+    got = torch_attention.write_and_attend(query, key, value, layer_cache, metadata, 0.125)
+    assert "cpu_kernel_step" in metadata.derived  # the kernel took the step
+    assert torch.isnan(memory[:64]).all()
+    torch.testing.assert_close(layer_cache, cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(got[:3], by_torch_ops(batch, 0.125), **tolerance(torch.bfloat16, "kernel"))
+
+
 def test_int8_cache_is_dequantized_by_its_scales() -> None:
     batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=2, group=3, head_dim=64)
     (key_codes, key_scales), (value_codes, value_scales) = (
