@@ -357,6 +357,11 @@ static void attend_chunk_bf16(const Arguments *a, Scratch s, int rows, const uin
         }                                                      \
     }
 
+/* Bytes per element of the cache. */
+static size_t cache_element_size(const Arguments *a) {
+    return a->cache_dtype == DTYPE_F32 ? 4 : a->cache_dtype == DTYPE_BF16 ? 2 : 1;
+}
+
 /* The first key a query at `position` sees: 0, or later under a sliding window or attention chunks. */
 static int first_key(const Arguments *a, int position) {
     int first = 0;
@@ -371,7 +376,7 @@ static void prefetch_keys(const Arguments *a, const int32_t *table, int64_t head
     if (position > highest) return;
     const int bs = a->block_size, end = (position / bs + 1) * bs, last = end - 1 < highest ? end - 1 : highest;
     const int count = last - position + 1 < LANES ? last - position + 1 : LANES;
-    const int row_bytes = a->head_dim * (a->cache_dtype == DTYPE_F32 ? 4 : a->cache_dtype == DTYPE_BF16 ? 2 : 1);
+    const int row_bytes = a->head_dim * (int)cache_element_size(a);
     const int64_t slot = (int64_t)table[position / bs] * bs + position % bs;
     prefetch_rows(a->key_cache, head_row + slot, count, row_bytes);
     prefetch_rows(a->value_cache, head_row + slot, count, row_bytes);
@@ -473,7 +478,7 @@ static void attend_item(const Arguments *a, int seq, int kv_head, Scratch s) {
 static void store_token(const Arguments *a, int t) {
     const int64_t slot = a->slot_mapping[t];
     if (slot < 0) return;
-    const size_t size = a->cache_dtype == DTYPE_F32 ? 4 : a->cache_dtype == DTYPE_BF16 ? 2 : 1;
+    const size_t size = cache_element_size(a);
     const size_t row = (size_t)a->head_dim * size;
     for (int h = 0; h < a->kv_heads; h++) {
         const size_t to = ((size_t)h * a->cache_head_stride + (size_t)slot * a->head_dim) * size;
