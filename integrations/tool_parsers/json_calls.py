@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from ..hermes import CallStream
+from ..hermes import arguments_so_far
 from .base import ParsedCall, PartialCall
 
 # An object written name first, up to where its arguments begin (a leading "type": "function" allowed).
@@ -71,7 +71,7 @@ def partial_object(piece: Piece) -> PartialCall | None:
     header = HEADER.match(piece.text)
     if header is None:
         return None
-    arguments = CallStream.arguments_so_far(piece.text[header.end():], piece.closed)
+    arguments = arguments_so_far(piece.text[header.end():], piece.closed)
     return PartialCall(json.loads(header.group(1)), arguments, piece.closed)
 
 

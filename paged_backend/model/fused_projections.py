@@ -319,11 +319,6 @@ def unfuse(member: nn.Module) -> None:
         del member._paged_unfused_forward
 
 
-def unfuse_projections(model: nn.Module) -> None:
-    for module in model.modules():
-        unfuse(module)
-
-
 def fuse_for_engine(model: nn.Module, enabled: bool) -> bool:
     """Fuse `model`'s projections for an engine's steps unless `enabled` is False or tensor parallelism runs;
     say once what was fused and what was not, and why. Whether any group is fused (the steps then enter step())."""

@@ -495,8 +495,3 @@ class LoRASlots:
         columns = np.repeat(np.arange(1, self.max_loras + 1), self.max_rank)
         mask = token_slots[:, None] == columns[None, :]
         return LoRAStep(torch.from_numpy(mask).to(device=device, dtype=self.dtype, non_blocking=True), self)
-
-    def remove_hooks(self) -> None:
-        for hook in self.hooks.values():
-            hook.handle.remove()
-        self.hooks.clear()
