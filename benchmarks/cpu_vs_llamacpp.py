@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
     result = {"engine_options": options, "engine_dtype": str(engine.llm.model.dtype),
               "engine_int4_weights": has_int4_layers(engine.llm.model), "engine_load_s": engine_load_s,
-              "engine_compile_s": engine.llm.engine.compile_s, "threads": threads,
+              "engine_compile_s": engine.llm.engine.runner_start.compile_s, "threads": threads,
               "tokens": args.tokens, "repeats": args.repeats, "llama_cpp_version": llama_cpp.__version__,
               "llama_cpp_extra_buffers": extra_buffers,
               "gguf": gguf_file_path().name, "load_1m_start": load_start, "load_1m_end": os.getloadavg()[0],
@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         print(f"{name:<22} {value:7.1f} tok/s   runs {[round(v, 1) for v in runs[name]]}")
     for name, value in ratios.items():
         print(f"ratio {name:<36} {value:5.2f}x")
-    print(f"engine start-up {engine_load_s:.1f} s (compile and warm-up {engine.llm.engine.compile_s or 0:.1f} s)")
+    print(f"engine start-up {engine_load_s:.1f} s (compile and warm-up {engine.llm.engine.runner_start.compile_s or 0:.1f} s)")
     print(f"threads {threads}; load average {load_start:.1f} -> {result['load_1m_end']:.1f}; wrote {path}")
     return result
 

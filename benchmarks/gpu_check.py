@@ -584,9 +584,9 @@ def benchmark_steps(sizes: Sizes, device: torch.device, dry_run: bool) -> dict[s
         with AttentionRecorder() as recorder:
             forced[name] = teacher_forced(engine, prompts, tokens["eager"])
         layers[name] = recorder.layers
-        variants[name] = {**run, "setup_s": round(setup_s, 1), "compile_s": engine.compile_s,
-                          "compiled": engine.compiled, "fast_path_check": fast_path_report(engine),
-                          "capture_s": engine.capture_s, "captured": engine.captured,
+        variants[name] = {**run, "setup_s": round(setup_s, 1), "compile_s": engine.runner_start.compile_s,
+                          "compiled": engine.runner.compiled, "fast_path_check": fast_path_report(engine),
+                          "capture_s": engine.runner_start.capture_s, "captured": (engine.runner.graphs is not None),
                           "padded_steps": engine.runner.padding.num_padded_steps if engine.runner.padding else 0,
                           "decode_step_ms": decode_step_ms(steps)}
         release(engine, device)
@@ -615,7 +615,7 @@ def benchmark_steps_fp32(sizes: Sizes, device: torch.device, dry_run: bool) -> d
     for name in STEP_VARIANTS:
         engine = step_variant(model, name, sizes, dry_run)
         tokens[name] = engine_tokens(engine, prompts, min(FP32_TOKENS, sizes.max_tokens))
-        variants[name] = {"compiled": engine.compiled, "captured": engine.captured,
+        variants[name] = {"compiled": engine.runner.compiled, "captured": (engine.runner.graphs is not None),
                           "fast_path_check": fast_path_report(engine)}
         release(engine, device)
     for name in ("compiled", "captured"):
@@ -648,7 +648,7 @@ def fast_path_report(engine) -> dict[str, Any] | None:
     whether the engine, with its checks on, would have kept the compiled forward."""
     from paged_backend.model.fast_path_check import check_compiled
 
-    if not engine.compiled:
+    if not engine.runner.compiled:
         return None
     check = check_compiled(engine.runner)
     return {"passed": check.passed, "max_kl": check.worst, "bound": check.allowed, "seconds": round(check.seconds, 3)}

@@ -141,7 +141,7 @@ def main() -> None:
     llm = LLM(None, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, num_threads=args.threads,
               compile=args.compile, **load)
     if args.compile:
-        print(f"engine compiled and warmed up in {llm.engine.compile_s:.1f} s")
+        print(f"engine compiled and warmed up in {llm.engine.runner_start.compile_s:.1f} s")
     precision = precision_name(llm.model)
     print(f"engine: {precision}; PEFT: {llm.model.dtype}")
     peft = make_adapters(default_model_path(), llm.model.dtype)
@@ -202,7 +202,7 @@ def main() -> None:
     report = {"workload": {"requests": NUM_REQUESTS, "adapters": NUM_ADAPTERS, "rank": RANK, "targets": TARGETS,
                            "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype,
                            "engine_precision": precision, "single": args.single,
-                           "compile": args.compile, "compile_s": llm.engine.compile_s},
+                           "compile": args.compile, "compile_s": llm.engine.runner_start.compile_s},
               "seconds": seconds, "output_tokens_per_s": tok_s, "ratios": ratios,
               "identical_to_peft": same, "machine": machine_info()}
     print(f"results: {write_results(report, 'lora', args.json)}")

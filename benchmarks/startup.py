@@ -39,7 +39,7 @@ answered = time.perf_counter()
 engine = llm.engine
 forward = engine.runner.forward_model
 print(json.dumps({{"import_s": imported - start, "llm_s": built - imported, "first_answer_s": answered - built,
-                  "compile_s": engine.compile_s, "compiled": engine.compiled,
+                  "compile_s": engine.runner_start.compile_s, "compiled": engine.runner.compiled,
                   "new_graphs": getattr(forward, "new_graphs", None), "text": out[0].outputs[0].text}}))
 """
 

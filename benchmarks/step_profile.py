@@ -54,7 +54,7 @@ def main() -> None:
     engine.observers.append(ForwardMarker())
     prompts = chat_workload(llm.tokenizer, load_mt_bench_prompts(args.num_seqs), [10_000] * args.num_seqs)
     result: dict[str, Any] = {"model": "SmolLM2-135M-Instruct (LLM() defaults)", "threads": args.threads,
-                              "compiled": engine.compiled, "dtype": str(next(engine.model.parameters()).dtype),
+                              "compiled": engine.runner.compiled, "dtype": str(next(engine.model.parameters()).dtype),
                               "machine": machine_info()}
     for rows in (args.num_seqs, 1):
         result[f"decode_{rows}"] = profile_decode(engine, prompts.prompt_token_ids[:rows], args.steps)

@@ -251,7 +251,7 @@ def run_engine(source: str, workload: Workload, options: Options, compile: bool 
                            kv_cache_mb=engine.cache.kv.nbytes / MB, block_size=engine.config.block_size,
                            num_steps=len(steps), step_tokens=[t for t, _, _ in steps],
                            step_s=[round(s, 4) for _, _, s in steps], forward_s=sum(s for _, _, s in steps),
-                           compile_s=engine.compile_s)
+                           compile_s=engine.runner_start.compile_s)
     floor = measure_floor(engine.model, [(t, k) for t, k, _ in steps], options.floor_repeats)
     shape_cost = {(t, k): w for t, k, w in floor["floor_shape_s"]}
     result.update(floor, engine_over_floor=meter.wall_s / floor["floor_s"],

@@ -13,6 +13,7 @@ from helpers.models import build
 from paged_backend import Engine, EngineConfig
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ENGINE_SOURCE = Path(inspect.getfile(Engine))
 ENGINE_PARTS = {"runner", "scheduler", "kv", "cache", "speculator", "output_processor", "inputs", "grammar_queue"}
 
 
@@ -25,6 +26,23 @@ def public_members(cls: type) -> list[str]:
 def test_the_engine_has_at_most_15_public_members() -> None:
     names = public_members(Engine)
     assert len(names) <= 15, names
+
+
+def test_the_engine_is_built_in_one_screen_from_its_start_up_plan() -> None:
+    """Start-up choices and their refusals live in startup_plan.py; the engine builds its parts from the plan."""
+    lines = inspect.getsource(Engine.__init__).splitlines()
+    assert len(lines) <= 30, f"Engine.__init__ has {len(lines)} lines"
+    source = ENGINE_SOURCE.read_text()
+    assert "EngineConfig." not in source  # a refusal names the field it refuses (`EngineConfig.max_model_len=...`)
+    assert "eager_reason" not in source  # whether this is tensor parallel is the plan's question
+
+
+def test_the_engine_samples_nothing_itself() -> None:
+    """Rows for proposals, acceptance, generator rewinds and prompt logprobs are the step sampler's."""
+    imported = {node.module for node in ast.walk(ast.parse(ENGINE_SOURCE.read_text()))
+                if isinstance(node, ast.ImportFrom)}
+    assert not imported & {"paged_backend.sampling.sampler", "paged_backend.sampling.prompt_logprobs"}
+    assert "paged_backend.step_sampler" in imported
 
 
 def test_the_step_reads_in_one_screen() -> None:

@@ -30,4 +30,4 @@ def test_test_modules_live_in_the_folder_of_their_package() -> None:
     top = sorted(path.name for path in TESTS.glob("test_*.py"))
     assert top == ["test_bad_input.py", "test_benchmark_smoke.py", "test_engine_equivalence.py",
                    "test_engine_shape.py", "test_import_cycles.py", "test_packaging.py",
-                   "test_precision_benchmarks.py", "test_test_layout.py", "test_tracing.py"]
+                   "test_precision_benchmarks.py", "test_startup_plan.py", "test_test_layout.py", "test_tracing.py"]

@@ -67,7 +67,7 @@ class EngineReplica:
         engine = self.llm.engine
         return ReplicaInfo(engine.max_model_len, engine.vocab_size, engine.config.block_size,
                            engine.config.max_num_seqs, engine.tokenizer, socket.gethostname(), os.getpid(),
-                           str(engine.device), engine.eos_token_ids, engine.context_note, engine.config.enable_lora,
+                           str(engine.device), engine.eos_token_ids, engine.plan.context_note, engine.config.enable_lora,
                            engine.hidden_size, engine.embedding_sizes)
 
     @ray.method(num_returns="streaming", _generator_backpressure_num_objects=STREAM_WINDOW)

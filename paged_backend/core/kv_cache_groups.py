@@ -23,6 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A context no request reaches: the capacity of a cache whose every group slides (a lone request never
+# outgrows its windows).
+UNBOUNDED_TOKENS = 2**40
+
 
 @dataclass(frozen=True, slots=True)
 class LayerGroup:
@@ -87,6 +91,23 @@ class CacheGroups:
             else:  # +1: the window's first key may sit anywhere in its block
                 total += min(every, -(-(group.window - 1 + step_tokens) // block_size) + 1)
         return total
+
+    def capacity_tokens(self, num_blocks: int, block_size: int, step_tokens: int | None) -> int:
+        """The longest request that fits alone in a pool of `num_blocks` pages, when a step computes at most
+        `step_tokens` of its tokens (None: all of them); UNBOUNDED_TOKENS when every group slides."""
+        def pages(num_tokens: int) -> int:
+            return self.blocks_alone(num_tokens, num_tokens if step_tokens is None else min(num_tokens, step_tokens),
+                                     block_size)
+
+        if not self.frees_blocks:
+            return num_blocks * block_size
+        if pages(UNBOUNDED_TOKENS) <= num_blocks:
+            return UNBOUNDED_TOKENS
+        low, high = 0, num_blocks * block_size  # a full group alone bounds it by this
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if pages(mid) <= num_blocks else (low, mid - 1)
+        return low
 
 
 def one_group(num_layers: int) -> CacheGroups:

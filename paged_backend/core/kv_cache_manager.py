@@ -10,7 +10,7 @@ window of W keys lets go of the blocks before its window as the request grows: b
 blocks no query of the step or of any later step reads (every position below `computed - W + 1`) go
 back to the pool, their table entries pointing at the null block (a page outside the pool, zeroed,
 which no step writes), so the tables keep their positions; the runner hands the attention of a window
-group only the blocks from its window on (ModelRunner.window_view).
+group only the blocks from its window on (ModelRunner._window_view).
 A freed block keeps its prefix-cache entry until reused, like any freed block. A cached prefix is a hit
 only where every group can serve it: a full group needs every block before the hit point, a window
 group only those of the window behind it (the first query after the hit reads nothing older), so the
@@ -26,10 +26,6 @@ from paged_backend.core.block_pool import BlockHash, BlockKey, BlockPool
 from paged_backend.core.kv_cache_groups import CacheGroups, LayerGroup, one_group
 from paged_backend.core.request import Request
 from paged_backend.core.state_slots import StateSlots
-
-# A context no request reaches: the capacity of a cache whose every group slides (a lone request never
-# outgrows its windows).
-UNBOUNDED_TOKENS = 2**40
 
 
 def hash_block(key: BlockKey) -> BlockHash:
@@ -67,19 +63,7 @@ class KVCacheManager:
     @property
     def capacity_tokens(self) -> int:
         """The longest request that fits in the cache alone (so preemption can always make room for it)."""
-        if not self.groups.frees_blocks:
-            return self.pool.num_blocks * self.block_size
-        if self.blocks_alone(UNBOUNDED_TOKENS) <= self.pool.num_blocks:
-            return UNBOUNDED_TOKENS
-        low, high = 0, self.pool.num_blocks * self.block_size  # a full group alone bounds it by this
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if self.blocks_alone(mid) <= self.pool.num_blocks else (low, mid - 1)
-        return low
-
-    def blocks_alone(self, num_tokens: int) -> int:
-        step = num_tokens if self.max_step_tokens is None else min(num_tokens, self.max_step_tokens)
-        return self.groups.blocks_alone(num_tokens, step, self.block_size)
+        return self.groups.capacity_tokens(self.pool.num_blocks, self.block_size, self.max_step_tokens)
 
     @property
     def prefix_hit_rate(self) -> float:

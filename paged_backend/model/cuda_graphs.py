@@ -22,7 +22,7 @@ import torch
 from paged_backend.kernels.dispatch import select_backend, triton_modules
 from paged_backend.model import custom_ops
 from paged_backend.model.decode_padding import DecodePadding
-from paged_backend.model.model_runner import StepInputs
+from paged_backend.model.step_inputs import StepInputs
 
 
 def refusal(device: torch.device, dtype: torch.dtype, head_dim: int, tensor_parallel: bool,

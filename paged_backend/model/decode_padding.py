@@ -21,7 +21,7 @@ import bisect
 import torch
 
 from paged_backend.kernels import AttentionMetadata
-from paged_backend.model.model_runner import StepInputs
+from paged_backend.model.step_inputs import StepInputs
 
 
 class DecodePadding:

@@ -25,7 +25,8 @@ import torch
 
 from paged_backend.model import compilation, int4_linear
 from paged_backend.model.model_check import computing_dtype, step_inputs
-from paged_backend.model.model_runner import ModelRunner, StepInputs
+from paged_backend.model.model_runner import ModelRunner
+from paged_backend.model.step_inputs import StepInputs
 
 
 # The most KL divergence (nats) of the fast path's next-token distribution from the eager one, on any probe row.

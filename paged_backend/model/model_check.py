@@ -26,7 +26,8 @@ from paged_backend.kernels import AttentionMetadata
 from paged_backend.model import quantized_linear
 from paged_backend.model.adapters import install_adapters, uninstall_adapters
 from paged_backend.model.attention import ATTENTION_NAME, register
-from paged_backend.model.model_runner import ModelRunner, StepInputs
+from paged_backend.model.model_runner import ModelRunner
+from paged_backend.model.step_inputs import StepInputs
 from paged_backend.model.paged_cache import KVShape, PagedCache, probe_kv_shape
 from paged_backend.model.rope import has_dynamic_rope
 from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep, state_layout
@@ -233,10 +234,10 @@ def paged_logits(model: PreTrainedModel, shape: KVShape, seqs: list[torch.Tensor
     """The same logits through the engine's path: packed steps, a paged cache, the model runner's call."""
     num_blocks = 1 + max(b for table in CHECK_TABLES for b in table)
     cache = PagedCache(shape, num_blocks, CHECK_BLOCK_SIZE, dtype, device)
-    runner = ModelRunner(model, cache)
     layout = state_layout(model.config.get_text_config())
-    if layout is not None:  # a hybrid model: sequence i in state slot i
-        runner.recurrent = RecurrentState(layout, len(seqs), dtype, device)
+    # A hybrid model: sequence i in state slot i.
+    runner = ModelRunner(model, cache, recurrent=RecurrentState(layout, len(seqs), dtype, device)
+                         if layout is not None else None)
     positions = positions or near_positions()
     return torch.cat([runner.forward(step_inputs(step, seqs, device, layout is not None, positions))
                       for step in CHECK_STEPS])

@@ -11,50 +11,28 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
-from paged_backend.core.pooling import PoolingRows, pooling_rows
+from paged_backend.core.pooling import pooling_rows
 from paged_backend.core.request import Request
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.kernels import AttentionMetadata
 from paged_backend.kernels.torch_single_row import single_row_step
 from paged_backend.model import compilation, custom_ops, fused_projections, layer_regions, lora
+from paged_backend.model.cuda_graphs import DecodeGraphs
+from paged_backend.model.decode_padding import DecodePadding
 from paged_backend.model.paged_cache import PagedCache
 from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep, recurrent_context
 from paged_backend.model.small_step_linear import small_step_linear
+from paged_backend.model.step_inputs import StepInputs
 from paged_backend.sampling.prompt_logprobs import PromptSpan, wanted_targets
-
-if TYPE_CHECKING:
-    from paged_backend.model.cuda_graphs import DecodeGraphs
-    from paged_backend.model.decode_padding import DecodePadding
-
-
-class StepInputs(NamedTuple):
-    input_ids: torch.Tensor  # [1, T]
-    position_ids: torch.Tensor  # [1, T]
-    logits_indices: torch.Tensor  # [S] rows of the packed batch whose logits are needed
-    sampling_requests: list[Request]
-    metadata: AttentionMetadata
-    # Kept logits rows after the sampling ones, scoring prompt tokens (rank 0 only; see prompt_logprobs.py).
-    prompt_spans: tuple[PromptSpan, ...] = ()
-    lora: lora.LoRAStep | None = None  # the step's adapter segments (None: every token runs the base)
-    # A padded decode step (decode_padding.py): the first `real_rows` logits rows are its own, the rest
-    # padding's. None: not padded.
-    real_rows: int | None = None
-    # A cache of layer groups (kv_cache_groups.py): the metadata of each group, `metadata` the first's. None: one.
-    group_metadata: tuple[AttentionMetadata, ...] | None = None
-    # The rows the step's pooling requests take from the final hidden states (None: no pooling request).
-    pooling: PoolingRows | None = None
-    # A hybrid model's step (recurrent_state.py): each sequence's segment, progress and state slot. None: no state.
-    recurrent: RecurrentStep | None = None
-
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedCache,
-                 publish: Callable[[StepInputs], None] | None = None, lora_slots: lora.LoRASlots | None = None) -> None:
+                 publish: Callable[[StepInputs], None] | None = None, lora_slots: lora.LoRASlots | None = None,
+                 fused: bool = False, recurrent: RecurrentState | None = None) -> None:
         self.model = model
         self.lora_slots = lora_slots
         # What runs the step and returns its logits: the model eagerly, or its compiled graphs (compile()).
@@ -62,11 +40,11 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.kv.device
         self.publish = publish  # tensor parallelism: hands each step's inputs to the other ranks
-        self.padding: DecodePadding | None = None  # pads decode-only steps, when the engine asks
+        self.padding: DecodePadding | None = None  # pads decode-only steps, when the start-up plan asks (runner_start.py)
         self.graphs: DecodeGraphs | None = None  # replays padded decode steps on CUDA, once captured
         self.compiled_structure: tuple | None = None  # the model's structure its forward was compiled for
-        self.fused = False  # steps run the model's projections fused (fused_projections.py), as the engine set
-        self.recurrent: RecurrentState | None = None  # a hybrid model's recurrent-layer state, when it has one
+        self.fused = fused  # steps run the model's projections fused (fused_projections.py)
+        self.recurrent = recurrent  # a hybrid model's recurrent-layer state, when it has one
 
     def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run one forward; return the kept logits and the step's inputs: the first rows are those of
@@ -74,7 +52,7 @@ class ModelRunner:
         carrying proposed tokens), then those of `inputs.prompt_spans`.
         The caller holds `torch.inference_mode()` over this and the sampling that follows."""
         inputs = self.prepare_inputs(batch)
-        # A step with pooling requests runs unpadded and eagerly (forward_pooling): a captured graph has no hook.
+        # A step with pooling requests runs unpadded and eagerly (_forward_pooling): a captured graph has no hook.
         size = self.padding.size_for(inputs) if self.padding is not None and inputs.pooling is None else None
         if size is not None:  # before publishing: every tensor-parallel rank runs the same padded step
             inputs = self.padding.pad(inputs, size)
@@ -88,7 +66,7 @@ class ModelRunner:
                                       groups),
               lora.step_context(inputs.lora), recurrent_context(self.recurrent, inputs.recurrent)):
             if inputs.pooling is not None:
-                return self.forward_pooling(inputs)
+                return self._forward_pooling(inputs)
             logits = self.graphs.replay(inputs) if self.graphs is not None and inputs.real_rows is not None else None
             if logits is None:
                 # Eager only: the compiled forward has its own matmul choices.
@@ -98,7 +76,7 @@ class ModelRunner:
                                             inputs.metadata)
         return logits if inputs.real_rows is None else logits[: inputs.real_rows]
 
-    def forward_pooling(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward_pooling(self, inputs: StepInputs) -> torch.Tensor:
         """The step eagerly, whatever `compile` says (a compiled graph would not run a hook added now), with
         the decoder's final hidden states handed to the pooling requests (`PoolingRows.reduce`)."""
         captured: list[torch.Tensor] = []
@@ -168,7 +146,7 @@ class ModelRunner:
 
         def warm(forward: compilation.CompiledForward, title: str) -> float:
             self.forward_model = forward
-            return compilation.warm_up(self.warm_up_step, cache, shapes, progress=title)
+            return compilation.warm_up(self._warm_up_step, cache, shapes, progress=title)
 
         layer_regions.index_layers(self.model)  # before a graph is traced or loaded: each reads the index tensors
         try:
@@ -184,7 +162,7 @@ class ModelRunner:
         self.forward_model = partial(compilation.logits_of, self.model)
         self.compiled_structure = None
 
-    def warm_up_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
+    def _warm_up_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
                      metadata: AttentionMetadata) -> torch.Tensor:
         """run_model for a warm-up step, with the LoRA mask every compiled step has (no token on an adapter)."""
         step = None
@@ -206,8 +184,8 @@ class ModelRunner:
         tables = self.block_table_array(requests)
         positions, query_start_loc, metadata = self.pack(tables, starts, counts)
         sampling = [i for i, r in enumerate(requests) if ends[i] - spec[i] == r.num_tokens and r.pooling is None]
-        logits_rows = self.sampling_rows(query_start_loc[1:][sampling] - 1, spec[sampling])
-        spans, span_rows = self.prompt_spans(requests, starts, ends - spec, query_start_loc)
+        logits_rows = self._sampling_rows(query_start_loc[1:][sampling] - 1, spec[sampling])
+        spans, span_rows = self._prompt_spans(requests, starts, ends - spec, query_start_loc)
         if spans:
             logits_rows = np.concatenate([logits_rows, span_rows])
         elif not sampling:  # only partial prompt chunks: keep one row so the forward's shape is valid
@@ -219,14 +197,14 @@ class ModelRunner:
             sampling_requests=[requests[i] for i in sampling],
             metadata=metadata,
             prompt_spans=tuple(spans),
-            lora=self.lora_step(requests, counts),
-            group_metadata=(self.group_metadata(requests, tables, positions, starts, counts, metadata)
+            lora=self._lora_step(requests, counts),
+            group_metadata=(self._group_metadata(requests, tables, positions, starts, counts, metadata)
                             if self.cache.grouped else None),
             pooling=pooling_rows(requests, starts, ends, query_start_loc, self.to_device),
-            recurrent=self.recurrent_step(requests, starts, query_start_loc),
+            recurrent=self._recurrent_step(requests, starts, query_start_loc),
         )
 
-    def recurrent_step(self, requests: list[Request], starts: np.ndarray, query_start_loc: np.ndarray
+    def _recurrent_step(self, requests: list[Request], starts: np.ndarray, query_start_loc: np.ndarray
                        ) -> RecurrentStep | None:
         """A hybrid model's step: where each request's tokens sit, what it had computed, and its state slot."""
         if self.recurrent is None:
@@ -234,11 +212,11 @@ class ModelRunner:
         return RecurrentStep(tuple(query_start_loc.tolist()), tuple(starts.tolist()),
                              tuple(r.state_slot for r in requests))
 
-    def group_metadata(self, requests: list[Request], first_tables: np.ndarray, positions: np.ndarray,
+    def _group_metadata(self, requests: list[Request], first_tables: np.ndarray, positions: np.ndarray,
                        starts: np.ndarray, counts: np.ndarray, first: AttentionMetadata) -> tuple[AttentionMetadata, ...]:
         """Each layer group's metadata. `first` (from pack(), over `first_tables`) is the first group's; the
         others differ in their block tables and the slots these give the step's tokens. A window group's sequences start at the block
-        of their first query's window (window_view): the kernels then read no block the group freed."""
+        of their first query's window (_window_view): the kernels then read no block the group freed."""
         block_size = self.cache.block_size
         rows = np.repeat(np.arange(len(requests)), counts)
         metadata = []
@@ -253,11 +231,11 @@ class ModelRunner:
                 step = first if index == 0 else dataclasses.replace(
                     first, slot_mapping=slot_mapping, block_tables=self.to_device(tables), derived={})
             else:
-                step = self.window_view(first, tables, slot_mapping, starts, counts, group.window)
+                step = self._window_view(first, tables, slot_mapping, starts, counts, group.window)
             metadata.append(step)
         return tuple(metadata)
 
-    def window_view(self, first: AttentionMetadata, tables: np.ndarray, slot_mapping: torch.Tensor,
+    def _window_view(self, first: AttentionMetadata, tables: np.ndarray, slot_mapping: torch.Tensor,
                     starts: np.ndarray, counts: np.ndarray, window: int) -> AttentionMetadata:
         """A window group's metadata: each sequence cropped to start at the block holding the first key its
         first query reads. Causal and window masks (and ALiBi) depend only on the distance between query and
@@ -301,14 +279,14 @@ class ModelRunner:
         )
         return positions, query_start_loc, metadata
 
-    def lora_step(self, requests: list[Request], counts: np.ndarray) -> lora.LoRAStep | None:
+    def _lora_step(self, requests: list[Request], counts: np.ndarray) -> lora.LoRAStep | None:
         if self.lora_slots is None:
             return None
         slots = np.fromiter((r.lora_slot for r in requests), dtype=np.int64, count=len(requests))
         return self.lora_slots.prepare_step(slots, counts, self.device)
 
     @staticmethod
-    def sampling_rows(last_rows: np.ndarray, num_spec: np.ndarray) -> np.ndarray:
+    def _sampling_rows(last_rows: np.ndarray, num_spec: np.ndarray) -> np.ndarray:
         """The rows that sample: each request's last position, preceded by one per proposed token it
         carries (the position before each proposal predicts it), in request order."""
         if not num_spec.any():
@@ -318,7 +296,7 @@ class ModelRunner:
         return np.repeat(last_rows - num_spec, counts) + offsets
 
     @staticmethod
-    def prompt_spans(requests: list[Request], starts: np.ndarray, ends: np.ndarray,
+    def _prompt_spans(requests: list[Request], starts: np.ndarray, ends: np.ndarray,
                      query_start_loc: np.ndarray) -> tuple[list[PromptSpan], np.ndarray]:
         """The prompt tokens this step can score, and the packed rows whose logits predict them."""
         spans, rows = [], []

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from paged_backend.kernels import AttentionMetadata
-from paged_backend.model.model_runner import ModelRunner, StepInputs
+from paged_backend.model.model_runner import ModelRunner
+from paged_backend.model.step_inputs import StepInputs
 
 HEADER = 6  # T, num_seqs, block-table width, logits rows, max query len, max seq len
 

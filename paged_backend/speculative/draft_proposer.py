@@ -39,7 +39,8 @@ from paged_backend.core.request import Request
 from paged_backend.model.attention import ATTENTION_NAME
 from paged_backend.model.model_check import prepare_model
 from paged_backend.model.model_loader import load_model
-from paged_backend.model.model_runner import ModelRunner, StepInputs
+from paged_backend.model.model_runner import ModelRunner
+from paged_backend.model.step_inputs import StepInputs
 from paged_backend.model.paged_cache import KVShape, PagedCache
 from paged_backend.sampling.sampler import filter_logits
 

@@ -9,8 +9,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_backend.core.kv_cache_groups import LayerGroup, one_group, plan_groups
-from paged_backend.core.kv_cache_manager import UNBOUNDED_TOKENS, KVCacheManager
+from paged_backend.core.kv_cache_groups import UNBOUNDED_TOKENS, LayerGroup, one_group, plan_groups
+from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.outputs import RequestMetrics
 from paged_backend.core.request import Request
 from paged_backend.sampling.sampling_params import SamplingParams

@@ -136,7 +136,7 @@ def test_a_compiled_engine_pools_eagerly_and_keeps_generating_compiled() -> None
     expected = [hf_embedding(reference, p, "mean") for p in prompts[:2]]
     tokens = [hf_greedy(reference, p, 6) for p in prompts[2:]]
     engine = Engine(build("llama"), config=EngineConfig(num_kv_blocks=32, compile=True))
-    assert engine.compiled
+    assert engine.runner.compiled
     for i, prompt in enumerate(prompts):
         if i < 2:
             engine.add_pooling_request(prompt, PoolingParams(pooling="mean"), request_id=str(i))

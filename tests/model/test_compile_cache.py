@@ -55,7 +55,7 @@ def graph_files(folder: Path) -> list[Path]:
 def test_graphs_are_saved_then_loaded_and_give_the_same_tokens(cache_folder, model):
     eager = tokens(Engine(model, None, EngineConfig(**{**CONFIG, "compile": False})))
     first = Engine(model, None, EngineConfig(**CONFIG))
-    assert first.compiled and not first.runner.forward_model.new_graphs == 0
+    assert first.runner.compiled and not first.runner.forward_model.new_graphs == 0
     saved = graph_files(cache_folder)
     assert len(saved) == len(compilation.warm_up_shapes(model)) == len(first.runner.forward_model.graphs)
     assert list((cache_folder / "inductor").iterdir()), "inductor's kernels live beside the graphs"
@@ -90,7 +90,7 @@ def test_a_folder_that_cannot_be_written_compiles_without_keeping(tmp_path, monk
     monkeypatch.setattr(compilation, "_graphs", {})
     with caplog.at_level(logging.WARNING, logger="paged_backend.model.compile_cache"):
         engine = Engine(model, None, EngineConfig(**CONFIG))
-    assert engine.compiled and "cannot be written" in caplog.text
+    assert engine.runner.compiled and "cannot be written" in caplog.text
     assert tokens(engine) == tokens(Engine(model, None, EngineConfig(**{**CONFIG, "compile": False})))
 
 
@@ -111,7 +111,7 @@ def test_the_key_follows_what_changes_a_graph(model):
 
 def test_the_cache_can_be_turned_off(cache_folder, model, monkeypatch):
     monkeypatch.setenv(compile_cache.ENV_CACHE, "0")
-    assert Engine(model, None, EngineConfig(**CONFIG)).compiled
+    assert Engine(model, None, EngineConfig(**CONFIG)).runner.compiled
     assert not graph_files(cache_folder)
 
 

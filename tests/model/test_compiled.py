@@ -52,7 +52,7 @@ def compiled_case(request):
     # 20 blocks of 4 slots hold about two long requests; 24 tokens per step slice the longer prompts.
     engine = Engine(model, None, EngineConfig(num_kv_blocks=20, block_size=4, max_num_batched_tokens=24,
                                               compile=True))
-    assert engine.compiled
+    assert engine.runner.compiled
     return name, model, prompts, refs, engine
 
 
@@ -101,7 +101,7 @@ def test_compile_defaults_on_cpu_where_it_can_build_kernels(monkeypatch):
     assert not compilation.wants_compile(None, cpu)
     assert compilation.wants_compile(True, cpu) and compilation.wants_compile(True, cuda)
     assert not compilation.wants_compile(False, cpu)
-    assert not Engine(build("llama"), None, EngineConfig(num_kv_blocks=8)).compiled
+    assert not Engine(build("llama"), None, EngineConfig(num_kv_blocks=8)).runner.compiled
     with pytest.raises(ValueError, match="compile"):
         EngineConfig(compile="yes")
 
@@ -110,7 +110,7 @@ def test_a_path_that_cannot_compile_runs_eagerly_and_says_so(monkeypatch, caplog
     monkeypatch.setattr(compilation, "eager_reason", lambda: "tensor parallelism runs eagerly")
     with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
         engine = Engine(build("llama"), None, EngineConfig(num_kv_blocks=8, compile=True))
-    assert not engine.compiled
+    assert not engine.runner.compiled
     assert not engine.runner.compiled
     assert [r.message for r in caplog.records].count("compile: tensor parallelism runs eagerly") == 1
 
@@ -121,7 +121,7 @@ def test_dynamic_rope_runs_eagerly_and_says_so(caplog):
     _, model, prompts, refs = hf_case("llama_dynamic_rope", build("llama_dynamic_rope"), MAX_NEW)
     with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
         engine = Engine(model, None, EngineConfig(num_kv_blocks=64, compile=True))
-    assert not engine.compiled
+    assert not engine.runner.compiled
     assert any("dynamic NTK rope runs eagerly" in r.message for r in caplog.records)
     ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
     finals = run_to_completion(engine)
@@ -135,9 +135,9 @@ def test_a_forward_that_fails_to_compile_runs_eagerly_and_says_so(monkeypatch, c
 
     monkeypatch.setattr(compilation, "compile_forward", fail)
     _, model, prompts, refs = hf_case("llama", build("llama"), MAX_NEW)
-    with caplog.at_level(logging.WARNING, logger="paged_backend.engine"):
+    with caplog.at_level(logging.WARNING, logger="paged_backend.model.runner_start"):
         engine = Engine(model, None, EngineConfig(num_kv_blocks=64, compile=True))
-    assert not engine.compiled and not engine.runner.compiled
+    assert not engine.runner.compiled
     assert [r.message for r in caplog.records] == [
         "compile: the model forward failed to compile (RuntimeError: data-dependent branch); it runs eagerly"]
     ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
@@ -189,7 +189,7 @@ def test_start_up_traces_each_graph_once(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path))  # nothing saved by an earlier run to load
     monkeypatch.setattr(compilation, "_graphs", {})
     dynamo_utils.clear_compilation_metrics()
-    assert Engine(build("llama", seed=4), None, EngineConfig(num_kv_blocks=8, compile=True)).compiled
+    assert Engine(build("llama", seed=4), None, EngineConfig(num_kv_blocks=8, compile=True)).runner.compiled
     ours = dynamo_utils.get_compilation_metrics()  # ahead-of-time captures record no code name: all are ours
     assert len(ours) >= 2 and all(not m.restart_reasons for m in ours), [m.restart_reasons for m in ours]
 

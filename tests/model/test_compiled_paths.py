@@ -37,14 +37,14 @@ def model():
 @pytest.fixture(scope="module")
 def graphs(model) -> int:
     """Compiles the model (the first compiled engine pays it); the number of graphs torch holds after that."""
-    assert Engine(model, None, EngineConfig(compile=True, **CONFIG)).compiled
+    assert Engine(model, None, EngineConfig(compile=True, **CONFIG)).runner.compiled
     return counters["stats"]["unique_graphs"]
 
 
 def eager_and_compiled(model, graphs: int, **config) -> tuple[Engine, Engine]:
     config = {**CONFIG, **config}
     compiled = Engine(model, None, EngineConfig(compile=True, **config))
-    assert compiled.compiled and counters["stats"]["unique_graphs"] == graphs
+    assert compiled.runner.compiled and counters["stats"]["unique_graphs"] == graphs
     return Engine(model, None, EngineConfig(compile=False, **config)), compiled
 
 

@@ -46,7 +46,7 @@ def test_llama4_runs_eagerly_when_asked_to_compile(caplog: pytest.LogCaptureFixt
     _, _, prompts, refs = hf_case("llama4_text", model, MAX_NEW)
     with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
         engine = Engine(model, None, EngineConfig(num_kv_blocks=40, block_size=4, compile=True))
-    assert not engine.compiled and "runs eagerly" in caplog.text
+    assert not engine.runner.compiled and "runs eagerly" in caplog.text
     ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts[:4]]
     finals = run_to_completion(engine)
     assert [finals[i].outputs[0].token_ids for i in ids] == refs[:4]

@@ -51,7 +51,7 @@ class Case:
     def compiled(self, blocks: int) -> Engine:
         engine = Engine(self.model, None, EngineConfig(num_kv_blocks=blocks, block_size=BLOCK,
                                                        max_num_batched_tokens=32, compile=True))
-        assert engine.compiled and engine.kv.groups.frees_blocks and engine.cache.grouped
+        assert engine.runner.compiled and engine.kv.groups.frees_blocks and engine.cache.grouped
         return engine
 
 

@@ -55,9 +55,9 @@ def test_graph_sizes_config():
 def test_cpu_pads_only_when_asked():
     model = build("llama")
     plain = Engine(model, None, EngineConfig(num_kv_blocks=8))
-    assert plain.runner.padding is None and not plain.captured and plain.cache.num_blocks == 8
+    assert plain.runner.padding is None and plain.runner.graphs is None and plain.cache.num_blocks == 8
     padded = Engine(model, None, EngineConfig(num_kv_blocks=8, **PADDED))
-    assert padded.runner.padding is not None and not padded.captured
+    assert padded.runner.padding is not None and padded.runner.graphs is None
     assert padded.cache.num_blocks == 9 and padded.kv.pool.num_blocks == 8  # the scratch block is held back
     assert padded.runner.padding.scratch_block == 8
 
@@ -159,7 +159,7 @@ def test_captured_decode_equals_uncaptured():
     tokens = []
     for sizes in ([], [1, 2, 4, 8]):
         engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, cuda_graph_sizes=sizes))
-        assert engine.captured == bool(sizes)
+        assert (engine.runner.graphs is not None) == bool(sizes)
         ids = [engine.add_request(p, greedy(10)) for p in prompts]
         finals = run_to_completion(engine)
         tokens.append([finals[i].outputs[0].token_ids for i in ids])

@@ -173,7 +173,7 @@ def test_compiled_engine_equals_hf_without_recompiles():
     _, model, prompts, refs = hf_case("deepseek_v3", model, MAX_NEW)
     engine = Engine(model, None, EngineConfig(num_kv_blocks=20, block_size=4, max_num_batched_tokens=24,
                                               compile=True))
-    assert engine.compiled
+    assert engine.runner.compiled
     graphs_before = counters["stats"]["unique_graphs"]
     ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts[:5]]
     finals = {o.request_id: o for _ in range(3) for o in engine.step() if o.finished}

@@ -30,10 +30,10 @@ def answers(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_a_right_compiled_forward_passes_and_is_used(caplog):
     _, model, prompts, refs = hf_case("llama", build("llama"), MAX_NEW)
-    with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
+    with caplog.at_level(logging.INFO, logger="paged_backend.model.runner_start"):
         engine = Engine(model, None, EngineConfig(**CONFIG))
-    check = engine.fast_path_check
-    assert engine.compiled and check.passed and 0 <= check.worst < check.allowed
+    check = engine.runner_start.fast_path_check
+    assert engine.runner.compiled and check.passed and 0 <= check.worst < check.allowed
     assert any("matches the eager one on the start-up probe" in r.message for r in caplog.records)
     stats = engine.stats()
     assert stats["compiled_check_passed"] == 1.0 and stats["compiled_check_max_kl"] == check.worst
@@ -65,11 +65,11 @@ def perturb_a_layer(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_wrong_compiled_forward_is_caught_and_the_engine_runs_eagerly(monkeypatch, caplog, plant):
     _, model, prompts, refs = hf_case("llama", build("llama"), MAX_NEW)
     plant(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="paged_backend.engine"):
+    with caplog.at_level(logging.WARNING, logger="paged_backend.model.runner_start"):
         engine = Engine(model, None, EngineConfig(**CONFIG))
-    check = engine.fast_path_check
+    check = engine.runner_start.fast_path_check
     assert not check.passed and not check.worst <= check.allowed  # a lost write may read NaN from unwritten slots
-    assert not engine.compiled and not engine.runner.compiled
+    assert not engine.runner.compiled
     assert [r.message for r in caplog.records if "start-up probe" in r.message] == [
         "compile: the compiled forward's next-token distributions differ from the eager forward's by a KL "
         f"divergence of {check.worst:.4g} (bound {check.allowed:.4g}) on the start-up probe, so the engine runs "
@@ -81,14 +81,14 @@ def test_a_wrong_compiled_forward_is_caught_and_the_engine_runs_eagerly(monkeypa
 def test_the_check_is_skipped_with_the_self_check(monkeypatch):
     lose_cache_writes(monkeypatch)
     engine = Engine(build("llama"), None, EngineConfig(**CONFIG, self_check=False))
-    assert engine.compiled and engine.fast_path_check is None
+    assert engine.runner.compiled and engine.runner_start.fast_path_check is None
     assert "compiled_check_passed" not in engine.stats()
 
 
 def test_the_probe_fits_a_cache_smaller_than_itself():
     """Two blocks of four slots hold less than the probe's sequences: it reuses them, and still passes."""
     engine = Engine(build("llama"), None, EngineConfig(num_kv_blocks=2, block_size=4, compile=True))
-    assert engine.fast_path_check.passed
+    assert engine.runner_start.fast_path_check.passed
     lengths, _ = fast_path_check.probe_schedule(None)
     assert sum(lengths) > 2 * 4
     assert torch.isfinite(engine.cache.kv).all()

@@ -71,7 +71,7 @@ def tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
 def test_compiled_fused_llama_equals_hf_without_recompiling():
     _, model, prompts, refs = hf_case("llama", build("llama", seed=2), MAX_NEW)
     engine = check_against_hf(model, prompts, refs, EngineConfig(compile=True, **CONFIG), MAX_NEW, late_from=6)
-    assert engine.compiled and engine.runner.fused and len(groups_of(model)) == 4
+    assert engine.runner.compiled and engine.runner.fused and len(groups_of(model)) == 4
     graphs = counters["stats"]["unique_graphs"]
     check_against_hf(model, prompts, refs, EngineConfig(compile=True, **CONFIG), MAX_NEW)  # a second engine
     assert counters["stats"]["unique_graphs"] == graphs and engine.runner.forward_model.eager_steps == 0
@@ -83,7 +83,7 @@ def test_compiled_fused_int4_equals_the_unfused_engines():
     unfused = tokens(Engine(model, None, EngineConfig(compile=False, fuse_projections=False, **CONFIG)), prompts)
     before = CompiledForward.all_eager_steps
     fused = Engine(model, None, EngineConfig(compile=True, **CONFIG))
-    assert fused.compiled and fused.runner.fused
+    assert fused.runner.compiled and fused.runner.fused
     assert tokens(fused, prompts) == unfused
     compiled_unfused = Engine(model, None, EngineConfig(compile=True, fuse_projections=False, **CONFIG))
     assert tokens(compiled_unfused, prompts) == unfused  # its own graphs (the key says fused or not)

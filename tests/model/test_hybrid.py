@@ -144,7 +144,7 @@ def test_compile_and_padded_decode_stay_off(model, prompts, refs, caplog):
     slots: asked for both, the engine runs eagerly and unpadded, and says so."""
     with caplog.at_level("INFO"):
         engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, compile=True, pad_decode=True))
-    assert not engine.compiled and engine.runner.padding is None
+    assert not engine.runner.compiled and engine.runner.padding is None
     assert "short-convolution layers" in caplog.text and "decode steps unpadded" in caplog.text
     rid = engine.add_request(prompts[1], greedy(MAX_NEW))
     assert run_to_completion(engine)[rid].outputs[0].token_ids == refs[1]
@@ -224,7 +224,7 @@ def test_a_hybrid_type_with_attention_layers_only_compiles(name):
     refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     engine = Engine(model, None, EngineConfig(num_kv_blocks=20, block_size=4, max_num_batched_tokens=24,
                                               compile=True))
-    assert engine.compiled
+    assert engine.runner.compiled
     ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
     finals = run_to_completion(engine)
     assert [finals[i].outputs[0].token_ids for i in ids] == refs

@@ -50,7 +50,7 @@ def traced_step(engine: Engine, tokens: int) -> torch.fx.GraphModule:
     recorded = torch.compile(compilation.logits_of, backend=record, fullgraph=True, dynamic=True)
     runner.forward_model = functools.partial(recorded, runner.model)
     with layer_regions.marked(runner.model):
-        compilation.warm_up(runner.warm_up_step, runner.cache, ((tokens, 1),))
+        compilation.warm_up(runner._warm_up_step, runner.cache, ((tokens, 1),))
     return graphs[0]
 
 
@@ -130,6 +130,6 @@ def test_compiled_regions_give_hf_s_tokens(arch: str, monkeypatch):
     _, model, prompts, refs = hf_case(arch, build_from_config(DEEP[arch], seed=1), MAX_NEW)
     config = EngineConfig(compile=True, num_kv_blocks=40, block_size=4, max_num_batched_tokens=24)
     engine = check_against_hf(model, prompts, refs, config, MAX_NEW, late_from=6)
-    assert engine.compiled and engine.runner.forward_model.eager_steps == 0
+    assert engine.runner.compiled and engine.runner.forward_model.eager_steps == 0
     assert marked and set(marked) == {model.config.num_hidden_layers}  # every graph traced with regions
     check_against_hf(model, prompts[:1], refs[:1], config, MAX_NEW)

@@ -279,7 +279,7 @@ def test_compiled_steps_add_each_request_adapter_in_the_graph(case):
     warmed up at start-up, with the PEFT model's tokens per request."""
     _, _, prompts, names, refs = case
     engine = lora_engine(case, compile=True, max_loras=3, max_num_batched_tokens=24, num_kv_blocks=14, block_size=4)
-    assert engine.compiled and engine.runner.lora_slots.hooks_fixed
+    assert engine.runner.compiled and engine.runner.lora_slots.hooks_fixed
     graphs = counters["stats"]["unique_graphs"]
     base_only = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts[:2]]
     finals = run_to_completion(engine)

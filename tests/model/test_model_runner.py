@@ -14,7 +14,8 @@ from paged_backend.core.outputs import RequestMetrics
 from paged_backend.core.request import Request
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.engine import Engine
-from paged_backend.model.model_runner import ModelRunner, StepInputs
+from paged_backend.model.model_runner import ModelRunner
+from paged_backend.model.step_inputs import StepInputs
 from paged_backend.sampling.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -49,7 +49,7 @@ def test_a_peft_model_runs_eagerly_even_when_compile_is_asked(peft_case, caplog)
     model, prompts, refs = peft_case
     with caplog.at_level(logging.INFO, logger="paged_backend.engine"):
         llm = LLM(model, num_kv_blocks=32, compile=True)
-    assert not llm.engine.compiled
+    assert not llm.engine.runner.compiled
     assert "PEFT tuner layers runs eagerly" in caplog.text
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)] == refs
     with model.disable_adapter():

@@ -44,8 +44,8 @@ def test_a_quantized_engine_compiles_only_where_the_compile_setting_says(monkeyp
     monkeypatch.setattr(ModelRunner, "compile",
                         lambda self: calls.append(self) or CompileReport(CompiledForward(self.model, []), 0.0, False, ""))
     # The suite turns the default compile off (PAGED_BACKEND_COMPILE=0): quantization changes nothing about it.
-    assert not LLM(build("llama"), quantization="int8", num_kv_blocks=16).engine.compiled
-    assert LLM(build("llama"), quantization="int8", compile=True, num_kv_blocks=16).engine.compiled
+    assert not LLM(build("llama"), quantization="int8", num_kv_blocks=16).engine.plan.compile
+    assert LLM(build("llama"), quantization="int8", compile=True, num_kv_blocks=16).engine.plan.compile
     assert len(calls) == 1
 
 

@@ -23,7 +23,7 @@ REFUSED = [
 def front_of(engine: Engine):
     info = replica.ReplicaInfo(engine.max_model_len, engine.vocab_size, engine.config.block_size,
                                engine.config.max_num_seqs, engine.tokenizer, "host", 0, str(engine.device),
-                               engine.eos_token_ids, engine.context_note, False, engine.hidden_size,
+                               engine.eos_token_ids, engine.plan.context_note, False, engine.hidden_size,
                                engine.embedding_sizes)
     return replica_front.ReplicaFront([info], [], router=None)
 
