@@ -45,6 +45,24 @@ def test_the_engine_samples_nothing_itself() -> None:
     assert "paged_backend.step_sampler" in imported
 
 
+def metadata_builders() -> set[str]:
+    """The package modules that call `AttentionMetadata(...)` themselves."""
+    package = ENGINE_SOURCE.parent
+    found = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "AttentionMetadata":
+                found.add(str(path.relative_to(package)))
+    return found
+
+
+def test_a_packed_step_is_described_one_way() -> None:
+    """The runner, the start-up self-check, the compile warm-up and the draft model pack steps through
+    `pack_sequences`; only the decode padding (its persistent buffers) and a tensor-parallel worker (the tensors it
+    received) build metadata of their own."""
+    assert metadata_builders() == {"kernels/metadata.py", "model/decode_padding.py", "parallel/step_protocol.py"}
+
+
 def test_the_step_reads_in_one_screen() -> None:
     lines = inspect.getsource(Engine.step).splitlines()
     assert len(lines) <= 25, f"Engine.step has {len(lines)} lines"

@@ -1,6 +1,7 @@
 """Attention and cache-write kernels behind one dispatcher (PyTorch on CPU, Triton on CUDA)."""
 
 from .dispatch import paged_attention, use_backend, write_and_attend, write_kv_cache
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, pack_sequences, to_device
 
-__all__ = ["AttentionMetadata", "paged_attention", "use_backend", "write_and_attend", "write_kv_cache"]
+__all__ = ["AttentionMetadata", "pack_sequences", "paged_attention", "to_device", "use_backend", "write_and_attend",
+           "write_kv_cache"]

@@ -51,3 +51,34 @@ def host_block_tables(metadata: AttentionMetadata) -> np.ndarray:
         tables = metadata.block_tables
         host = metadata.derived["host_block_tables"] = (tables if tables.device.type == "cpu" else tables.cpu()).numpy()
     return host
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`: on CPU the tensor shares the array's memory; a copy to a GPU does not wait."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+
+
+def pack_sequences(block_tables: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_size: int,
+                   device: torch.device) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
+    """Positions, query offsets and the attention metadata of a packed row where sequence i (block table row i)
+    computes `counts[i]` tokens from position `starts[i]`: how the model runner, the start-up self-check and
+    the compile warm-up all describe a step."""
+    ends = starts + counts
+    query_start_loc = np.zeros(len(starts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=query_start_loc[1:])
+    positions = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1] - starts, counts)
+    rows = np.repeat(np.arange(len(starts)), counts)
+    slots = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    metadata = AttentionMetadata(
+        slot_mapping=to_device(slots, device),
+        block_tables=to_device(block_tables.astype(np.int32, copy=False), device),
+        query_start_loc=to_device(query_start_loc.astype(np.int32), device),
+        seq_lens=to_device(ends.astype(np.int32), device),
+        block_size=block_size,
+        query_start_loc_host=query_start_loc.tolist(),
+        seq_lens_host=ends.tolist(),
+        max_query_len=int(counts.max()),
+        max_seq_len=int(ends.max()),
+    )
+    return positions, query_start_loc, metadata

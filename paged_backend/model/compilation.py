@@ -38,12 +38,13 @@ import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.fx.experimental._config as fx_config
 from tqdm.auto import tqdm
 
-from paged_backend.kernels import AttentionMetadata
+from paged_backend.kernels import pack_sequences
 from paged_backend.model import compile_cache, custom_ops, int4_linear, layer_regions
 from paged_backend.model.model_state import tuner_layers
 from paged_backend.model.rope import has_dynamic_rope
@@ -348,15 +349,10 @@ def warm_up(forward, cache: PagedCache, shapes: tuple[tuple[int, int], ...] = WA
         for tokens, rows in tqdm(shapes, desc=progress, unit="graph", disable=progress is None):
             ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
             positions = torch.arange(tokens, device=device)[None]
-            blocks = min(-(-tokens // block_size), num_blocks)
-            metadata = AttentionMetadata(
-                slot_mapping=torch.arange(tokens, device=device) % (num_blocks * block_size),
-                block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-                query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-                seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
-                block_size=block_size, query_start_loc_host=[0, tokens], seq_lens_host=[tokens],
-                max_query_len=tokens, max_seq_len=tokens,
-            )
+            # One sequence of `tokens`, its blocks the cache's first, wrapping round a cache smaller than it.
+            table = (np.arange(-(-tokens // block_size)) % num_blocks)[None]
+            _, _, metadata = pack_sequences(table, np.zeros(1, dtype=np.int64), np.array([tokens]), block_size,
+                                            device)
             groups = cache.groups if cache.grouped else None
             group_metadata = (metadata,) * groups.num_groups if groups is not None else None
             with custom_ops.step_context(metadata, kv, cache.kv_scales, group_metadata, groups):

@@ -18,11 +18,12 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from paged_backend.errors import UnsupportedArchitectureError
-from paged_backend.kernels import AttentionMetadata
+from paged_backend.kernels import pack_sequences
 from paged_backend.model import quantized_linear
 from paged_backend.model.adapters import install_adapters, uninstall_adapters
 from paged_backend.model.attention import ATTENTION_NAME, register
@@ -249,35 +250,18 @@ def step_inputs(step: tuple[tuple[int, int], ...], seqs: list[torch.Tensor], dev
     """One packed step `[(start, end) of sequence i, ...]` as the model runner would build it (with `recurrent`,
     sequence i's state in slot i), token p of sequence i at `positions[i][p]` (default: p), in the blocks of
     `tables[i]`."""
-    def on_device(values) -> torch.Tensor:
-        return torch.tensor(values, device=device)
-
     positions = positions or tuple(range(len(s)) for s in seqs)
     position_ids = [positions[i][p] for i, (lo, hi) in enumerate(step) for p in range(lo, hi)]
-    slots = [tables[i][p // block_size] * block_size + p % block_size
-             for i, (lo, hi) in enumerate(step) for p in range(lo, hi)]
-    starts = [0]
-    for lo, hi in step:
-        starts.append(starts[-1] + hi - lo)
     width = max(len(t) for t in tables[: len(step)])
-    padded = [list(t) + [0] * (width - len(t)) for t in tables[: len(step)]]
-    seq_lens = [hi for _, hi in step]
-    metadata = AttentionMetadata(
-        slot_mapping=on_device(slots),
-        block_tables=on_device(padded).to(torch.int32),
-        query_start_loc=on_device(starts).to(torch.int32),
-        seq_lens=on_device(seq_lens).to(torch.int32),
-        block_size=block_size,
-        query_start_loc_host=starts,
-        seq_lens_host=seq_lens,
-        max_query_len=max(hi - lo for lo, hi in step),
-        max_seq_len=max(seq_lens),
-    )
+    padded = np.array([list(t) + [0] * (width - len(t)) for t in tables[: len(step)]], dtype=np.int32)
+    starts = np.array([lo for lo, _ in step], dtype=np.int64)
+    counts = np.array([hi - lo for lo, hi in step], dtype=np.int64)
+    _, query_start_loc, metadata = pack_sequences(padded, starts, counts, block_size, device)
     ids = torch.cat([seqs[i][lo:hi] for i, (lo, hi) in enumerate(step)])
-    return StepInputs(input_ids=ids[None], position_ids=on_device(position_ids)[None],
+    return StepInputs(input_ids=ids[None], position_ids=torch.tensor(position_ids, device=device)[None],
                       logits_indices=torch.arange(len(ids), device=device), sampling_requests=[],
                       metadata=metadata,
-                      recurrent=RecurrentStep(tuple(starts), tuple(lo for lo, _ in step),
+                      recurrent=RecurrentStep(tuple(query_start_loc.tolist()), tuple(starts.tolist()),
                                               tuple(range(len(step)))) if recurrent else None)
 
 

@@ -18,7 +18,7 @@ import torch
 from paged_backend.core.pooling import pooling_rows
 from paged_backend.core.request import Request
 from paged_backend.core.scheduler_output import SchedulerOutput
-from paged_backend.kernels import AttentionMetadata
+from paged_backend.kernels import AttentionMetadata, pack_sequences, to_device
 from paged_backend.kernels.torch_single_row import single_row_step
 from paged_backend.model import compilation, custom_ops, fused_projections, layer_regions, lora
 from paged_backend.model.cuda_graphs import DecodeGraphs
@@ -182,7 +182,8 @@ class ModelRunner:
              for r, s, e, d in zip(requests, starts, ends, spec.tolist())]
         )
         tables = self.block_table_array(requests)
-        positions, query_start_loc, metadata = self.pack(tables, starts, counts)
+        positions, query_start_loc, metadata = pack_sequences(tables, starts, counts, self.cache.block_size,
+                                                               self.device)
         sampling = [i for i, r in enumerate(requests) if ends[i] - spec[i] == r.num_tokens and r.pooling is None]
         logits_rows = self._sampling_rows(query_start_loc[1:][sampling] - 1, spec[sampling])
         spans, span_rows = self._prompt_spans(requests, starts, ends - spec, query_start_loc)
@@ -255,30 +256,6 @@ class ModelRunner:
             seq_lens=self.to_device(seq_lens.astype(np.int32)), seq_lens_host=seq_lens.tolist(),
             max_seq_len=int(seq_lens.max()), derived={})
 
-    def pack(self, block_tables: np.ndarray, starts: np.ndarray, counts: np.ndarray
-             ) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
-        """Positions, query offsets and attention metadata of a packed row where sequence i (block table row
-        i) computes `counts[i]` tokens from position `starts[i]`."""
-        ends = starts + counts
-        query_start_loc = np.zeros(len(starts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=query_start_loc[1:])
-        positions = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1] - starts, counts)
-        block_size = self.cache.block_size
-        rows = np.repeat(np.arange(len(starts)), counts)
-        slots = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        metadata = AttentionMetadata(
-            slot_mapping=self.to_device(slots),
-            block_tables=self.to_device(block_tables),
-            query_start_loc=self.to_device(query_start_loc.astype(np.int32)),
-            seq_lens=self.to_device(ends.astype(np.int32)),
-            block_size=block_size,
-            query_start_loc_host=query_start_loc.tolist(),
-            seq_lens_host=ends.tolist(),
-            max_query_len=int(counts.max()),
-            max_seq_len=int(ends.max()),
-        )
-        return positions, query_start_loc, metadata
-
     def _lora_step(self, requests: list[Request], counts: np.ndarray) -> lora.LoRAStep | None:
         if self.lora_slots is None:
             return None
@@ -321,5 +298,4 @@ class ModelRunner:
         return table
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+        return to_device(array, self.device)

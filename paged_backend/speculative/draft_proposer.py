@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from paged_backend.kernels import pack_sequences
 from paged_backend.core.request import Request
 from paged_backend.model.attention import ATTENTION_NAME
 from paged_backend.model.model_check import prepare_model
@@ -127,7 +128,8 @@ class DraftProposer:
         counts = np.array([len(t) for t in tokens], dtype=np.int64)
         self.num_computed_tokens += int(counts.sum())
         self.forget_blocks(tables, starts, counts)
-        positions, query_start_loc, metadata = self.runner.pack(tables, starts, counts)
+        positions, query_start_loc, metadata = pack_sequences(tables, starts, counts, self.runner.cache.block_size,
+                                                               self.runner.device)
         inputs = StepInputs(
             input_ids=self.runner.to_device(np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens]))[None],
             position_ids=self.runner.to_device(positions)[None],
