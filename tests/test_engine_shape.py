@@ -63,6 +63,22 @@ def test_a_packed_step_is_described_one_way() -> None:
     assert metadata_builders() == {"kernels/metadata.py", "model/decode_padding.py", "parallel/step_protocol.py"}
 
 
+def module_globals_set_per_step() -> set[str]:
+    """Package modules holding a module-level `_current` (what a context manager sets around a forward)."""
+    package = ENGINE_SOURCE.parent
+    return {str(path.relative_to(package)) for path in package.rglob("*.py")
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, (ast.Assign, ast.AnnAssign))
+            and "_current" in {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                               if isinstance(t, ast.Name)}}
+
+
+def test_one_step_context_holds_what_a_steps_layers_read() -> None:
+    """Attention metadata and cache, LoRA, recurrent state and the fused flag reach the layers through one
+    context, set once per forward."""
+    assert module_globals_set_per_step() == {"model/step_context.py"}
+
+
 def test_the_step_reads_in_one_screen() -> None:
     lines = inspect.getsource(Engine.step).splitlines()
     assert len(lines) <= 25, f"Engine.step has {len(lines)} lines"

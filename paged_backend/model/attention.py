@@ -30,7 +30,7 @@ from paged_backend.kernels.torch_single_row import (
     SingleRowStep,
     write_and_attend_single_row,
 )
-from paged_backend.model import custom_ops
+from paged_backend.model import custom_ops, step_context
 from paged_backend.model.layer_regions import traced_layer
 from paged_backend.model.paged_cache import PagedCache, ShapeProbe
 
@@ -144,7 +144,7 @@ def paged_mask(*args, **kwargs) -> torch.Tensor | None:
     transformers builds a mask for a window layer only when the step is at least a window long (shorter
     causal steps get None), so in a compiled forward that length would be a shape condition of its own: a
     step of a window's length or more fit no warmed-up graph and ran eagerly."""
-    if custom_ops.in_step():
+    if step_context.in_step():
         return None
     return sdpa_mask(*args, **kwargs)
 

@@ -45,7 +45,7 @@ import torch.fx.experimental._config as fx_config
 from tqdm.auto import tqdm
 
 from paged_backend.kernels import pack_sequences
-from paged_backend.model import compile_cache, custom_ops, int4_linear, layer_regions
+from paged_backend.model import compile_cache, int4_linear, layer_regions
 from paged_backend.model.model_state import tuner_layers
 from paged_backend.model.rope import has_dynamic_rope
 
@@ -353,8 +353,5 @@ def warm_up(forward, cache: PagedCache, shapes: tuple[tuple[int, int], ...] = WA
             table = (np.arange(-(-tokens // block_size)) % num_blocks)[None]
             _, _, metadata = pack_sequences(table, np.zeros(1, dtype=np.int64), np.array([tokens]), block_size,
                                             device)
-            groups = cache.groups if cache.grouped else None
-            group_metadata = (metadata,) * groups.num_groups if groups is not None else None
-            with custom_ops.step_context(metadata, kv, cache.kv_scales, group_metadata, groups):
-                forward(ids, positions, torch.arange(tokens - rows, tokens, device=device), metadata)
+            forward(ids, positions, torch.arange(tokens - rows, tokens, device=device), metadata)
     return time.perf_counter() - start

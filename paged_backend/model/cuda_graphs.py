@@ -16,11 +16,11 @@ fails does the same, and the engine keeps running.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from paged_backend.kernels.dispatch import select_backend, triton_modules
-from paged_backend.model import custom_ops
 from paged_backend.model.decode_padding import DecodePadding
 from paged_backend.model.step_inputs import StepInputs
 
@@ -48,11 +48,9 @@ def segments_per_size(sizes: list[int], num_kv_heads: int, max_model_len: int,
 
 
 class DecodeGraphs:
-    def __init__(self, padding: DecodePadding, run_model, kv: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    def __init__(self, padding: DecodePadding, run_step: Callable[[StepInputs], torch.Tensor]) -> None:
         self.padding = padding
-        self.run_model = run_model  # ModelRunner.run_model: the (compiled) forward inside a step context
-        self.kv = kv
-        self.kv_scales = kv_scales  # an int8 cache's scales
+        self.run_step = run_step  # ModelRunner.run_in_context: the (compiled) forward inside its step context
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture(self) -> float:
@@ -79,10 +77,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=pool):
             logits = self.run_step(inputs)
         return graph, logits
-
-    def run_step(self, inputs: StepInputs) -> torch.Tensor:
-        with custom_ops.step_context(inputs.metadata, self.kv, self.kv_scales):
-            return self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata)
 
     def replay(self, inputs: StepInputs) -> torch.Tensor | None:
         """The logits of padded step `inputs` (already in the buffers) from its size's graph, or None

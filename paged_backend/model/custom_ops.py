@@ -5,7 +5,7 @@ graph around it is compiled while the attention keeps its per-step Python work (
 loops over sequences using host lists) and its Triton launches. The op takes tensors and per-layer
 constants only (in a graph, the layer's index too is a 0-d tensor: layer_regions.py). Everything that
 changes per step (the `AttentionMetadata`, with its host lists) and the paged cache itself reach it
-through `step_context()`, never through its arguments: a compiled graph has nothing step-specific to
+through the step context (step_context.py), never through its arguments: a compiled graph has nothing step-specific to
 guard on, so one graph serves every step, and the cache is never a graph input that the compiler would
 functionalize (it copied the whole cache per layer when it was one).
 
@@ -16,61 +16,10 @@ instead of two (PagedCache.update hands the new K/V to the attention function un
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
-
 import torch
 
-from paged_backend.core.kv_cache_groups import CacheGroups
-from paged_backend.kernels import AttentionMetadata, write_and_attend
-
-
-@dataclass(slots=True)
-class StepContext:
-    metadata: AttentionMetadata
-    kv: torch.Tensor  # the paged cache [layers, 2, KVH, slots, D]
-    kv_scales: torch.Tensor | None = None  # an int8 cache's scales [layers, 2, KVH, slots]
-    # Layer groups with block tables of their own (kv_cache_groups.py): each group's metadata, and the groups
-    # (layer -> group, and its position in `kv`). None: every layer reads `kv[layer]` through `metadata`.
-    group_metadata: tuple[AttentionMetadata, ...] | None = None
-    groups: CacheGroups | None = None
-
-    def layer_step(self, layer: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor | None]:
-        """The metadata, cache and scales `layer` reads and writes."""
-        if self.groups is None:
-            return self.metadata, self.kv[layer], None if self.kv_scales is None else self.kv_scales[layer]
-        position = self.groups.layer_position[layer]
-        return (self.group_metadata[self.groups.layer_group[layer]], self.kv[position],
-                None if self.kv_scales is None else self.kv_scales[position])
-
-
-_current: StepContext | None = None  # set by step_context() around one step's forward
-
-
-@contextlib.contextmanager
-def step_context(metadata: AttentionMetadata, kv: torch.Tensor, kv_scales: torch.Tensor | None = None,
-                 group_metadata: tuple[AttentionMetadata, ...] | None = None,
-                 groups: CacheGroups | None = None) -> Iterator[None]:
-    """Make `metadata` and the cache `kv` (with its scales, when int8) what the ops read while the
-    block runs (one step's forward); with layer groups, each group's metadata and the groups."""
-    global _current
-    previous, _current = _current, StepContext(metadata, kv, kv_scales, group_metadata, groups)
-    try:
-        yield
-    finally:
-        _current = previous
-
-
-def in_step() -> bool:
-    """Whether an engine step's forward is running (a step context is open)."""
-    return _current is not None
-
-
-def current_step() -> StepContext:
-    if _current is None:
-        raise RuntimeError("paged_backend ops called outside an engine step (no step_context)")
-    return _current
+from paged_backend.kernels import write_and_attend
+from paged_backend.model.step_context import current_step
 
 
 def paged_attention_impl(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: torch.Tensor,

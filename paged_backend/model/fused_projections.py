@@ -32,10 +32,8 @@ blocks).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from paged_backend.model.step_context import current
 from paged_backend.kernels.cpu_int4_matmul import TILE, TiledWeight
 from paged_backend.model.int4_linear import Int4Linear, packed_rows_stack
 
@@ -50,20 +49,6 @@ logger = logging.getLogger(__name__)
 
 # (parent module attribute names that hold the projections) for each fused group, in output order.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-_active = False  # set by step() around an engine step's forward
-
-
-@contextlib.contextmanager
-def step(enabled: bool = True) -> Iterator[None]:
-    """Inside, fused projections compute their group at once (when `enabled`); outside, each its own."""
-    global _active
-    previous, _active = _active, enabled
-    try:
-        yield
-    finally:
-        _active = previous
-
 
 class DenseStack:
     """The stacked weight (and bias) of dense projections: `F.linear` once."""
@@ -106,7 +91,8 @@ class FusedGroup:
 
 
 def member_forward(group: FusedGroup, index: int, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if _active:
+    context = current()
+    if context is not None and context.fused:
         return group.output(index, x)
     return module._paged_unfused_forward(x)
 

@@ -6,7 +6,7 @@ compressed latent and the rotary key part) in a cache of one plane and one head 
 not the expanded K/V of every head. Its adapter (adapters/deepseek_v3.py) projects each query head into the
 latent space, and this op attends those queries over the latents as one shared key head whose value is the
 latent (dispatch.write_and_attend_latent). Like the K/V op, it takes tensors and constants only and reads the
-step and the cache from `custom_ops.step_context`, so a compiled graph holds it as one opaque node.
+step and the cache from the step context (step_context.py), so a compiled graph holds it as one opaque node.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels.dispatch import write_and_attend_latent
-from paged_backend.model.custom_ops import current_step, layer_operand
+from paged_backend.model.custom_ops import layer_operand
+from paged_backend.model.step_context import current_step
 
 
 def latent_attention_impl(query: torch.Tensor, latent: torch.Tensor, layer: torch.Tensor, scale: float

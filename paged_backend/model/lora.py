@@ -30,7 +30,6 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from paged_backend.model.step_context import LoRAStep, current
 from paged_backend.model.quantized_linear import QuantizedLinear
 
 
@@ -350,32 +350,6 @@ class LoRARegistry:
         return adapter
 
 
-# ------------------------------------------------------------------------ the step
-
-
-@dataclass(slots=True)
-class LoRAStep:
-    """Which adapter each packed token runs with, as a mask over the stacked slots' rank columns:
-    `mask[t, (s - 1) * max_rank + j]` is 1 when token t runs with the adapter in slot s >= 1, else 0
-    (the base, slot 0, has no columns)."""
-
-    mask: torch.Tensor  # [T, max_loras * max_rank]
-    owner: LoRASlots  # whose slots the mask indexes: only that engine's hooks apply it
-
-
-_current: LoRAStep | None = None  # set by step_context() around one step's forward
-
-
-@contextlib.contextmanager
-def step_context(step: LoRAStep | None) -> Iterator[None]:
-    global _current
-    previous, _current = _current, step
-    try:
-        yield
-    finally:
-        _current = previous
-
-
 class LoRALinearHook:
     """A forward hook on one targeted linear, holding every adapter slot's weights for it, stacked:
     `a [max_loras * max_rank, in]` and `b [max_loras * max_rank, out]` (B transposed, scaling folded in),
@@ -407,7 +381,8 @@ class LoRALinearHook:
             self.b[rows][:r].copy_(b.T * scale)
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        step = _current
+        context = current()
+        step = context.lora if context is not None else None
         if step is None or step.owner is not self.owner:
             return output
         x = args[0].reshape(-1, self.a.shape[1])

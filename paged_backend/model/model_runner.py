@@ -20,12 +20,13 @@ from paged_backend.core.request import Request
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.kernels import AttentionMetadata, pack_sequences, to_device
 from paged_backend.kernels.torch_single_row import single_row_step
-from paged_backend.model import compilation, custom_ops, fused_projections, layer_regions, lora
+from paged_backend.model import compilation, fused_projections, layer_regions, lora
 from paged_backend.model.cuda_graphs import DecodeGraphs
 from paged_backend.model.decode_padding import DecodePadding
 from paged_backend.model.paged_cache import PagedCache
-from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep, recurrent_context
+from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep
 from paged_backend.model.small_step_linear import small_step_linear
+from paged_backend.model.step_context import LoRAStep, StepContext, step_context
 from paged_backend.model.step_inputs import StepInputs
 from paged_backend.sampling.prompt_logprobs import PromptSpan, wanted_targets
 
@@ -61,10 +62,7 @@ class ModelRunner:
         return self.forward(inputs), inputs
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        groups = self.cache.groups if inputs.group_metadata is not None else None
-        with (custom_ops.step_context(inputs.metadata, self.cache.kv, self.cache.kv_scales, inputs.group_metadata,
-                                      groups),
-              lora.step_context(inputs.lora), recurrent_context(self.recurrent, inputs.recurrent)):
+        with step_context(self._context(inputs.metadata, inputs.group_metadata, inputs.lora, inputs.recurrent)):
             if inputs.pooling is not None:
                 return self._forward_pooling(inputs)
             logits = self.graphs.replay(inputs) if self.graphs is not None and inputs.real_rows is not None else None
@@ -102,17 +100,30 @@ class ModelRunner:
         if self.single_row and not eager and input_ids.shape[-1] == 1:
             extra["paged_single_row"] = single_row_step(metadata, self.cache.kv)
         forward = partial(compilation.logits_of, self.model) if eager else self.forward_model
-        with fused_projections.step(self.fused):
-            logits = forward(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                cache=self.cache,
-                use_cache=True,
-                paged_cache=self.cache,
-                logits_to_keep=logits_indices,
-                **extra,
-            )
+        logits = forward(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            cache=self.cache,
+            use_cache=True,
+            paged_cache=self.cache,
+            logits_to_keep=logits_indices,
+            **extra,
+        )
         return logits[0]
+
+    def run_in_context(self, inputs: StepInputs) -> torch.Tensor:
+        """run_model for `inputs` inside their step context: no padding, no graph replay (what a CUDA graph
+        captures)."""
+        with step_context(self._context(inputs.metadata, lora_step=inputs.lora)):
+            return self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata)
+
+    def _context(self, metadata: AttentionMetadata, group_metadata: tuple[AttentionMetadata, ...] | None = None,
+                 lora_step: LoRAStep | None = None, recurrent_step: RecurrentStep | None = None) -> StepContext:
+        """What the step's layers read (step_context.py): its metadata over this runner's cache (with each layer
+        group's, when given), its adapters, its recurrent state, whether projections run fused."""
+        groups = self.cache.groups if group_metadata is not None else None
+        return StepContext(metadata, self.cache.kv, self.cache.kv_scales, group_metadata, groups, lora_step,
+                           self.recurrent, recurrent_step, self.fused)
 
     @property
     def compiled(self) -> bool:
@@ -164,12 +175,14 @@ class ModelRunner:
 
     def _warm_up_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
                      metadata: AttentionMetadata) -> torch.Tensor:
-        """run_model for a warm-up step, with the LoRA mask every compiled step has (no token on an adapter)."""
+        """run_model for a warm-up step in its step context, with the LoRA mask every compiled step has (no token on
+        an adapter) and the metadata for every layer group."""
         step = None
         if self.lora_slots is not None:
             tokens = input_ids.shape[-1]
             step = self.lora_slots.prepare_step(np.zeros(1, dtype=np.int64), np.array([tokens]), self.device)
-        with lora.step_context(step):
+        group_metadata = (metadata,) * self.cache.groups.num_groups if self.cache.grouped else None
+        with step_context(self._context(metadata, group_metadata, step)):
             return self.run_model(input_ids, position_ids, logits_indices, metadata)
 
     def prepare_inputs(self, batch: SchedulerOutput) -> StepInputs:
@@ -256,7 +269,7 @@ class ModelRunner:
             seq_lens=self.to_device(seq_lens.astype(np.int32)), seq_lens_host=seq_lens.tolist(),
             max_seq_len=int(seq_lens.max()), derived={})
 
-    def _lora_step(self, requests: list[Request], counts: np.ndarray) -> lora.LoRAStep | None:
+    def _lora_step(self, requests: list[Request], counts: np.ndarray) -> LoRAStep | None:
         if self.lora_slots is None:
             return None
         slots = np.fromiter((r.lora_slot for r in requests), dtype=np.int64, count=len(requests))

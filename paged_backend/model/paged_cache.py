@@ -4,7 +4,7 @@ An unmodified HF attention module calls `cache.update(key, value, layer_idx)` an
 registered attention function. `update` hands the step's new K/V back as they are; the attention
 function writes them into their slots through `slot_mapping` and reads each sequence's context
 through the block tables, in one custom op (custom_ops.py) that reads the step's metadata and this
-cache from `custom_ops.step_context`, which the model runner opens around each forward. (A layer whose
+cache from the step context (step_context.py), which the model runner opens around each forward. (A layer whose
 attention never reaches that function would leave its K/V unwritten: the start-up probe refuses
 such a model, check_every_layer_driven.)
 """

@@ -4,8 +4,8 @@ tells the mixers about it.
 Each hybrid family's adapter (model/adapters/) registers a layout: for each of a model's recurrent layers,
 the shapes of its state tensors for one sequence (a short convolution's last inputs; a Mamba-2 mixer's
 convolution window and its SSM state). `RecurrentState` allocates each of them with a leading slot
-dimension (core/state_slots.py gives each running request a slot). During a step the model runner opens
-`recurrent_context` with a `RecurrentStep`: for every sequence packed in the row, where its tokens start,
+dimension (core/state_slots.py gives each running request a slot). During a step the model runner puts the state and a
+`RecurrentStep` in the step context (step_context.py): for every sequence packed in the row, where its tokens start,
 how many tokens it had computed before (0: it starts from a zero state) and its slot. A mixer then runs
 each sequence's segment from that slot's state and writes the state after its last token back, so a
 prefill chunk continues where the previous chunk stopped and a decode token advances the state by one.
@@ -13,7 +13,6 @@ prefill chunk continues where the previous chunk stopped and a decode token adva
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -92,29 +91,6 @@ class RecurrentStep:
         loc = self.query_start_loc
         for i, slot in enumerate(self.slots):
             yield loc[i], loc[i + 1], slot, self.starts[i] > 0
-
-
-_current: tuple[RecurrentState, RecurrentStep] | None = None  # set by recurrent_context() around one forward
-
-
-@contextlib.contextmanager
-def recurrent_context(state: RecurrentState | None, step: RecurrentStep | None) -> Iterator[None]:
-    """Make `state` and `step` what the mixers read while the block runs (nothing when either is None)."""
-    global _current
-    if state is None or step is None:
-        yield
-        return
-    previous, _current = _current, (state, step)
-    try:
-        yield
-    finally:
-        _current = previous
-
-
-def current_recurrent() -> tuple[RecurrentState, RecurrentStep]:
-    if _current is None:
-        raise RuntimeError("a hybrid model's recurrent mixer ran inside an engine step without its recurrent state")
-    return _current
 
 
 # Types whose recurrent mixers run their own projections per sequence (adapters/mamba2.py), not over the step's row,

@@ -96,7 +96,7 @@ def check_fast_path(runner: ModelRunner) -> FastPathCheck:
 def capture_graphs(runner: ModelRunner, start: RunnerStart, sizes: list[int]) -> None:
     """Capture the padded decode step of every size in a CUDA graph; a failed capture is logged and the runner
     replays none."""
-    graphs = cuda_graphs.DecodeGraphs(runner.padding, runner.run_model, runner.cache.kv, runner.cache.kv_scales)
+    graphs = cuda_graphs.DecodeGraphs(runner.padding, runner.run_in_context)
     try:
         start.capture_s = graphs.capture()
     except Exception as exc:  # noqa: BLE001  (the engine still runs, uncaptured)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_backend.model.step_context import StepContext, step_context
 from paged_backend.kernels import AttentionMetadata, paged_attention, write_kv_cache
 
 from paged_backend.model import custom_ops
@@ -37,7 +38,7 @@ def test_opcheck_and_the_op_writes_then_attends():
     expected_kv = kv.clone()
     write_kv_cache(key, value, expected_kv[1, 0], expected_kv[1, 1], metadata.slot_mapping)
     expected = paged_attention(query, expected_kv[1, 0], expected_kv[1, 1], metadata, 0.35)
-    with custom_ops.step_context(metadata, kv):
+    with step_context(StepContext(metadata, kv)):
         out = custom_ops.paged_attention(query, key, value, 1, 0.35)
         layer = torch.tensor(1)  # the op takes the layer as a graph gives it (custom_ops.layer_operand)
         torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, layer, 0.35))

@@ -18,9 +18,9 @@ from helpers.engine import (
 from helpers.models import build, int4_llama
 from torch._dynamo.utils import counters
 
+from paged_backend.model.step_context import StepContext, step_context
 from paged_backend import Engine, EngineConfig
 from paged_backend.kernels import cpu_int4_matmul
-from paged_backend.model import fused_projections
 from paged_backend.model.compilation import CompiledForward
 from paged_backend.model.fused_projections import fuse_projections, groups_of
 
@@ -43,7 +43,7 @@ def traced_calls(model, fused: bool) -> Counter:
 
     torch._dynamo.reset()
     forward = torch.compile(lambda ids: model(ids).logits, backend=backend, fullgraph=True)
-    with torch.inference_mode(), fused_projections.step(fused):
+    with torch.inference_mode(), step_context(StepContext(None, torch.empty(0), fused=fused)):
         forward(torch.tensor([[1, 2, 3]]))
     return Counter(getattr(n.target, "__name__", str(n.target)) for n in graphs[0].graph.nodes
                    if n.op == "call_function")

@@ -26,7 +26,8 @@ from paged_backend.core.state_slots import StateSlots
 from paged_backend.entrypoints.beam_search import beam_search
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.model.adapters import lfm2
-from paged_backend.model.recurrent_state import SlotView, current_recurrent
+from paged_backend.model.recurrent_state import SlotView
+from paged_backend.model.step_context import current_step
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +157,11 @@ def test_self_check_refuses_a_mixer_that_forgets_its_state(name, monkeypatch):
     that restarts every sequence from zeros is refused, and the model is left as it came."""
     if name == "lfm2":
         def forgetful():
-            state, step = current_recurrent()
-            return state, dataclasses.replace(step, starts=(0,) * len(step.starts))
+            context = current_step()
+            step = context.recurrent_step
+            return dataclasses.replace(context, recurrent_step=dataclasses.replace(step, starts=(0,) * len(step.starts)))
 
-        monkeypatch.setattr(lfm2, "current_recurrent", forgetful)
+        monkeypatch.setattr(lfm2, "current_step", forgetful)
     else:
         monkeypatch.setattr(SlotView, "get_recurrent_state", lambda self, layer_idx, state_idx=0: None)
     model = build(name)

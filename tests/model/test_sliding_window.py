@@ -13,8 +13,9 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
+from paged_backend.model.step_context import StepContext, step_context
 from paged_backend import EngineConfig
-from paged_backend.model import attention, custom_ops
+from paged_backend.model import attention
 
 WINDOW = 8
 MAX_NEW = 12
@@ -71,5 +72,5 @@ def test_no_mask_is_built_inside_an_engine_step():
     outside = mask(**step)
     assert outside is not None and outside.shape == (1, 1, 2 * WINDOW, 2 * WINDOW)
     assert not outside[0, 0, -1, 0]  # the window masks the first key from the last query
-    with custom_ops.step_context(None, torch.empty(0)):
+    with step_context(StepContext(None, torch.empty(0))):
         assert mask(**step) is None

@@ -15,7 +15,8 @@ from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 
 from paged_backend.model.adapters.registry import Adapter, register_adapter
 from paged_backend.model.paged_cache import PackedStepCache, ShapeProbe
-from paged_backend.model.recurrent_state import StateSpec, current_recurrent, register_state_layout
+from paged_backend.model.recurrent_state import StateSpec, register_state_layout
+from paged_backend.model.step_context import current_step
 
 
 def state_layout(config) -> dict[int, tuple[StateSpec, ...]]:
@@ -34,7 +35,7 @@ def convolve(module: Lfm2ShortConv, inputs: torch.Tensor, previous: torch.Tensor
 def convolve_step(module: Lfm2ShortConv, inputs: torch.Tensor) -> torch.Tensor:
     """Each sequence of the step from its slot's saved inputs, whose last L - 1 are saved back: a prompt chunk
     on its own, the step's decode tokens (one per sequence) as one batch."""
-    state, step = current_recurrent()
+    state, step = current_step().recurrent_state()
     (saved,) = state.layer(module.layer_idx)
     keep = saved.shape[-1]
     out = torch.empty_like(inputs)

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from paged_backend.model.paged_cache import PackedStepCache, ShapeProbe
-from paged_backend.model.recurrent_state import SlotView, StateSpec, current_recurrent
+from paged_backend.model.recurrent_state import SlotView, StateSpec
+from paged_backend.model.step_context import current_step
 
 
 def mamba2_layout(config, layers: list[int], inner: int) -> dict[int, tuple[StateSpec, ...]]:
@@ -36,7 +37,7 @@ def paged_forward(module: nn.Module, cache: PackedStepCache, hidden_states: torc
     if isinstance(cache, ShapeProbe):  # the start-up probe: one sequence from a zero state
         cache.reached(module.layer_idx, "recurrent")
         return forward(hidden_states, cache=None)
-    state, step = current_recurrent()
+    state, step = current_step().recurrent_state()
     conv, ssm = state.layer(module.layer_idx)
     # Sequences alike in length and in whether they continue a state run as one batch: every decode token
     # of the step together, and prompt chunks of one length (a batch of equal prompts) together.
