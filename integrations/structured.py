@@ -13,7 +13,7 @@ from typing import Any
 
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
-from .tool_parsers import get_tool_parser
+from paged_backend.entrypoints.tool_calls import get_tool_parser
 
 JSON_INSTRUCTION = "Answer with a single JSON object and nothing else."
 

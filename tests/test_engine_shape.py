@@ -79,6 +79,16 @@ def test_one_step_context_holds_what_a_steps_layers_read() -> None:
     assert module_globals_set_per_step() == {"model/step_context.py"}
 
 
+def test_formats_have_one_module_each() -> None:
+    """Reasoning parsers, tool-call parsers and harmony are sibling packages with one file per format: no two
+    modules of the package share the name of a format."""
+    package = ENGINE_SOURCE.parent
+    files = [*package.rglob("*.py"), *(package.parent / "integrations").rglob("*.py")]
+    for name in ("hermes.py", "harmony.py", "structured.py"):
+        found = [str(path.relative_to(package.parent)) for path in files if path.name == name]
+        assert len(found) <= 1, found
+
+
 def test_the_step_reads_in_one_screen() -> None:
     lines = inspect.getsource(Engine.step).splitlines()
     assert len(lines) <= 25, f"Engine.step has {len(lines)} lines"

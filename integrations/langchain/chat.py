@@ -60,7 +60,7 @@ from ..structured import (
     forced_tool_spec,
     response_format_spec,
 )
-from ..tool_parsers import (
+from paged_backend.entrypoints.tool_calls import (
     HERMES,
     ToolCallStream,
     ToolParser,

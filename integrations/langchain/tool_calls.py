@@ -1,6 +1,6 @@
 """Tool calls: rendering tools for the chat template, choosing the forced tool, parsing calls back.
 
-Calls are parsed in the model's format (`integrations/tool_parsers/`: Hermes/Qwen
+Calls are parsed in the model's format (`paged_backend/entrypoints/tool_calls/`: Hermes/Qwen
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` unless the template or `tool_call_parser`
 names another). A tokenizer that ships a `response_template` is parsed with transformers' own parser
 instead, unless a format is named.
@@ -12,15 +12,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..hermes import new_call_id
-from ..tool_parsers import (
+from paged_backend.entrypoints.tool_calls.base import new_call_id
+from paged_backend.entrypoints.tool_calls import (
     HERMES,
     ParsedCall,
     ToolCallStream,
     ToolParser,
     content_so_far,
 )
-from ..tool_parsers.json_calls import parse_object
+from paged_backend.entrypoints.tool_calls.json_calls import parse_object
 
 # ChatML with tools rendered Hermes/Qwen style, for models whose own template ignores tools.
 # Without tools it renders what SmolLM2's template renders.

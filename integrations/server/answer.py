@@ -35,9 +35,9 @@ from paged_backend.entrypoints.reasoning import (
 )
 from paged_backend.sampling.sampling_params import SamplingParams
 
-from ..hermes import CallDelta
+from paged_backend.entrypoints.tool_calls.base import CallDelta
 from ..structured import ToolSchemaError, check_tool_schemas
-from ..tool_parsers import ToolParser, keeps_special_tokens
+from paged_backend.entrypoints.tool_calls import ToolParser, keeps_special_tokens
 from .errors import bad_request
 from .state import ServerState
 from .tool_calls import ToolCall, ToolCallStreamer, cut_tool_calls, parse_tool_calls

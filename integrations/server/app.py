@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from paged_backend.entrypoints.engine_client import EngineClient
 from paged_backend.entrypoints.reasoning import resolve_reasoning_parser
 
-from ..tool_parsers import AUTO, resolve_tool_parser
+from paged_backend.entrypoints.tool_calls import AUTO, resolve_tool_parser
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import add_embeddings_routes

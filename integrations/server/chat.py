@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_backend.core.outputs import RequestOutput
 
-from ..hermes import CallDelta, new_call_id
+from paged_backend.entrypoints.tool_calls.base import CallDelta, new_call_id
 from ..logprobs import chat_logprobs, positions
 from ..structured import add_json_instruction
 from .answer import (
@@ -39,7 +39,7 @@ from .sampling import (
     with_choices,
 )
 from .state import ServerState
-from .structured import structured_spec
+from .structured_request import structured_spec
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, http_request: Request):

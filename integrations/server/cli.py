@@ -65,7 +65,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def add_parser_flags(parser: argparse.ArgumentParser) -> None:
     """The model's reasoning and tool-call formats (docs/reasoning.md, docs/tool-calling.md)."""
     from paged_backend.entrypoints.reasoning import AUTO, NONE, reasoning_parser_names
-    from paged_backend.integrations.tool_parsers import tool_parser_names
+    from paged_backend.entrypoints.tool_calls import tool_parser_names
 
     group = parser.add_argument_group("reasoning and tool calls")
     group.add_argument("--reasoning-parser", default=AUTO, choices=[AUTO, NONE, *reasoning_parser_names()],

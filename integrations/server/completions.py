@@ -19,7 +19,7 @@ from .protocol import CompletionRequest
 from .responses import DONE, sse, sse_error, usage
 from .sampling import bias_processor, check_prompt, to_sampling_params, with_choices
 from .state import ServerState
-from .structured import structured_spec
+from .structured_request import structured_spec
 
 Prompt = str | list[int]
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from paged_backend.core.outputs import RequestOutput
 from paged_backend.integrations.options.vocabularies import OPENAI
 
-from ..hermes import CallDelta
+from paged_backend.entrypoints.tool_calls.base import CallDelta
 from ..structured import chosen_tool_name, forced_tool_spec
 from .answer import (
     AnswerPlan,

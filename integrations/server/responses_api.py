@@ -30,7 +30,7 @@ from pydantic import Field
 
 from paged_backend.core.outputs import RequestOutput
 
-from ..hermes import CallDelta, new_call_id
+from paged_backend.entrypoints.tool_calls.base import CallDelta, new_call_id
 from ..structured import (
     add_json_instruction,
     chosen_tool_name,

@@ -8,7 +8,7 @@ from typing import Any
 from paged_backend.entrypoints.engine_client import EngineClient
 from paged_backend.entrypoints.reasoning import ReasoningParser
 
-from ..tool_parsers import HERMES, ToolParser
+from paged_backend.entrypoints.tool_calls import HERMES, ToolParser
 from .errors import APIError
 from .metrics import ServerMetrics
 

@@ -1,4 +1,4 @@
-"""Tool calls in chat answers, in whichever format the served model writes (`integrations/tool_parsers/`).
+"""Tool calls in chat answers, in whichever format the served model writes (`paged_backend/entrypoints/tool_calls/`).
 
 `parse_tool_calls` splits a finished answer into content and calls: any call that does not parse
 leaves the whole answer as content, so nothing is lost and a malformed call is never an error.
@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..hermes import new_call_id
-from ..tool_parsers import HERMES, ParsedAnswer, ParsedCall, ToolCallStream, ToolParser, content_so_far
+from paged_backend.entrypoints.tool_calls.base import new_call_id
+from paged_backend.entrypoints.tool_calls import HERMES, ParsedAnswer, ParsedCall, ToolCallStream, ToolParser, content_so_far
 
 
 @dataclass(slots=True)

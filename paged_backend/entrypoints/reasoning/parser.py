@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import ReasoningParser
-from .harmony import HARMONY, mentions_channels
+from ..harmony.reasoning import HARMONY, mentions_channels
 
 THINK = {"start": "<think>", "end": "</think>"}
 PARSERS: dict[str, ReasoningParser] = {
@@ -26,7 +26,7 @@ PARSERS: dict[str, ReasoningParser] = {
     "qwen3": ReasoningParser("qwen3", **THINK),
     # Mistral's Magistral: [THINK] ... [/THINK].
     "mistral": ReasoningParser("mistral", start="[THINK]", end="[/THINK]"),
-    # gpt-oss: harmony's analysis channel is the thinking, its final channel the answer (reasoning/harmony.py).
+    # gpt-oss: harmony's analysis channel is the thinking, its final channel the answer (harmony/reasoning.py).
     "harmony": HARMONY,
 }
 AUTO, NONE = "auto", "none"

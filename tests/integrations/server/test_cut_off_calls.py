@@ -19,7 +19,7 @@ import pytest
 from helpers.server import Served, serve_script
 from paged_backend.integrations.server.answer import AnswerPlan
 from paged_backend.integrations.server.messages import written_object
-from paged_backend.integrations.tool_parsers import PARSERS
+from paged_backend.entrypoints.tool_calls import PARSERS
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any
 
-from ..hermes import CLOSE, OPEN, partial_open
+from .tool_call_tags import CLOSE, OPEN, partial_open
 from .base import ParsedAnswer, ParsedCall, PartialCall, ToolParser, Tools
 
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)

@@ -10,13 +10,25 @@ Front ends use the functions below and never a format's internals.
 from __future__ import annotations
 
 import json
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..hermes import CallDelta
-
 Tools = list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class CallDelta:
+    index: int  # which call of the answer, from 0
+    name: str | None  # on a call's first delta only
+    arguments: str  # the next piece of the arguments' JSON text
+
+
+def new_call_id() -> str:
+    """A fresh id for a parsed call, in OpenAI's `call_...` form."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
 
 
 @dataclass(frozen=True, slots=True)

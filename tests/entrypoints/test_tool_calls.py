@@ -13,7 +13,7 @@ from paged_backend.integrations.server.tool_calls import (
     parse_tool_calls,
 )
 from paged_backend.integrations.structured import forced_tool_spec
-from paged_backend.integrations.tool_parsers import (
+from paged_backend.entrypoints.tool_calls import (
     HERMES,
     detect_tool_parser,
     get_tool_parser,

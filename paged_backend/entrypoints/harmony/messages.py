@@ -13,7 +13,7 @@ of gpt-oss's tokenizer, kept in the decoded text for this reader.
 
 `HarmonyScanner` turns text fed piece by piece into events (a header read, body text, a message's
 end), holding back only what may still become a marker; `read_messages` runs it over a whole text.
-The reasoning parser (`reasoning/harmony.py`) and the tool-call parser (`tool_parsers/harmony.py`)
+The reasoning parser (`reasoning.py`) and the tool-call parser (`tool_calls.py`)
 both read answers through it, so they agree on where every message begins and ends.
 """
 

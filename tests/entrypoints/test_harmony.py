@@ -15,14 +15,14 @@ from helpers.chunks import chunkings
 from helpers.scripted import HARMONY_MARKERS, harmony_tokenizer
 from paged_backend.integrations.server.answer import AnswerPlan
 from paged_backend.integrations.structured import forced_tool_spec
-from paged_backend.integrations.tool_parsers import (
+from paged_backend.entrypoints.tool_calls import (
     detect_tool_parser,
     get_tool_parser,
     keeps_special_tokens,
 )
 from xgrammar.testing import _is_grammar_accept_string
 
-from paged_backend.entrypoints.harmony import read_messages
+from paged_backend.entrypoints.harmony.messages import read_messages
 from paged_backend.entrypoints.reasoning import (
     after_thinking,
     budget_processor,

@@ -1,6 +1,6 @@
 """gpt-oss's harmony format as a reasoning parser: the `analysis` channel is the thinking, the rest the answer.
 
-A harmony answer is a run of messages (entrypoints/harmony.py): `analysis` messages go to the
+A harmony answer is a run of messages (messages.py): `analysis` messages go to the
 reasoning, `final` messages (and `commentary` written to the user, a preamble before a tool call) to
 the content, each without its markup. A message addressed to a recipient (`to=functions.NAME`, a
 tool call) is passed to the content whole, markup and all, for the tool-call parser that reads the
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..harmony import (
+from .messages import (
     ANALYSIS,
     CHANNEL,
     END,
@@ -33,8 +33,8 @@ from ..harmony import (
     Text,
     read_messages,
 )
-from .base import ReasoningParser
-from .stream import Split
+from ..reasoning.base import ReasoningParser
+from ..reasoning.stream import Split
 
 OPEN_THINKING = f"{CHANNEL}{ANALYSIS}{MESSAGE}"
 CLOSE_THINKING = f"{END}{START}{ROLE}"

@@ -21,7 +21,7 @@ from .base import (
     content_so_far,
     keeps_special_tokens,
 )
-from .harmony import HarmonyParser
+from ..harmony.tool_calls import HarmonyParser
 from .hermes import HermesParser
 from .llama3_json import Llama3JsonParser
 from .mistral import MistralParser

@@ -1,12 +1,12 @@
 """Hermes / Qwen2.5 / Qwen3 calls: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block
-per call, possibly between text (the primitives live in integrations/hermes.py)."""
+per call, possibly between text (the tags live in tool_call_tags.py)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from ..hermes import BLOCK, CLOSE, OPEN, partial_open
+from .tool_call_tags import BLOCK, CLOSE, OPEN, partial_open
 from .base import ParsedAnswer, PartialCall, ToolParser, Tools
 from .grammar import arguments_grammar
 from .json_calls import Piece, parse_object, partial_object

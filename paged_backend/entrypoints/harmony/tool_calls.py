@@ -6,7 +6,7 @@ The recipient may also stand before the channel (`<|start|>assistant to=function
 commentary json<|message|>...`), the channel may be `analysis`, and `<|call|>` (a stop token, which the
 engine may drop) ends the call. Any message with a recipient is a call; one whose recipient is not a
 `functions.` name (a built-in tool such as `browser.search`) or whose body is not a JSON object is a
-malformed call, so the answer stays text. The messages are read by paged_backend/entrypoints/harmony.py; with the
+malformed call, so the answer stays text. The messages are read by messages.py; with the
 harmony reasoning parser in front, only the calls still carry their markup when they get here.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from paged_backend.entrypoints.harmony import CHANNEL, COMMENTARY, CONSTRAIN, FUNCTIONS, MARKERS, MESSAGE, Message, read_messages
-from .base import ParsedAnswer, ParsedCall, PartialCall, ToolParser, Tools
-from .grammar import arguments_grammar
+from .messages import CHANNEL, COMMENTARY, CONSTRAIN, FUNCTIONS, MARKERS, MESSAGE, Message, read_messages
+from ..tool_calls.base import ParsedAnswer, ParsedCall, PartialCall, ToolParser, Tools
+from ..tool_calls.grammar import arguments_grammar
 
 
 class HarmonyParser(ToolParser):

@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from ..hermes import arguments_so_far
+from .tool_call_tags import partial_close
 from .base import ParsedCall, PartialCall
 
 # An object written name first, up to where its arguments begin (a leading "type": "function" allowed).
@@ -83,3 +83,17 @@ def partial_objects(pieces: list[Piece]) -> list[PartialCall]:
             break
         calls.append(call)
     return calls
+
+
+TRAILING_BRACES = re.compile(r"[}\s]*\Z")
+
+
+def arguments_so_far(text: str, closed: bool) -> str:
+    """A name-first call's argument text as written so far, from where its arguments begin. The call's last `}`
+    closes the call, not its arguments, so a trailing run of `}` and whitespace (and a partial closing tag) is
+    held back until the text goes on or the call closes."""
+    if closed:
+        text = text.rstrip()
+        return text[:-1].rstrip() if text.endswith("}") else text
+    text = text[:len(text) - partial_close(text)]
+    return text[:TRAILING_BRACES.search(text).start()]
