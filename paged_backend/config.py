@@ -42,7 +42,7 @@ class EngineConfig:
     # the model's weights become views of the stacked copy). False runs each projection by itself, as the
     # model's own code does: for comparing against the unfused engine or ruling fusion out while debugging.
     fuse_projections: bool = True
-    # LoRA adapters chosen per request (lora.py): at most max_loras distinct adapters run at once (more wait),
+    # LoRA adapters chosen per request (model/lora/): at most max_loras distinct adapters run at once (more wait),
     # each of rank at most max_lora_rank. With LoRA the step runs eagerly.
     enable_lora: bool = False
     max_loras: int = 4  # distinct adapters in one step (more wait)

@@ -44,7 +44,7 @@ def resolve_method(method: str | None, default_model: bool, device: torch.device
     the engine picks on a CPU without native bf16 (the int4 kernel against fp32 weights: 3.7x faster at 1
     row on an AVX2 CPU); README, "Precision". Not for fp32 the caller named (`dtype_named`: exact weights
     asked for), nor for anything else (a model given, another device, tensor parallelism, which int4
-    layers cannot take). LoRA adapters add their deltas to int4 layers as to float ones (lora.py). Other
+    layers cannot take). LoRA adapters add their deltas to int4 layers as to float ones (model/lora/). Other
     values: themselves."""
     if method != AUTO:
         return method

@@ -62,7 +62,7 @@ def make_padding(plan: StartupPlan, config: EngineConfig, num_kv_heads: int) -> 
 
 def compile_forward(runner: ModelRunner, start: RunnerStart) -> bool:
     """Compile the runner's forward (or load its graphs); whether it now runs compiled."""
-    if runner.lora_slots is not None:  # the graph holds every hook an adapter may need (lora.py)
+    if runner.lora_slots is not None:  # the graph holds every hook an adapter may need (model/lora/slots.py)
         hooked = runner.lora_slots.hook_adaptable_linears()
         logger.info("compile: LoRA hooks on all %d adaptable linears", hooked)
     try:
