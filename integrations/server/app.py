@@ -4,42 +4,25 @@ Ray) with OpenAI's API, /generate, vLLM's tokenizer routes and metrics."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from paged_backend.entrypoints.engine_client import EngineClient
 from paged_backend.entrypoints.reasoning import resolve_reasoning_parser
 
 from paged_backend.entrypoints.tool_calls import AUTO, resolve_tool_parser
-from .chat import create_chat_completion
-from .completions import create_completion
-from .embeddings import add_embeddings_routes
+from . import chat, completions, embeddings, legacy, messages, responses_api, tokenization
 from .errors import APIError, JSONErrors, error_responses, install_error_handlers
-from .legacy import generate
-from .messages import add_messages_routes
 from .metrics import CURRENT_SCOPE, ServerMetrics
 from .protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
 from .response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
-from .responses_api import add_responses_routes
 from .route_spans import RouteSpans
 from .state import DEFAULT_MAX_SEQS_PER_REQUEST, ServerState
-from .tokenization import (
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    detokenize,
-    tokenize,
-    tokenizer_info,
-)
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before the answer's end
 
@@ -71,11 +54,9 @@ def create_app(aengine: EngineClient, model_name: str, api_key: str | None = Non
     # Every route added from here on is an API route: each declares the errors it answers in the OpenAPI
     # document (FastAPI merges the router's responses into each route as it is added; a route's own win).
     app.router.responses = error_responses(api_key is not None)
-    add_routes(app, state)
-    app.state.responses = ResponseStore(max_stored_responses)
-    add_responses_routes(app, state, [Depends(require_key(state))], app.state.responses)
-    add_embeddings_routes(app, state, [Depends(require_key(state))])
-    add_messages_routes(app, state)  # Anthropic's clients send the key as x-api-key: checked there
+    app.state.responses = ResponseStore(max_stored_responses)  # what /v1/responses keeps
+    for add_routes in API_ROUTES:
+        add_routes(app, state)
     if allow_runtime_lora_updating:
         add_lora_routes(app, state)
     return app
@@ -95,45 +76,17 @@ def add_plain_routes(app: FastAPI, state: ServerState) -> None:
         return Response(body, media_type="text/plain; version=0.0.4")
 
 
-def add_routes(app: FastAPI, state: ServerState) -> None:
-    authorised = [Depends(require_key(state))]
-
-    @app.get("/v1/models", dependencies=authorised)
+def add_model_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v1/models", dependencies=state.authorised())
     async def models() -> JSONResponse:
         base = model_card(state)
         adapters = [base | {"id": name, "parent": state.model_name} for name in state.lora_names()]
         return JSONResponse({"object": "list", "data": [base, *adapters]})
 
-    @app.post("/v1/completions", dependencies=authorised)
-    async def completions(body: CompletionRequest, request: Request):
-        return await create_completion(state, body, request)
-
-    @app.post("/v1/chat/completions", dependencies=authorised)
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await create_chat_completion(state, body, request)
-
-    @app.post("/generate", dependencies=authorised)
-    async def legacy_generate(body: GenerateRequest, request: Request):
-        return await generate(state, body, request)
-
-    @app.post("/tokenize", dependencies=authorised)
-    async def tokenize_route(body: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
-        return JSONResponse(tokenize(state, body))
-
-    @app.post("/detokenize", dependencies=authorised)
-    async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
-        return JSONResponse(detokenize(state, body))
-
-    @app.get("/tokenizer_info", dependencies=authorised)
-    async def tokenizer_info_route() -> JSONResponse:
-        return JSONResponse(tokenizer_info(state))
-
 
 def add_lora_routes(app: FastAPI, state: ServerState) -> None:
     """vLLM's runtime adapter routes (only when the deployer allows them: they read server-side paths)."""
-    authorised = [Depends(require_key(state))]
-
-    @app.post("/v1/load_lora_adapter", dependencies=authorised)
+    @app.post("/v1/load_lora_adapter", dependencies=state.authorised())
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
         if not state.client.supports_lora:
             raise APIError(400, "this server's engine was started without LoRA (--enable-lora)", "lora_name")
@@ -145,7 +98,7 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, str(exc), "lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", dependencies=authorised)
+    @app.post("/v1/unload_lora_adapter", dependencies=state.authorised())
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
         try:  # a replicated engine waits for its replicas: off the event loop
             await asyncio.to_thread(state.client.remove_lora, body.lora_name)
@@ -154,21 +107,15 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
+# Every group of API routes is added one way, `add_routes(app, state)`, each route declaring `state.authorised()`
+# (Anthropic's messages routes check the key as x-api-key, as its clients send it).
+API_ROUTES = (add_model_routes, completions.add_routes, chat.add_routes, legacy.add_routes, tokenization.add_routes,
+              responses_api.add_routes, embeddings.add_routes, messages.add_routes)
+
+
 def model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "paged-backend",
             "max_model_len": state.client.max_model_len}
-
-
-def require_key(state: ServerState):
-    async def check(request: Request) -> None:
-        if state.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), state.api_key):
-            raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-                           None, "invalid_api_key")
-    return check
 
 
 class HTTPStatusCounter:

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_backend.core.outputs import RequestOutput
@@ -178,3 +178,9 @@ def call_piece(delta: CallDelta) -> dict[str, Any]:
         return {"index": delta.index, "function": {"arguments": delta.arguments}}
     return {"index": delta.index, "id": new_call_id(), "type": "function",
             "function": {"name": delta.name, "arguments": delta.arguments}}
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/chat/completions", dependencies=state.authorised())
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(state, body, request)

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_backend.core.outputs import RequestOutput
@@ -137,3 +137,9 @@ def stream_choice(state: ServerState, body: CompletionRequest, index: int, outpu
     return {"index": index, "text": text, "logprobs": logprobs,
             "finish_reason": completion.finish_reason if output.finished else None,
             "stop_reason": completion.stop_reason if output.finished else None}
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions", dependencies=state.authorised())
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(state, body, request)

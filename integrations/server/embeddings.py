@@ -13,7 +13,7 @@ import base64
 from typing import Literal
 
 import numpy as np
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -36,8 +36,8 @@ class EmbeddingRequest(BaseModel):
     normalize: bool = True
 
 
-def add_embeddings_routes(app: FastAPI, state: ServerState, authorised: list[Depends]) -> None:
-    @app.post("/v1/embeddings", dependencies=authorised)
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/embeddings", dependencies=state.authorised())
     async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
         return await create_embeddings(state, body, request)
 

@@ -11,7 +11,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_backend.entrypoints.beam_search import BeamSearchParams
@@ -105,3 +105,9 @@ def beam_params(fields: dict[str, Any]) -> tuple[int, BeamSearchParams]:
                                    early_stopping=fields.get("early_stopping", False), ignore_eos=ignore_eos)
     except ValueError as exc:  # early_stopping, named in the message
         raise bad_request(str(exc), "early_stopping") from None
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/generate", dependencies=state.authorised())
+    async def legacy_generate(body: GenerateRequest, request: Request):
+        return await generate(state, body, request)

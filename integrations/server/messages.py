@@ -88,7 +88,7 @@ class CountTokensRequest(BaseModel):
     thinking: dict[str, Any] | None = None
 
 
-def add_messages_routes(app: FastAPI, state: ServerState) -> None:
+def add_routes(app: FastAPI, state: ServerState) -> None:
     errors = anthropic_responses(state.api_key is not None)
 
     @app.post("/v1/messages", openapi_extra=json_body(MessagesRequest), responses=errors)

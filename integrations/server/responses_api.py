@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
@@ -138,19 +138,21 @@ class Turn:
         return self.uses_tools and chosen_tool_name(self.tools, self.tool_choice) is not None
 
 
-def add_responses_routes(app: FastAPI, state: ServerState, authorised: list[Depends], store: ResponseStore) -> None:
-    @app.post("/v1/responses", dependencies=authorised)
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    store: ResponseStore = app.state.responses  # what previous_response_id reads back
+
+    @app.post("/v1/responses", dependencies=state.authorised())
     async def create(body: ResponsesRequest, request: Request):
         return await create_response(state, store, body, request)
 
-    @app.get("/v1/responses/{response_id}", dependencies=authorised)
+    @app.get("/v1/responses/{response_id}", dependencies=state.authorised())
     async def retrieve(response_id: str) -> JSONResponse:
         entry = store.get(response_id)
         if entry is None:
             raise APIError(404, f"No response found with id '{response_id}'.", "response_id", "not_found")
         return JSONResponse(entry.response)
 
-    @app.delete("/v1/responses/{response_id}", dependencies=authorised)
+    @app.delete("/v1/responses/{response_id}", dependencies=state.authorised())
     async def delete(response_id: str) -> JSONResponse:
         if not store.delete(response_id):
             raise APIError(404, f"No response found with id '{response_id}'.", "response_id", "not_found")

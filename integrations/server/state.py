@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 from typing import Any
+
+from fastapi import Depends, Request
 
 from paged_backend.entrypoints.engine_client import EngineClient
 from paged_backend.entrypoints.reasoning import ReasoningParser
@@ -27,6 +30,18 @@ class ServerState:
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     reasoning_parser: ReasoningParser | None = None  # None: answers are not split into reasoning and content
     tool_parser: ToolParser = HERMES  # the format tool calls are parsed (and forced) in
+
+    def authorised(self) -> list:
+        """The dependency every API route declares: the key check (`Authorization: Bearer <api_key>`)."""
+        return [Depends(self.require_key)]
+
+    async def require_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                           None, "invalid_api_key")
 
     @property
     def tokenizer(self) -> Any:

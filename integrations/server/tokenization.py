@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from .chat_template import render_chat
@@ -86,3 +88,18 @@ def needs_tokenizer(state: ServerState) -> Any:
     if state.tokenizer is None:
         raise bad_request("this model was loaded without a tokenizer", None)
     return state.tokenizer
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's tokenizer routes."""
+    @app.post("/tokenize", dependencies=state.authorised())
+    async def tokenize_route(body: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
+        return JSONResponse(tokenize(state, body))
+
+    @app.post("/detokenize", dependencies=state.authorised())
+    async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(detokenize(state, body))
+
+    @app.get("/tokenizer_info", dependencies=state.authorised())
+    async def tokenizer_info_route() -> JSONResponse:
+        return JSONResponse(tokenizer_info(state))
