@@ -1,13 +1,11 @@
 """A compiled CPU kernel for rows times an int4 weight: every int4 step of an int4 model short of a long prefill.
 
 torch's int4 kernel (`_weight_int4pack_mm_for_cpu`) is built for one row: past it, it widens the codes again
-for every few rows, and on an AMD EPYC with AVX-512 (2 threads, the default model's 120 projections, bf16
-rows) it ran at about 165 GFLOP/s from 8 rows on, 51.8 ms at 32 rows, where a dense bf16 matmul took 37.2.
-The kernel in cpu_int4_matmul.c widens each code once per call and multiplies it with every row by
-AVX512-BF16 dot products, scaling each group's sums in fp32: per pass over the 120 projections, 3.4 ms at
-one row (torch 3.8), 6.3 at 8 (11.1), 25.5 at 32, 78.3 at 128 (dense 90.3), and past that the dense copy
-leads (159.7 against 154.7 at 256, 315.6 against 293.6 at 512): `python benchmarks/cpu_int4_batch.py`,
-benchmarks/results/cpu_int4_batch_avx512.json.
+for every few rows, so its rate stops growing with the rows and a few dozen rows took longer than a dense bf16
+matmul. The kernel in cpu_int4_matmul.c widens each code once per call and multiplies it with every row by
+AVX512-BF16 dot products, scaling each group's sums in fp32: faster than torch's kernel at every row count,
+and than the dense copy up to about 128 rows, past which the dense copy leads (docs/benchmarks.md has the
+times; `python benchmarks/cpu_int4_batch.py`).
 
 Its arithmetic is torch's kernel's: the rows rounded to bf16, the weights (code - 8) * scale + zero in fp32
 (never rounded to bf16), products and sums in fp32, the output rounded to bf16. A row's output does not depend

@@ -1,17 +1,16 @@
 """A compiled CPU kernel for a few rows times an int8 weight: the LM head of a one-stream int4 model.
 
-One stream's decode step multiplies one row by the int8 head (model/int8_linear.py: 49,152 x 576 for the
-default model, 28 MB of codes), a pass over memory that torch's `_weight_int8pack_mm` made at about half of
-what the machine's memory gives. The kernel in cpu_int8_matmul.c streams each output row's codes once, in
-order, widens them in registers and multiplies them with the (at most MOST_ROWS) input rows kept in fp32,
-the output rows split between torch's threads. Its products are fp32 sums of the rows as given, where
-torch's kernel rounds the rows to bf16 first.
+One stream's decode step multiplies one row by the int8 head (model/int8_linear.py: 49,152 x 576 for the default
+model, 28 MB of codes), a pass over memory that torch's `_weight_int8pack_mm` made well below what the machine's
+memory gives (docs/benchmarks.md). The kernel in cpu_int8_matmul.c streams each output row's codes once, in order,
+widens them in registers and multiplies them with the (at most MOST_ROWS) input rows kept in fp32, the output rows
+split between torch's threads. Its products are fp32 sums of the rows as given, where torch's kernel rounds the
+rows to bf16 first.
 
-On a CPU with AVX512-BF16 the same library multiplies any number of bf16 rows by the codes tiled 16 output
-rows at a time (`tile`), widened to bf16 once per block of 16 rows and multiplied by `vdpbf16ps`: the
-default model's head, its codes from memory, took 0.83 ms at 1 row (1.37 for the kernel above), 1.35 at 8,
-5.3 at 32 (7.3 for the dense bf16 copy) and 12.7 at 64 (12.9): a throwaway script on an AMD EPYC, 2 threads,
-medians of 15 calls. Same arithmetic: products exact, fp32 sums, the scale at the end.
+On a CPU with AVX512-BF16 the same library multiplies any number of bf16 rows by the codes tiled 16 output rows at
+a time (`tile`), widened to bf16 once per block of 16 rows and multiplied by `vdpbf16ps`: on the default model's
+head, its codes from memory, faster than the kernel above at one row and than the dense bf16 copy up to the tiled
+threshold (docs/benchmarks.md has the times). Same arithmetic: products exact, fp32 sums, the scale at the end.
 
 Built on the user's machine like the other CPU kernels (cpu_build.py); without a compiler, or with
 `PAGED_BACKEND_CPU_KERNEL=0`, torch's kernel serves as before.

@@ -2,7 +2,7 @@
 
 Attended in PyTorch ops, a 32-sequence decode step pays per layer for gathers of every context out of the
 paged cache, a cast of the gathered copy to fp32 and batched matmuls over it: three passes over the
-context's bytes and about 40 % of the step (benchmarks/step_profile.py). The kernel in
+context's bytes and a large share of the step (docs/benchmarks.md, benchmarks/step_profile.py). The kernel in
 cpu_paged_attention.c reads each key and value row once, by block table, straight from the cache, widens it
 to fp32 in registers and folds it into an online softmax, with the batch's (sequence, KV head) pairs shared
 by torch's threads.
@@ -14,13 +14,12 @@ soft-capping, ALiBi and sinks; longer prompts stay on SDPA, whose blocked kernel
 A bf16 model's decode rows over a bf16 cache, on a CPU with AVX512-BF16, take a path of their own: each key
 row is multiplied by the query rows in bf16 pairs (`vdpbf16ps`, products exact, sums in fp32) straight from
 the cache, 16 keys' partial sums are folded into one vector of 16 scores for the softmax, and the chunks two
-ahead are fetched while one is worked on. On an AMD EPYC with AVX-512 (2 threads, 32 sequences of about 100
-tokens, SmolLM2's 3 KV heads of 64) a 32-sequence decode step took about 6 % less time than with the generic
-path (steps alternating in one engine).
+ahead are fetched while one is worked on. It shortened a 32-sequence decode step against the generic path
+(docs/benchmarks.md has the measurement).
 
 With a float cache the call also stores the step's new key and value rows first (`stores()`), so a layer
-makes one call where it made an `index_copy_` for K, one for V and the attention's: about 1.7 ms of a
-32-sequence decode step's 45 went to those copies (benchmarks/step_profile.py).
+makes one call where it made an `index_copy_` for K, one for V and the attention's: those copies were a
+measurable part of a 32-sequence decode step (docs/benchmarks.md, benchmarks/step_profile.py).
 
 The C source is compiled on the user's machine, once, and kept (cpu_build.py). Without a compiler, or
 with `PAGED_BACKEND_CPU_KERNEL=0`, attention runs in PyTorch ops as before: slower, the same answers to

@@ -1,14 +1,14 @@
 """PyTorch paged attention and cache write: the CPU backend and the oracle for the Triton kernels. On CPU the
 sequences with a few query rows go to the compiled kernel of cpu_paged_attention.py where it is built.
 
-Per-sequence gather + `scaled_dot_product_attention` was measured 2x to 30x faster on CPU than
-padding the batch or masking a block-diagonal packed batch, so a sequence with many query rows is
+Per-sequence gather + `scaled_dot_product_attention` was measured faster on CPU than padding the batch or
+masking a block-diagonal packed batch, in every shape tried, so a sequence with many query rows is
 attended alone; sequences with one or a few rows over a context attend in buckets of similar length
 (torch_buckets.py), padded only to their bucket's longest.
 The gather indices depend only on the step, so they are built once per step and reused by every layer.
 A sequence whose blocks are consecutive in the pool (a lone stream's usually are) is read as a view of
-the cache instead: one decode row's read and attention over 300 keys measured 140 -> 115 us in bf16 (the
-cast to fp32 remains) and 100-140 -> 45-60 us in fp32 (2 threads, AVX-512).
+the cache instead, which saves the gather's copy (in bf16 the cast to fp32 remains; docs/design.md has the
+measurements).
 """
 
 from __future__ import annotations
@@ -264,12 +264,11 @@ def attend_one(
     return sdpa(q, k, v, mask, is_causal, scale)
 
 
-# One query row in bf16/fp16 takes a CPU kernel path 3-6x slower than fp32's (SmolLM2 shapes, 50-1,000
-# keys: 114 against 38 us at 200 keys, casts included, 2 threads of an AVX-512 CPU); from two rows on the
-# low-precision path is as fast or faster. So decode rows attend in fp32, the result rounded back: the
-# throughput workload in bf16 went from 142 to 194 tokens/s. The price: a bf16 model's decode attention
-# rounds as fp32 does, not as transformers' bf16 SDPA, so greedy text can part from HF generate's in bf16
-# at a near-tie (fp32 models are unaffected).
+# One query row in bf16/fp16 takes a CPU kernel path several times slower than fp32's, casts included; from
+# two rows on the low-precision path is as fast or faster. So decode rows attend in fp32, the result rounded
+# back, which sped up the throughput workload in bf16 (docs/design.md has the measurements). The price: a bf16
+# model's decode attention rounds as fp32 does, not as transformers' bf16 SDPA, so greedy text can part from HF
+# generate's in bf16 at a near-tie (fp32 models are unaffected).
 UPCAST_DECODE_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -284,9 +283,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 
 # A few fp32 query rows over a longer context (a request verifying proposed tokens, a short chunk) attend
-# as two batched matmuls with an additive mask: SDPA's masked CPU path measured 1.1-2x slower at 2-16 rows
-# (64-300 against 35-150 us at 100-600 keys, SmolLM2 shapes, 2 threads of an AVX-512 CPU), and faster
-# again only past 32 rows. bf16/fp16 stay on SDPA, whose kernel keeps the scores in fp32.
+# as two batched matmuls with an additive mask: SDPA's masked CPU path was slower at 2-16 rows, and faster again
+# only past 32 rows (docs/design.md has the measurements). bf16/fp16 stay on SDPA, whose kernel keeps the scores
+# in fp32.
 FEW_ROWS = (2, 16)
 
 

@@ -2,14 +2,13 @@
 compiled CPU kernel (cpu_paged_attention.py) is not built (no C compiler) or is switched off.
 
 Attending one sequence at a time, a decode step of 32 sequences pays per sequence and layer for a gather,
-a cast and an SDPA call. Each costs tens of microseconds at 250 keys, and the arithmetic is only a small
-part of that. In a bucket, sequences of similar context lengths attend together: one gather of all their
+a cast and an SDPA call, whose cost at a decode step's context lengths is mostly fixed overhead rather
+than arithmetic. In a bucket, sequences of similar context lengths attend together: one gather of all their
 contexts (each padded to the bucket's longest, the padding masked), one cast to fp32 and two batched
 matmuls. A sequence with fewer query rows than the bucket's most repeats its last row; the repeats are
-dropped. In one process alternating both ways on the throughput workload (32 MT-bench requests, the
-default model, 2 threads of an AVX-512 CPU, prefix cache warm), buckets gave 1.23-1.32x the engine's
-tokens/s in fp32 (the same tokens) and 1.21-1.75x with int4 weights in bf16; 16 streams verifying
-n-gram proposals in fp32 went from 80 to 94-100 tokens/s.
+dropped. On the throughput workload buckets raised the engine's tokens/s in fp32 (the same tokens) and with
+int4 weights in bf16, and the rate of streams verifying n-gram proposals (docs/design.md has the
+measurements).
 
 Which sequences go into buckets: those attended in fp32 by a matmul anyway. That is one decode row
 (bf16/fp16 decode rows are upcast, see torch_attention.UPCAST_DECODE_DTYPES), or up to 16 fp32 rows

@@ -5,14 +5,12 @@ A step of one packed token (a lone stream decoding, or a one-token chunk) has on
 sequence's context. Through the opaque custom op a compiled forward calls for every other step, a layer
 pays the op's dispatch and a dozen eager ops. Written here as plain ops over the paged cache and the
 block table, inductor fuses the write, the gather, the scores, the softmax and the weighted sum into one
-C++ kernel: 45 us per layer over 300 keys in a throwaway micro-benchmark (SmolLM2 shapes, bf16, 2 threads
-of an AVX-512 CPU). Every input is a tensor whose sizes the compiler keeps symbolic (the block count), so
-one graph serves every context length.
+C++ kernel per layer (docs/compiled-steps.md has its time). Every input is a tensor whose sizes the compiler keeps
+symbolic (the block count), so one graph serves every context length.
 
 The cache is a graph input that the graph mutates. The write is an `index_put_` on the whole cache tensor
 with one index per dimension, which inductor performs in place; written through a view of one layer
-(`index_copy_` on `kv[layer, 0]`), it copied the whole cache instead, per layer (11 ms per call of 4 layers
-over a 25 MB cache, in a throwaway micro-benchmark).
+(`index_copy_` on `kv[layer, 0]`), it copied the whole cache instead, per layer (docs/compiled-steps.md).
 Positions past the sequence are masked (the cache is allocated empty, so they may hold NaN), and the
 weighted sum zeroes their values rather than trusting a zero weight.
 """

@@ -10,11 +10,12 @@ ops (paged_backend/kernels/torch_single_row.py, the cache and the block table as
 inductor fuses into one kernel per layer instead of calling the opaque op.
 
 A graph keeps the guards on the step's inputs (dtypes, ranks, the shape conditions it was traced under) and
-on global state, and drops the rest: about 7,700 guards on the default model's modules (hooks, attributes,
-parameters) took 1.8-2.1 ms of a 19 ms one-stream decode step on CPU, and the engine changes no module once
-its forward is compiled (`structure_of` says when a caller did, and the engine is rebuilt). The graphs take
-the model as an argument, its weights as inputs at each call, so one set of graphs serves every engine over
-an equal model and settings; `CompiledForward` picks, per step, the graph whose guards the step passes.
+on global state, and drops the rest: the guards on the model's modules (hooks, attributes, parameters) are
+many, and checking them took a share of every step (docs/compiled-steps.md has the measurement), while the
+engine changes no module once its forward is compiled (`structure_of` says when a caller did, and the engine is
+rebuilt). The graphs take the model as an argument, its weights as inputs at each call, so one set of graphs
+serves every engine over an equal model and settings; `CompiledForward` picks, per step, the graph whose guards
+the step passes.
 
 On the CPU the decoder layers are nested compile regions while a graph is traced (layer_regions.py), so
 inductor lowers each kind of layer once, not each of the model's layers.
@@ -76,9 +77,8 @@ def wants_compile(setting: bool | None, device: torch.device) -> bool:
     """`EngineConfig.compile`: None compiles on CPU, where a compiled step runs fewer ops than an eager one and the
     compile cache makes every start after the first cost seconds, unless PAGED_BACKEND_COMPILE=0 or no C++
     compiler is installed (inductor builds its CPU kernels with one). Not on CUDA: there compiled steps gave
-    other tokens than eager steps (benchmarks/gpu_check.py --only steps on an H200, torch 2.11: none of 128
-    greedy requests equal from their second token), so CUDA compiles only when asked (compile=True), with a
-    warning."""
+    other tokens than eager steps (benchmarks/gpu_check.py --only steps; docs/compiled-steps.md has the run),
+    so CUDA compiles only when asked (compile=True), with a warning."""
     if setting is not None:
         if setting and device.type == "cuda":
             logger.warning("compile=True on CUDA: compiled CUDA steps have given tokens different from eager "
@@ -183,7 +183,7 @@ class CompiledForward:
             # a two-layer model's layers). The slot count stays symbolic, so caches of other sizes share the graph.
             torch._dynamo.mark_static(self.static_kv, [0, 1, 2, 4])
         # The packed row's batch of 1 is a constant: under backed_size_oblivious it would stay a symbol, and
-        # inductor on CUDA could not split [1, T, hidden] views by it ("CantSplit", torch 2.11, H200).
+        # inductor on CUDA could not split [1, T, hidden] views by it ("CantSplit"; docs/compiled-steps.md).
         rows = (kwargs["input_ids"], kwargs["position_ids"])
         for row in rows:
             torch._dynamo.mark_static(row, 0)
@@ -201,13 +201,13 @@ class CompiledForward:
 
 
 # torch 2.11's aot_compile (behind enable_aot_compile) failed to lower the default model's graphs on CUDA
-# ("CantSplit" in inductor, H200), where its plain torch.compile lowers them; 2.13's is the one measured here.
+# ("CantSplit" in inductor), where its plain torch.compile lowers them; 2.13's is the one relied on here.
 AHEAD_OF_TIME = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 # Inductor checks the size, stride and alignment of every extern kernel's output as its graph runs (our ops'
-# outputs among them): about 1,250 Python checks a step of the default model, 0.9 ms of a 9 ms one-stream step
-# (cProfile). The ops' outputs are what their fake implementations promise, which the equivalence tests check.
+# outputs among them): Python checks on every step, a share of a one-stream step (docs/compiled-steps.md has the
+# measurement). The ops' outputs are what their fake implementations promise, which the equivalence tests check.
 UNCHECKED_OUTPUTS = {"size_asserts": False, "alignment_asserts": False}
 
 
@@ -217,8 +217,8 @@ def ahead_of_time_graph(model: torch.nn.Module, kwargs: dict):
     if kwargs["input_ids"].device.type == "cpu":
         options.update(UNCHECKED_OUTPUTS)
     compiled = torch.compile(logits_of, dynamic=True, fullgraph=True, options=options)
-    # On the CPU each kind of decoder layer is lowered once (layer_regions.py): the default model's cold compile went
-    # from 150-175 s to about 50 s. CUDA traces layers plainly: regions are not measured there.
+    # On the CPU each kind of decoder layer is lowered once (layer_regions.py), which shortens a cold compile
+    # (docs/compiled-steps.md has the times). CUDA traces layers plainly: regions are not measured there.
     if kwargs["input_ids"].device.type != "cpu":
         graph = compiled.aot_compile(((model,), kwargs))
     else:
@@ -328,8 +328,8 @@ def compile_forward(model: torch.nn.Module, kv: torch.Tensor, settings: dict,
 def warm_up(forward, cache: PagedCache, shapes: tuple[tuple[int, int], ...] = WARM_UP_SHAPES,
             progress: str | None = None) -> float:
     """Run `forward` on dummy steps of every specialised shape in `shapes` over `cache`; return the seconds it
-    took. With `progress`, a bar of that title counts the shapes (a cold compile takes most of a minute: it
-    shows graph by graph). The dummy K/V land in the first blocks, which hold nothing yet (no request has run)
+    took. With `progress`, a bar of that title counts the shapes (a cold compile is slow: it shows graph by
+    graph). The dummy K/V land in the first blocks, which hold nothing yet (no request has run)
     and which every later owner writes before reading; never in the null block (a window group's freed
     entries), which stays zero. A cache of layer groups gets the step context of one: every group reads the
     dummy step's block table (the graphs never see the tables: the attention op reads them from the context)."""
@@ -338,11 +338,11 @@ def warm_up(forward, cache: PagedCache, shapes: tuple[tuple[int, int], ...] = WA
     num_blocks = cache.null_block if cache.null_block is not None else kv.shape[3] // block_size
     start = time.perf_counter()
     # Module float attributes (norm epsilons, attention scales) would be symbolic: torch traced each graph,
-    # failed to turn them into tensors, and traced it again with them as constants, 17 of 66 s of the
-    # default model's start-up. Constants from the start trace each graph once.
-    # Size-oblivious tracing keeps 0 and 1 kept rows in the graphs of their step length. It is measured on CPU;
-    # on CUDA (torch 2.11, H200) inductor then failed to lower views of [rows, hidden] ("CantSplit"), and torch's
-    # own specialisation of 0 and 1, as before it, lowers there.
+    # failed to turn them into tensors, and traced it again with them as constants, a large share of the
+    # start-up (docs/compiled-steps.md). Constants from the start trace each graph once.
+    # Size-oblivious tracing keeps 0 and 1 kept rows in the graphs of their step length. It is used on CPU only:
+    # on CUDA inductor then failed to lower views of [rows, hidden] ("CantSplit"; docs/compiled-steps.md), and
+    # torch's own specialisation of 0 and 1, as before it, lowers there.
     oblivious = kv.device.type == "cpu"
     with (torch.inference_mode(), fx_config.patch(backed_size_oblivious=oblivious),
           torch._dynamo.config.patch(specialize_float=True)):

@@ -1,8 +1,8 @@
 """The compiled forward kept on disk, so a second start of the same model loads its graphs instead of compiling.
 
 `torch.compile` keeps inductor's kernels on disk, but each new process still runs dynamo over the whole
-model's Python and AOTAutograd over each graph before that cache can answer: 16-60 s for the default model
-on two cores, at every start. `aot_compile` (compilation.py) captures each graph whole, and
+model's Python and AOTAutograd over each graph before that cache can answer, at every start
+(docs/compiled-steps.md has the cost). `aot_compile` (compilation.py) captures each graph whole, and
 `save_compiled_function` writes its bytecode, guards and inductor output into one file; loading that file
 skips dynamo and AOTAutograd. The C++ (or Triton) kernels the graphs call are not in the file: inductor
 builds them into its own cache folder, so the engine points inductor at a folder beside the graphs while
@@ -15,9 +15,9 @@ Layout, under the project's cache folder (`PAGED_BACKEND_CACHE`):
                                   loads; the holder first removes what a killed write left (`tmp*` files)
     inductor/                     inductor's kernels, shared by every key
 
-Each upgrade, edit or new model makes a new key, so the folders of old keys would pile up (3-17 MB each for
-the default model): after keeping new graphs, the engine removes the least recently used key folders past
-the newest KEPT_KEYS (a load marks its folder used), skipping any whose lock another process holds.
+Each upgrade, edit or new model makes a new key, so the folders of old keys would pile up (docs/compiled-steps.md
+has their size): after keeping new graphs, the engine removes the least recently used key folders past the newest
+KEPT_KEYS (a load marks its folder used), skipping any whose lock another process holds.
 
 `<key>` hashes what changes a graph: torch, transformers, Python and this package's source, the CPU's
 instruction sets (inductor generates code for the one it runs on) or the GPU's compute capability, the

@@ -46,8 +46,8 @@ def _(query, new_key, new_value, layer, scale, sliding_window=None, softcap=None
 
 
 # What the model's layers call: the registered op inside a graph being compiled (opaque there), and its
-# implementation directly in an eager forward, which skips the dispatcher's 13-15 us per call (once per
-# layer per step; measured on CPU with SmolLM2 shapes).
+# implementation directly in an eager forward, which skips the dispatcher's per-call overhead, paid once per
+# layer per step (docs/compiled-steps.md has the measurement).
 def paged_attention(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: int | torch.Tensor,
                     scale: float, sliding_window: int | None = None, softcap: float | None = None,
                     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,

@@ -1,10 +1,9 @@
 """Fused projections: a layer's q, k and v projections as one matmul, and its gate and up projections as one.
 
 A Llama-like layer multiplies the same hidden states by three attention projections and two MLP ones: five
-activation casts and five kernel calls where two would do (vLLM's merged linear layers). Measured on the
-default model's int4 layers (2 threads, the weights hot in cache, medians of 15 rounds of a throwaway
-script), the 150 projections of one token took 4.3 ms one by one and 3.1 ms as 60 stacks;
-benchmarks/fused_projections.py measures whole one-stream decodes, eager and compiled.
+activation casts and five kernel calls where two would do (vLLM's merged linear layers). On the default
+model's int4 layers the stacked calls took less time than the projections one by one (docs/compiled-steps.md
+has the measurement); benchmarks/fused_projections.py measures whole one-stream decodes, eager and compiled.
 
 The model's code is not changed: transformers' attention still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)`.
 Inside an engine step (`step()`), the first of a group's projections called with `x` multiplies `x` by the

@@ -8,8 +8,8 @@ halves); rows hold whole groups, so the same reordering applies to the codes and
 Linear layers the file holds in another type are left to the caller.
 
 The file's tensor index is read here (`tensor_index`) rather than through `gguf.GGUFReader`, which
-decodes every metadata value, the 49,152-token vocabulary included, and took 3-5 s per start-up for
-the default model where this takes a few tens of milliseconds.
+decodes every metadata value, the 49,152-token vocabulary included, at a cost of seconds per start-up
+for the default model where this takes a small fraction of that (docs/precision.md).
 """
 
 from __future__ import annotations

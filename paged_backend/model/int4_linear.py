@@ -6,20 +6,17 @@ default model's own GGUF tensors), so those load as they are (gguf_int4.py); any
 is rounded to it (`from_float`: `m` the group's minimum, `d` its range / 15).
 
 Small steps multiply by the codes through torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`,
-bf16 activations): on an AVX-512 CPU (2 threads, the default model's 30 layers of linears) it measured
-4.0 ms at 1 row against 18.8 ms for bf16 and 36.5 ms for fp32 weights, 11.9 against 25.1 at 8 rows,
-and even at 32 rows. Past that the kernel falls behind a dense bf16 matmul (101 against 75 ms at 64
-rows, 654 against 296 at 512), so steps of more than `DENSE_ROWS[torch.bfloat16]` rows multiply by a
-dense bf16 copy of the same dequantized weights instead (quantized_linear.py). On an AVX2 CPU without
-native bf16 the copy is fp32, and the kernel (rows rounded to bf16 for it and back) against fp32 weights,
-each of the 210 layers its own weight so that they stream from memory as in a step, measured 15.7 against
-58.4 ms at 1 row, 41 against 91 at 8, 82 against 109 at 16, about even at 24-28 and 153 against 124 at
-32 (2 threads, best of two runs of a throwaway script): hence `DENSE_ROWS[torch.float32]`. The copy costs
-as much as the weights it replaces: on CPU this format buys decode speed, not memory.
+bf16 activations), several times faster than bf16 or fp32 weights at one row and ahead for a few rows.
+Past `DENSE_ROWS[torch.bfloat16]` rows the kernel falls behind a dense bf16 matmul, so larger steps
+multiply by a dense bf16 copy of the same dequantized weights instead (quantized_linear.py). On a CPU
+without native bf16 the copy is fp32, and the kernel (rows rounded to bf16 for it and back) against fp32
+weights streamed from memory as in a step falls behind past `DENSE_ROWS[torch.float32]` rows
+(docs/precision.md has the measured crossovers). The copy costs as much as the weights it replaces: on
+CPU this format buys decode speed, not memory.
 
 Where the CPU has AVX512-BF16, the engine's own compiled kernel (kernels/cpu_int4_matmul.py) takes every
-step up to `KERNEL_DENSE_ROWS` rows instead of torch's, from the same codes tiled for it: faster at every row
-count up to about 128 (2.0x torch's at 32 rows), with torch's arithmetic. torch's kernel stays for a layer
+step up to `KERNEL_DENSE_ROWS` rows instead of torch's, from the same codes tiled for it: faster than torch's
+at every row count up to there (docs/benchmarks.md), with torch's arithmetic. torch's kernel stays for a layer
 made where it does not run, or inside `cpu_int4_matmul.switched_off()`.
 """
 
@@ -32,7 +29,7 @@ from paged_backend.kernels.cpu_int4_matmul import TILE, TiledWeight
 from paged_backend.model.quantized_linear import COMPUTE_DTYPE, QuantizedLinear, cast_to
 
 GROUP_SIZE = 32  # weights per (scale, offset) pair along the input dimension, as in GGUF's Q4_1
-# Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers, module docstring).
+# Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers: docs/precision.md).
 DENSE_ROWS = {torch.bfloat16: 32, torch.float32: 24}
 # The same where the compiled kernel (kernels/cpu_int4_matmul.py) multiplies: it kept ahead of a dense bf16
 # matmul to about 128 rows (benchmarks/cpu_int4_batch.py). An fp32 model's large steps still multiply its own fp32 rows, unrounded.
@@ -155,8 +152,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
     return ((groups - 8) * scale.float()[..., None] + zero.float()[..., None]).view(codes.shape)
 
 
-# Registered through torch.library's low-level API, not `custom_op`: a compiled step calls it about 120 times,
-# and custom_op's Python wrapping cost 10-16 us a call against 7.6 (the kernel's own call is 5).
+# Registered through torch.library's low-level API, not `custom_op`: a compiled step calls it once per int4
+# projection, and custom_op's Python wrapping made each call markedly slower (docs/benchmarks.md).
 _library = torch.library.Library("paged_backend", "FRAGMENT")
 _library.define("int4_matmul(Tensor rows, Tensor codes, Tensor scales, Tensor zeros) -> Tensor")
 _library.impl("int4_matmul", cpu_int4_matmul.int4_matmul, "CPU")

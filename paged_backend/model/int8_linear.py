@@ -2,19 +2,17 @@
 
 Each output row is rounded to int8 with its own scale (`max |w| / 127`). Small steps multiply by the
 codes: one to four rows through the compiled CPU kernel (kernels/cpu_int8_matmul.py) where it is built,
-else through torch's CPU int8 kernel (`_weight_int8pack_mm`, bf16 activations). For the default model's
-49,152 x 576 head on an AVX-512 CPU (2 threads) torch's kernel measured 2.3 ms at 1 row against 3.9 ms for
-the bf16 weight and 3.1 against 4.8 at 4 rows, but 15.3 against 6.7 at 16 rows; the compiled kernel
-takes 1.0-1.25 ms at 1 row (benchmarks/cpu_int8_head.py and a throwaway A/B). So steps of more
+else through torch's CPU int8 kernel (`_weight_int8pack_mm`, bf16 activations). On the default model's
+head torch's kernel beats the bf16 weight at a few rows and falls well behind it by 16, and the compiled
+kernel is faster still at one row (docs/precision.md has the measurements). So steps of more
 than `DENSE_ROWS[torch.bfloat16]` rows multiply by a dense bf16 copy of the same dequantized weight
-(quantized_linear.py). On an AVX2 CPU without native bf16 the copy is fp32, and the kernel (rows rounded to
-bf16 for it; given fp32 rows it measured 5x slower) beat it up to about 32 rows: 4.7 against 15.8 ms at 1
-row, 12 against 34 at 8, 24 against 36 at 16, 44 against 47 at 32 and 67 against 58 at 48 (2 threads).
+(quantized_linear.py). On a CPU without native bf16 the copy is fp32, and the kernel (rows rounded to
+bf16 for it, since it is far slower given fp32 rows) beats it up to `DENSE_ROWS[torch.float32]` rows.
 A step keeps logits for its sampling rows
 only, so the head sees one row per decoding sequence: one stream runs on the codes, a batch on the copy.
 A compiled forward calls the choice as one registered custom op (`paged_backend::int8_matmul`), which
 takes it at run time: a branch on the kept rows inside the graph would double its graphs, and always
-taking the copy cost a compiled one-stream step 3.5 ms in the head instead of 2.3.
+taking the copy made a compiled one-stream step's head slower.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from paged_backend.model.quantized_linear import (
     dense_matmul,
 )
 
-# Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers, module docstring).
+# Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers: docs/precision.md).
 DENSE_ROWS = {torch.bfloat16: 4, torch.float32: 32}
 # The same for bf16 rows where the tiled kernel runs (AVX512-BF16): it kept ahead of the dense copy to 64 rows.
 TILED_DENSE_ROWS = 48

@@ -1,12 +1,11 @@
 """Decoder layers as nested compile regions: a compiled forward lowers each kind of layer once, not once per layer.
 
 A compiled forward traces the whole model (compilation.py). Traced plainly, inductor lowers every decoder layer
-again: the default model's 30 layers made a cold compile of its three graphs take 150-175 s on 2 cores. While
-a graph is traced, `marked()` routes each decoder layer's call through `run_layer`, a
-`torch.compiler.nested_compile_region`: dynamo still traces every layer, but layers whose traced graphs are
-equal become one subgraph that AOTAutograd and inductor compile once and call per layer (with that layer's
-weights as its inputs). Equality is torch's own check on the traced graphs, so a layer that computes anything
-differently from the others keeps a subgraph of its own.
+again, which made a cold compile slow (docs/compiled-steps.md has the times). While a graph is traced, `marked()`
+routes each decoder layer's call through `run_layer`, a `torch.compiler.nested_compile_region`: dynamo still
+traces every layer, but layers whose traced graphs are equal become one subgraph that AOTAutograd and inductor
+compile once and call per layer (with that layer's weights as its inputs). Equality is torch's own check on the
+traced graphs, so a layer that computes anything differently from the others keeps a subgraph of its own.
 
 One thing made every layer's graph differ: its index, which picks its part of the paged cache and was a
 constant in the graph. `index_layers()` gives each module with a `layer_idx` a 0-d tensor of it, and

@@ -8,9 +8,9 @@ other K/V, so the prefix cache must not hand a request the K/V computed under an
 made under into its first block's hash, like a cache salt.
 
 Weights are watched through their tensors' version counters, which every in-place change bumps (an
-optimizer step, `copy_`, `load_state_dict`): summing them over the default model's 697 parameters and
-buffers takes about 60 us per request. A change through `.data` (which bypasses the counter) or a tensor
-replaced by a new object is not seen.
+optimizer step, `copy_`, `load_state_dict`): summing them over the model's parameters and buffers costs
+little per request (docs/design.md has the measurement). A change through `.data` (which bypasses the counter) or
+a tensor replaced by a new object is not seen.
 """
 
 from __future__ import annotations

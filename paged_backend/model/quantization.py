@@ -1,13 +1,13 @@
 """Weight-only quantization of a model's linear layers: `LLM(..., quantization="int8" | "int4")`.
 
 int8 is torchao's `Int8WeightOnlyConfig`: each linear weight becomes int8 with one scale per output
-channel; activations, embeddings, norms and the KV cache keep the model's dtype. On an AVX2 CPU it
-decoded slower than the original weights both eagerly and compiled (README, "Precision"), so it
-saves memory, not time, and compiling follows the engine's own `compile` setting.
+channel; activations, embeddings, norms and the KV cache keep the model's dtype. On CPU it decoded
+slower than the original weights both eagerly and compiled (docs/precision.md), so it saves memory, not
+time, and compiling follows the engine's own `compile` setting.
 
 int4 (CPU only) is `Int4Linear` (int4_linear.py): 4-bit codes with a scale and offset per group of
 32 inputs, multiplied by torch's CPU int4 kernel in small steps, which decodes several times faster
-than bf16 weights on an AVX-512 CPU and than fp32 weights on an AVX2 one. The decoder's projections
+than the bf16 or fp32 weights it replaces (docs/precision.md). The decoder's projections
 become int4; the output projection (LM head, often tied to the embedding, which keeps its weight)
 becomes int8 per row (int8_linear.py). A llama GGUF file's own Q4_1 tensors (the default model's) are
 taken as they are (gguf_int4.py); other weights are rounded per group.
@@ -40,9 +40,9 @@ def check_method(method: str | None) -> None:
 def resolve_method(method: str | None, default_model: bool, device: torch.device, dtype: torch.dtype,
                    single_process: bool, dtype_named: bool = False) -> str | None:
     """What `quantization="auto"` means: int4 for the default model on CPU (its GGUF file's Q4_1 weights,
-    as they are), in bf16 (as good as bf16 weights and about twice as fast on one stream) or in the fp32
-    the engine picks on a CPU without native bf16 (the int4 kernel against fp32 weights: 3.7x faster at 1
-    row on an AVX2 CPU); README, "Precision". Not for fp32 the caller named (`dtype_named`: exact weights
+    as they are), in bf16 (as good as bf16 weights and faster on one stream) or in the fp32 the engine
+    picks on a CPU without native bf16 (the int4 kernel is several times faster than fp32 weights there);
+    docs/precision.md has the measurements. Not for fp32 the caller named (`dtype_named`: exact weights
     asked for), nor for anything else (a model given, another device, tensor parallelism, which int4
     layers cannot take). LoRA adapters add their deltas to int4 layers as to float ones (model/lora/). Other
     values: themselves."""

@@ -2,10 +2,10 @@
 the same dequantized weights for large ones, and a linear layer's shapes and bias.
 
 Both quantized kernels (torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`) take bf16
-activations and beat a dense matmul only for a few rows (int4_linear.py and int8_linear.py have the
-measured crossovers), so past a layer's `dense_rows` a step multiplies by the copy. The copy is in the
-model's dtype: bf16 where the CPU computes it natively, fp32 elsewhere (a bf16 matmul is emulated there,
-4x slower than fp32 at 32 rows on an AVX2 CPU), so a large step computes as the model's own weights
+activations and beat a dense matmul only for a few rows (docs/precision.md has the measured crossovers),
+so past a layer's `dense_rows` a step multiplies by the copy. The copy is in the model's dtype: bf16 where
+the CPU computes it natively, fp32 elsewhere (a bf16 matmul is emulated there, several times slower than
+fp32), so a large step computes as the model's own weights
 would and only the kernel's rows are rounded to bf16. The copy is dequantized from the codes, not kept
 from the original weights, so every path computes the same model and which one a step takes changes only
 rounding, as any change of matmul kernel does.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-COMPUTE_DTYPE = torch.bfloat16  # the kernels' fast paths take bf16 activations (fp32 was 25x slower for int4)
+COMPUTE_DTYPE = torch.bfloat16  # the kernels' fast paths take bf16 activations (fp32 ones take a far slower int4 path)
 DENSE_DTYPES = (torch.bfloat16, torch.float32)
 
 

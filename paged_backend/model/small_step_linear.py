@@ -1,13 +1,12 @@
 """Linear layers of small CPU steps computed as `weight @ x^T`.
 
 A decode step on one stream, or one carrying a few speculative proposals, multiplies 2-5 rows by every
-weight matrix. On the AVX2 CPUs measured (MKL, fp32), `x @ weight^T` at 2-5 rows cost 1.7x a single
-row, while the same product taken as `weight @ x^T` (the transposed problem) cost 1.0-1.4x, since the
-weight is then streamed once as in a matrix-vector product. The default model's bare forward, timed
-both ways: with one thread 1.3x faster at 2, 3 and 5 tokens and 0.94x at 8; with two threads on a
-quiet machine 1.8x, 2.0x and 1.4x faster at 2, 3 and 5 tokens; equal at 1 token, which is left alone.
-On the engine, n-gram speculation on one stream went from 1.46x to 1.68-1.76x plain (README, "Speculative
-decoding"). Outside 2-5 rows, on other devices and dtypes, and for weights that are not plain tensors
+weight matrix. On CPU (MKL, fp32), `x @ weight^T` at a few rows costs well over a single row, while the
+same product taken as `weight @ x^T` (the transposed problem) costs about as much as one, since the weight
+is then streamed once as in a matrix-vector product. The default model's bare forward and n-gram
+speculation on one stream both gained from it at 2-5 tokens; at 1 token the two ways are equal, so it is
+left alone, and at 8 the plain product was ahead again (docs/speculative-decoding.md has the
+measurements). Outside 2-5 rows, on other devices and dtypes, and for weights that are not plain tensors
 (a quantized tensor subclass), `F.linear` runs as usual.
 
 The switch is a torch function mode, entered only around the forward of a step of 2-5 tokens, so the

@@ -19,8 +19,8 @@ DEFAULT_MAX_STEP_TOKENS = 512
 # The step size (tokens) at which a step's per-token work equals its fixed cost (reading the weights,
 # dispatch). A proposal pays when its chance of being kept beats T / (T + knee) for a step of T tokens
 # (speculation.py), so the bar follows the step's size rather than one cut-off. Fitted on the default
-# model, 2 threads of an AVX2 CPU, 16 grounded streams: about 130 ms per step plus 9 ms per token
-# (knee ~14); of the knees measured side by side (16, 32, 64; README), 16 kept MT-bench closest to plain.
+# model's CPU steps; of the knees compared side by side, this one kept MT-bench closest to plain
+# (docs/speculative-decoding.md has the fit and the comparison).
 DEFAULT_KNEE_TOKENS = 16
 DEFAULT_LOOKUP_MAX = 3
 DEFAULT_LOOKUP_MIN = 2
