@@ -20,6 +20,7 @@ from paged_backend.integrations.pipeline import PagedTextGenerationPipeline, pip
 from paged_backend.integrations.transformers_generate import disable, enable
 from paged_backend.model.default_model import DEFAULT_MODEL
 from paged_backend.model.lora import LoRARequest
+from paged_backend.errors import ContextLengthError
 from paged_backend.model.model_loader import UnsupportedArchitectureError
 from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
@@ -45,6 +46,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
     "UnsupportedArchitectureError",
+    "ContextLengthError",
     "disable",
     "enable",
     "pipeline",

@@ -20,6 +20,7 @@ from paged_backend.core.pooling import PoolingParams, check_pooling
 from paged_backend.core.request import LogitsProcessor, Request
 from paged_backend.core.request_group import RequestGroup
 from paged_backend.sampling.detokenizer import IncrementalDetokenizer
+from paged_backend.errors import check_context
 from paged_backend.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -158,11 +159,7 @@ def check_request(token_ids: list[int], params: SamplingParams, *, max_model_len
     token_ids = params.kept_prompt(token_ids, max_model_len)  # what the engine's intake will run
     if not token_ids:
         raise ValueError("the prompt is empty")
-    if len(token_ids) >= max_model_len:
-        raise ValueError(
-            f"the prompt has {len(token_ids)} tokens; this engine's context length is {max_model_len}"
-            f"{context_note}, which must also leave room for at least one generated token"
-        )
+    check_context(max_model_len, len(token_ids), 1, note=context_note)  # room for at least one generated token
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")

@@ -8,6 +8,7 @@ from helpers.engine import assert_all_blocks_free, greedy, hf_greedy, run_to_com
 from helpers.models import build
 
 from paged_backend import (
+    ContextLengthError,
     Engine,
     EngineConfig,
     SamplingParams,
@@ -138,3 +139,15 @@ def test_encoder_decoder_refuses_to_run():
                                                        num_heads=2))
     with pytest.raises(UnsupportedArchitectureError, match="t5.*encoder-decoder"):
         Engine(model, None, EngineConfig(num_kv_blocks=8))
+
+
+def test_a_prompt_past_the_context_is_refused_in_one_wording(engine):
+    """The engine reserves one generated token; its refusal is the server's (OpenAI's) wording, by type."""
+    with pytest.raises(ContextLengthError) as refused:
+        engine.add_request([1] * 128, greedy(4))
+    assert (refused.value.limit, refused.value.prompt_tokens, refused.value.completion_tokens) == (128, 128, 1)
+    assert str(refused.value).startswith("This model's maximum context length is 128 tokens. However, you requested "
+                                         "129 tokens (128 in the prompt, 1 in the completion).")
+    engine.add_request([1] * 127, greedy(4))  # one token of room is enough: max_tokens is clipped to it
+    run_to_completion(engine)
+    assert_all_blocks_free(engine)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from paged_backend.core.pooling import PoolingParams
+from paged_backend.errors import ContextLengthError
 
 from .errors import APIError, bad_request, request_field
 from .fanout import new_id, until_disconnect
@@ -77,15 +78,16 @@ def input_list(value: str | list[str] | list[int] | list[list[int]]) -> list[str
 
 def check_input(state: ServerState, ids: list[int], pooling: PoolingParams, index: int | None) -> None:
     """A 400 for an input the engine would refuse: naming `dimensions` when that is the fault, else `input`."""
+    where = "" if index is None else f"input[{index}]: "
     try:
         state.client.validate_pooling(ids, pooling)
+    except ContextLengthError as exc:
+        raise APIError(400, where + str(exc), "input", "context_length_exceeded") from None
     except ValueError as exc:
         message = str(exc)
         if message.startswith("dimensions"):
             raise bad_request(message, "dimensions") from None
-        where = "" if index is None else f"input[{index}]: "
-        raise APIError(400, where + message, "input",
-                       "context_length_exceeded" if "context length" in message else None) from None
+        raise APIError(400, where + message, "input") from None
 
 
 def encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:

@@ -10,6 +10,7 @@ import torch
 
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.entrypoints.engine_client import EngineClient
+from paged_backend.errors import ContextLengthError, check_context
 from paged_backend.integrations.options.translation import Translation
 from paged_backend.integrations.options.vocabularies import OPENAI, SEED_MAX, SEED_MIN
 from paged_backend.sampling.sampling_params import SamplingParams
@@ -85,18 +86,20 @@ def then(first: LogitsProcessor | None, second: LogitsProcessor | None) -> Logit
 
 def check_prompt(client: EngineClient, token_ids: list[int], params: SamplingParams, what: str = "prompt") -> list[int]:
     """Refuse (400) a prompt that, with its max_tokens, does not fit the context, giving the numbers; else
-    return the tokens the engine will run (truncate_prompt_tokens applied), which usage counts."""
-    limit = client.max_model_len
-    token_ids = params.kept_prompt(token_ids, limit)
-    wanted = len(token_ids) + (params.max_tokens or 1)
-    if wanted > limit:
-        asked = params.max_tokens if params.max_tokens is not None else 1
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                       f"{wanted} tokens ({len(token_ids)} in the {what}, {asked} in the completion). "
-                       "Please reduce the length of the prompt or of the completion.", "messages"
-                       if what == "messages" else "prompt", "context_length_exceeded")
+    return the tokens the engine will run (truncate_prompt_tokens applied), which usage counts. The server
+    reserves max_tokens, as OpenAI's API does, where the engine alone would clip it to the room left."""
+    token_ids = params.kept_prompt(token_ids, client.max_model_len)
     try:
+        check_context(client.max_model_len, len(token_ids), params.max_tokens or 1, what=what)
         client.validate(token_ids, params)
+    except ContextLengthError as exc:
+        raise context_refusal(exc.naming(what)) from None
     except ValueError as exc:
         raise bad_request(str(exc), param=field_named_in(str(exc))) from None
     return token_ids
+
+
+def context_refusal(exc: ContextLengthError, param: str | None = None) -> APIError:
+    """The 400 for a prompt past the context: OpenAI's code, naming the request's field for the prompt."""
+    return APIError(400, str(exc), param or ("messages" if exc.what == "messages" else "prompt"),
+                    "context_length_exceeded")

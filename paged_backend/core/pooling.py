@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
+from paged_backend.errors import check_context
+
 if TYPE_CHECKING:
     from paged_backend.core.request import Request
 
@@ -55,9 +57,7 @@ def check_pooling(token_ids: list[int], pooling: PoolingParams, *, max_model_len
         raise ValueError(f"pooling must be PoolingParams, got {type(pooling).__name__}")  # noqa: TRY004
     if not token_ids:
         raise ValueError("the input is empty")
-    if len(token_ids) > max_model_len:
-        raise ValueError(f"the input has {len(token_ids)} tokens; this engine's context length is "
-                         f"{max_model_len}{context_note}")
+    check_context(max_model_len, len(token_ids), 0, note=context_note, what="input")
     bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")

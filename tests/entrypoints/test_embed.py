@@ -83,7 +83,7 @@ def test_bad_input_is_refused_before_anything_runs() -> None:
     llm = LLM(build("llama"), num_kv_blocks=8, block_size=8)  # a 64-token context
     context = llm.engine.max_model_len
     assert llm.embed([[1] * context], use_tqdm=False)[0].embedding.shape == (64,)  # the whole context fits
-    with pytest.raises(ValueError, match=r"prompt 1: the input has 65 tokens; .* context length is 64"):
+    with pytest.raises(ValueError, match=r"prompt 1: .*maximum context length is 64 tokens.*\(65 in the input\)"):
         llm.embed([[1, 2], [1] * (context + 1)], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt 0: the input is empty"):
         llm.embed([[]], use_tqdm=False)

@@ -19,6 +19,7 @@ from paged_backend.integrations.server.metrics import group_metrics
 
 from paged_backend import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from paged_backend.entrypoints.engine_client import EngineClient
+from paged_backend.errors import ContextLengthError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,7 +99,7 @@ class FakeClient:
 
     def validate_pooling(self, token_ids, pooling) -> None:
         if len(token_ids) > self.max_model_len:
-            raise ValueError(f"the input has {len(token_ids)} tokens; this engine's context length is 64")
+            raise ContextLengthError(self.max_model_len, len(token_ids), what="input")
 
     def abort(self, request_id: str) -> None:
         pass
