@@ -53,7 +53,7 @@ from paged_backend.entrypoints.reasoning import (
 from paged_backend.sampling.sampling_params import SamplingParams
 
 from ..logprobs import chat_logprobs
-from ..structured import (
+from paged_backend.entrypoints.structured import (
     add_json_instruction,
     check_tool_schemas,
     chosen_tool_name,

@@ -36,11 +36,11 @@ from paged_backend.entrypoints.reasoning import (
 from paged_backend.sampling.sampling_params import SamplingParams
 
 from paged_backend.entrypoints.tool_calls.base import CallDelta
-from ..structured import ToolSchemaError, check_tool_schemas
+from paged_backend.entrypoints.structured import ToolSchemaError, check_tool_schemas
 from paged_backend.entrypoints.tool_calls import ToolParser, keeps_special_tokens
 from .errors import bad_request
 from .state import ServerState
-from .tool_calls import ToolCall, ToolCallStreamer, cut_tool_calls, parse_tool_calls
+from paged_backend.entrypoints.tool_calls.answer_calls import ToolCall, ToolCallStreamer, cut_tool_calls, parse_tool_calls
 
 
 @dataclass(slots=True)

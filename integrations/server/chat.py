@@ -14,7 +14,7 @@ from paged_backend.core.outputs import RequestOutput
 
 from paged_backend.entrypoints.tool_calls.base import CallDelta, new_call_id
 from ..logprobs import chat_logprobs, positions
-from ..structured import add_json_instruction
+from paged_backend.entrypoints.structured import add_json_instruction
 from .answer import (
     AnswerPlan,
     AnswerStream,

@@ -29,7 +29,7 @@ from paged_backend.core.outputs import RequestOutput
 from paged_backend.integrations.options.vocabularies import OPENAI
 
 from paged_backend.entrypoints.tool_calls.base import CallDelta
-from ..structured import chosen_tool_name, forced_tool_spec
+from paged_backend.entrypoints.structured import chosen_tool_name, forced_tool_spec
 from .answer import (
     AnswerPlan,
     AnswerStream,
@@ -49,7 +49,7 @@ from .fanout import Job, collect_finals, merge_streams
 from .protocol import Tool
 from .sampling import build_params, check_prompt
 from .state import ServerState
-from .tool_calls import ToolCall
+from paged_backend.entrypoints.tool_calls.answer_calls import ToolCall
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large", 499: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}

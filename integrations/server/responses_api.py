@@ -31,7 +31,7 @@ from pydantic import Field
 from paged_backend.core.outputs import RequestOutput
 
 from paged_backend.entrypoints.tool_calls.base import CallDelta, new_call_id
-from ..structured import (
+from paged_backend.entrypoints.structured import (
     add_json_instruction,
     chosen_tool_name,
     forced_tool_spec,
@@ -56,7 +56,7 @@ from .protocol import STRICT, OpenAISamplingOptions, Tool
 from .response_store import ResponseStore
 from .sampling import check_prompt, to_sampling_params
 from .state import ServerState
-from .tool_calls import ToolCall
+from paged_backend.entrypoints.tool_calls.answer_calls import ToolCall
 
 # Fields OpenAI defines that this server takes only at the value that changes nothing: (accepted, why).
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {

@@ -10,7 +10,7 @@ from typing import Any
 
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
-from ..structured import chosen_tool_name, forced_tool_spec, response_format_spec
+from paged_backend.entrypoints.structured import chosen_tool_name, forced_tool_spec, response_format_spec
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, SamplingFields
 

@@ -14,7 +14,7 @@ import torch
 from helpers.chunks import chunkings
 from helpers.scripted import HARMONY_MARKERS, harmony_tokenizer
 from paged_backend.integrations.server.answer import AnswerPlan
-from paged_backend.integrations.structured import forced_tool_spec
+from paged_backend.entrypoints.structured import forced_tool_spec
 from paged_backend.entrypoints.tool_calls import (
     detect_tool_parser,
     get_tool_parser,
