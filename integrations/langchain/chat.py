@@ -76,6 +76,10 @@ class PreparedCall:
     own_parser: bool = False  # the tokenizer's response_template parses calls (no format named)
 
     @property
+    def prompt_text(self) -> str:
+        return self.turn.prompt_text
+
+    @property
     def reader(self) -> AnswerReader:
         return self.turn.reader
 
@@ -296,7 +300,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
         if not reader.tools:
             parsed = ParsedResponse(content=text)
         elif call.own_parser:
-            parsed = parse_with_tokenizer(self.tokenizer_, text, call.turn.prompt_text, reader.tools)
+            parsed = parse_with_tokenizer(self.tokenizer_, text, call.prompt_text, reader.tools)
         else:
             parsed = parse_calls(text, reader.tool_parser, reader.tools, reader.prefix)
         parsed.reasoning = reasoning
