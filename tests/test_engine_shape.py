@@ -89,6 +89,57 @@ def test_formats_have_one_module_each() -> None:
         assert len(found) <= 1, found
 
 
+def front_end_modules() -> dict[str, ast.AST]:
+    """Every module of the package and of the integrations, by its path from the repository root."""
+    root = ENGINE_SOURCE.parent.parent
+    paths = [path for path in ENGINE_SOURCE.parent.rglob("*.py")
+             if path.relative_to(root).parts[1] != "integrations"]  # the package's link to the integrations
+    paths += list((root / "integrations").rglob("*.py"))
+    return {str(path.relative_to(root)): ast.parse(path.read_text()) for path in paths}
+
+
+def names_used(tree: ast.AST) -> set[str]:
+    """The names a module imports, reads or calls (`f(...)`, `module.f(...)`, `from m import f`)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def users_of(*names: str) -> set[str]:
+    return {path for path, tree in front_end_modules().items() if names_used(tree) & set(names)}
+
+
+def test_the_chat_turn_helpers_are_used_in_the_entrypoints_only() -> None:
+    """Holding a grammar after the thinking and the thinking budget are the chat turn's: no integration
+    calls or imports them."""
+    users = users_of("hold_after_thinking", "after_thinking", "budget_processor")
+    assert users and all(path.startswith("paged_backend/entrypoints/") for path in users), users
+
+
+def test_one_module_builds_a_chat_turn_and_the_five_front_ends_call_it() -> None:
+    """The turn is built in chat_turn.py; the server's three chat routes (through `route_turn`, which gives
+    the turn the server's parsers and names their fields), ChatPaged and LLM.chat call it, and none of
+    them reads the prompt's thinking itself."""
+    modules = front_end_modules()
+    builders = {path for path, tree in modules.items() for node in ast.walk(tree)
+                if isinstance(node, ast.FunctionDef) and node.name == "build_chat_turn"}
+    assert builders == {"paged_backend/entrypoints/chat_turn.py"}
+    assert users_of("build_chat_turn") - builders == {"integrations/server/chat_turn.py",
+                                                      "integrations/langchain/chat.py",
+                                                      "paged_backend/entrypoints/llm.py"}
+    assert users_of("route_turn") == {"integrations/server/chat.py", "integrations/server/responses_api.py",
+                                      "integrations/server/messages.py"}
+    readers = users_of("opens_thinking", "prompt_tail") - {"paged_backend/entrypoints/chat_turn.py"}
+    formats = ("paged_backend/entrypoints/reasoning/", "paged_backend/entrypoints/harmony/")  # where it is defined
+    assert all(path.startswith(formats) for path in readers), readers
+
+
 def test_the_step_reads_in_one_screen() -> None:
     lines = inspect.getsource(Engine.step).splitlines()
     assert len(lines) <= 25, f"Engine.step has {len(lines)} lines"

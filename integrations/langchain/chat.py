@@ -1,13 +1,15 @@
 """ChatPaged: a LangChain chat model on the shared paged engine.
 
-Messages go through the model's chat template (or `chat_template`) by the shared renderer, tools too
-(rendered by the template when it can, else described Hermes style in the system turn); calls run on
-the engine's continuous batch, so concurrent `ainvoke`s and a `batch` share forward passes.
+Each call is one chat turn (`paged_backend/entrypoints/chat_turn.py`, as the server builds it): messages
+through the model's chat template (or `chat_template`), tools too (rendered by the template when it can,
+else described Hermes style in the system turn), a forced call's or a response format's grammar held
+after the thinking. What stays here is LangChain's shape of it: calls as LangChain tool calls (invalid
+ones kept), streamed as tool-call chunks. Calls run on the engine's continuous batch, so concurrent
+`ainvoke`s and a `batch` share forward passes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,33 +42,19 @@ from langchain_core.utils.function_calling import (
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict
 
-from paged_backend.entrypoints.chat import render_chat
+from paged_backend.entrypoints.answer_reader import AnswerReader
+from paged_backend.entrypoints.chat_turn import JSON_FORMATS, ChatTurn, NeedsReasoningModel, build_chat_turn
 from paged_backend.entrypoints.reasoning import (
     AUTO,
-    ReasoningParser,
     ReasoningStream,
-    after_thinking,
-    budget_processor,
     reasoning_tokens,
     resolve_reasoning_parser,
 )
+from paged_backend.entrypoints.structured import check_tool_schemas, chosen_tool_name
+from paged_backend.entrypoints.tool_calls import ToolCallStream, resolve_tool_parser
 from paged_backend.sampling.sampling_params import SamplingParams
 
 from ..logprobs import chat_logprobs
-from ..structured import (
-    add_json_instruction,
-    check_tool_schemas,
-    chosen_tool_name,
-    forced_tool_spec,
-    response_format_spec,
-)
-from paged_backend.entrypoints.tool_calls import (
-    HERMES,
-    ToolCallStream,
-    ToolParser,
-    keeps_special_tokens,
-    resolve_tool_parser,
-)
 from .completion import Completion
 from .messages import to_chat_dicts
 from .options import PagedOptions, merge_stops
@@ -80,20 +68,28 @@ from .tool_calls import (
 )
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PreparedCall:
-    prompt_text: str  # the rendered conversation, up to the assistant's turn
-    tools: list[dict[str, Any]]
-    params: SamplingParams  # with the grammar of a forced call or a JSON answer, if any
+    turn: ChatTurn  # the prompt, the parameters (with any grammar), the budget's processor, the reader
     timeout: float | None
     lora: Any = None  # the LoRA adapter the call answers with (None: the base model)
-    reasoning: ReasoningParser | None = None  # None: the answer is not split into thinking and content
-    opened: bool = False  # the prompt left the thinking open
-    tool_parser: ToolParser = HERMES
     own_parser: bool = False  # the tokenizer's response_template parses calls (no format named)
-    prefix: str = ""  # what a forced call's grammar leaves out of the text
-    processor: Any = None  # the logits processor of thinking_token_budget
-    eos_texts: tuple[str, ...] = ()  # decoded EOS to drop, when special tokens are kept for the markers
+
+    @property
+    def prompt_text(self) -> str:
+        return self.turn.prompt_text
+
+    @property
+    def reader(self) -> AnswerReader:
+        return self.turn.reader
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.turn.params
+
+    @property
+    def processor(self) -> Any:
+        return self.turn.processor
 
 
 @dataclass(slots=True)
@@ -259,7 +255,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
         return tokenizer
 
     def encode(self, call: PreparedCall) -> list[int]:
-        return self.tokenizer_(call.prompt_text, add_special_tokens=False)["input_ids"]
+        return call.turn.prompt_ids
 
     def prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any],
                 streaming: bool = False) -> PreparedCall:
@@ -273,83 +269,58 @@ class ChatPaged(PagedOptions, BaseChatModel):
         timeout = self.call_timeout(kwargs)
         lora = self.call_lora(kwargs)
         conversation = to_chat_dicts(messages)
-        if response_format is not None:
-            if response_format.get("type") not in ("json_object", "json_schema"):
-                raise NotImplementedError(f"response_format type {response_format.get('type')!r}")
-            schema = (response_format.get("json_schema") or {}).get("schema")
-            conversation = add_json_instruction(conversation, schema if isinstance(schema, dict) else None)
+        if response_format is not None and response_format.get("type") not in JSON_FORMATS:
+            raise NotImplementedError(f"response_format type {response_format.get('type')!r}")
         shown_tools = tools if tool_choice != "none" else []
-        prompt_text = self.render(conversation, shown_tools, template_kwargs)
-        reasoning = resolve_reasoning_parser(self.reasoning_parser, self.tokenizer_)
-        opened = reasoning is not None and reasoning.opens_thinking(prompt_text[-200:])
-        tool_parser = resolve_tool_parser(self.tool_call_parser, self.tokenizer_)
-        forced = forced_tool_spec(shown_tools, tool_choice, parallel_tool_calls, tool_parser)
-        shape = forced or response_format_spec(response_format)
-        if shape is not None and reasoning is not None:
-            shape = after_thinking(shape, reasoning, opened, forced_call=forced is not None)
-        if shape is not None:
-            if kwargs.get("structured_outputs", self.structured_outputs) is not None:
-                raise ValueError("structured_outputs cannot be combined with a forced tool call or a response_format")
-            kwargs["structured_outputs"] = shape
+        shaped = chosen_tool_name(shown_tools, tool_choice) is not None or response_format is not None
+        if shaped and kwargs.get("structured_outputs", self.structured_outputs) is not None:
+            raise ValueError("structured_outputs cannot be combined with a forced tool call or a response_format")
         params = self.sampling_params(stop, kwargs, logprobs=self.top_logprobs or 0 if self.logprobs else None)
         if params.num_samples > 1 and streaming:
             raise NotImplementedError("n > 1 or best_of > 1 with streaming")
-        call = PreparedCall(prompt_text=prompt_text, tools=shown_tools, params=params, timeout=timeout, lora=lora,
-                            reasoning=reasoning, opened=opened, tool_parser=tool_parser,
-                            own_parser=self.tool_call_parser in (None, AUTO)
-                            and getattr(self.tokenizer_, "response_template", None) is not None)
-        if chosen_tool_name(shown_tools, tool_choice) is not None:
-            call.prefix = tool_parser.forced_prefix
-        self.keep_markers(call)
-        if budget is not None:
-            if reasoning is None:
-                raise ValueError("thinking_token_budget needs a reasoning model: set reasoning_parser")
-            call.processor = budget_processor(self.tokenizer_, reasoning, budget, opened)
-        return call
-
-    def keep_markers(self, call: PreparedCall) -> None:
-        """Markers the parsers read must survive decoding: keep special tokens when one of them is special."""
-        markers = (call.reasoning.markers if call.reasoning else ()) + (call.tool_parser.markers if call.tools else ())
-        if markers and call.params.skip_special_tokens and keeps_special_tokens(self.tokenizer_, markers):
-            call.params = dataclasses.replace(call.params, skip_special_tokens=False)
-            call.eos_texts = tuple(self.tokenizer_.decode([i], skip_special_tokens=False)
-                                   for i in self.async_engine.eos_token_ids)
-
-    def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]],
-               template_kwargs: dict[str, Any] | None = None) -> str:
-        """Through the shared renderer and its tool policy: tools the template cannot render are
-        described Hermes style in the system turn (paged_backend/entrypoints/chat.py)."""
-        return render_chat(self.tokenizer_, conversation, tools or None, chat_template=self.chat_template,
-                           template_kwargs=template_kwargs, tokenize=False)
+        try:
+            turn = build_chat_turn(self.tokenizer_, conversation, params, tools=tools, tool_choice=tool_choice,
+                                   parallel_tool_calls=parallel_tool_calls, response_format=response_format,
+                                   reasoning=resolve_reasoning_parser(self.reasoning_parser, self.tokenizer_),
+                                   tool_parser=resolve_tool_parser(self.tool_call_parser, self.tokenizer_),
+                                   thinking_budget=budget, template_kwargs=template_kwargs,
+                                   chat_template=self.chat_template, eos_token_ids=self.async_engine.eos_token_ids)
+        except NeedsReasoningModel:
+            raise ValueError("thinking_token_budget needs a reasoning model: set reasoning_parser") from None
+        own_parser = (self.tool_call_parser in (None, AUTO)
+                      and getattr(self.tokenizer_, "response_template", None) is not None)
+        return PreparedCall(turn, timeout, lora, own_parser)
 
     # ------------------------------------------------------------------ outputs
 
     def parse(self, call: PreparedCall, text: str) -> ParsedResponse:
         """The thinking first, then the calls of the answer alone."""
-        reasoning, text = call.reasoning.split(text, call.opened) if call.reasoning else (None, text)
-        if not call.tools:
+        reader = call.reader
+        reasoning, text = reader.split_reasoning(text)
+        if not reader.tools:
             parsed = ParsedResponse(content=text)
         elif call.own_parser:
-            parsed = parse_with_tokenizer(self.tokenizer_, text, call.prompt_text, call.tools)
+            parsed = parse_with_tokenizer(self.tokenizer_, text, call.prompt_text, reader.tools)
         else:
-            parsed = parse_calls(text, call.tool_parser, call.tools, call.prefix)
+            parsed = parse_calls(text, reader.tool_parser, reader.tools, reader.prefix)
         parsed.reasoning = reasoning
         return parsed
 
     def stream_state(self, call: PreparedCall) -> StreamState:
         """With a reasoning parser, the thinking streams apart; with tools, only certain content streams,
         and each call's name and arguments as they are written; what is left comes parsed in the last chunk."""
-        thinking = call.reasoning.stream(call.opened) if call.reasoning else None
-        if not call.tools:
+        reader = call.reader
+        thinking = reader.reasoning.stream(reader.opened) if reader.reasoning else None
+        if not reader.tools:
             return StreamState(thinking, None)
         if call.own_parser:  # transformers' parser runs on the whole text: hold everything back
             return StreamState(thinking, ContentStreamer(hold=True))
-        calls = ToolCallStream(call.tool_parser, call.tools, call.prefix)
-        return StreamState(thinking, ContentStreamer(call.tool_parser, calls, prefix=call.prefix))
+        calls = ToolCallStream(reader.tool_parser, reader.tools, reader.prefix)
+        return StreamState(thinking, ContentStreamer(reader.tool_parser, calls, prefix=reader.prefix))
 
     def to_chunks(self, call: PreparedCall, done: Completion, state: StreamState) -> Iterator[ChatGenerationChunk]:
         finished = done.finish_reason is not None
-        delta, reasoning = done.without_eos(done.delta, call.eos_texts) if finished else done.delta, ""
+        delta, reasoning = done.without_eos(done.delta, call.reader.eos_texts) if finished else done.delta, ""
         if state.thinking is not None:
             split = state.thinking.push(delta)
             if finished:
@@ -368,7 +339,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
         if streamer is None:
             yield self.to_final_chunk(call, done, content=delta, calls=[], extra=extra)
             return
-        parsed = self.parse(call, done.without_eos(done.text, call.eos_texts))
+        parsed = self.parse(call, done.without_eos(done.text, call.reader.eos_texts))
         calls = streamer.final_call_chunks(parsed) if streamer.calls is not None else self.call_chunks(parsed)
         yield self.to_final_chunk(call, done, content=delta + streamer.finish(parsed.content), calls=calls,
                                   extra=extra)
@@ -388,7 +359,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
         """One ChatGeneration per sample (n > 1 gives several)."""
         generations = []
         for done in dones:
-            parsed = self.parse(call, done.without_eos(done.text, call.eos_texts))
+            parsed = self.parse(call, done.without_eos(done.text, call.reader.eos_texts))
             extra = {"reasoning_content": parsed.reasoning} if parsed.reasoning is not None else {}
             message = AIMessage(content=parsed.content, tool_calls=parsed.tool_calls, additional_kwargs=extra,
                                 invalid_tool_calls=parsed.invalid_tool_calls, usage_metadata=self.usage(call, done),
@@ -398,9 +369,10 @@ class ChatPaged(PagedOptions, BaseChatModel):
 
     def usage(self, call: PreparedCall, done: Completion) -> dict[str, Any]:
         """The sample's usage; a reasoning model's counts its thinking tokens too."""
-        if call.reasoning is None:
+        reader = call.reader
+        if reader.reasoning is None:
             return done.usage
-        thought = reasoning_tokens(self.tokenizer_, call.reasoning, done.token_ids, call.opened)
+        thought = reasoning_tokens(self.tokenizer_, reader.reasoning, done.token_ids, reader.opened)
         return {**done.usage, "output_token_details": {"reasoning": thought}}
 
     def response_metadata(self, done: Completion) -> dict[str, Any]:

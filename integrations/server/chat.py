@@ -12,28 +12,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from paged_backend.core.outputs import RequestOutput
 
+from paged_backend.entrypoints.answer_reader import AnswerReader, AnswerStream, cut_off
+from paged_backend.entrypoints.tool_calls.answer_calls import ToolCall
 from paged_backend.entrypoints.tool_calls.base import CallDelta, new_call_id
 from ..logprobs import chat_logprobs, positions
-from ..structured import add_json_instruction
-from .answer import (
-    AnswerPlan,
-    AnswerStream,
-    check_tools,
-    cut_off,
-    decode_markers,
-    finish_reason,
-    hold_after_thinking,
-    plan_answer,
-    thinking_budget,
-)
-from .chat_template import render_chat
-from .errors import APIError, request_field
+from .chat_turn import TurnFields, check_tools, route_turn
+from .errors import APIError
 from .fanout import Job, collect_finals, merge_streams, new_id
 from .protocol import ChatCompletionRequest
 from .responses import DONE, sse, sse_error, usage
 from .sampling import (
     bias_processor,
-    check_prompt,
     then,
     to_sampling_params,
     with_choices,
@@ -42,42 +31,40 @@ from .state import ServerState
 from .structured_request import structured_spec
 
 
+CHAT_FIELDS = TurnFields()
+
+
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, http_request: Request):
     body.check_supported()
     lora = state.check_model(body.model)
     state.check_sequences(1, body.n, "n")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.uses_tools else None
     check_tools(tools, "tools.{}.function.parameters")
-    structured = structured_spec(body, tools, state.tool_parser)
-    messages = body.messages
-    if body.wants_json and not body.forces_tool:
-        schema = (body.json_schema or {}).get("schema")
-        messages = add_json_instruction(messages, schema if isinstance(schema, dict) else None)
-    with request_field("messages"):
-        prompt_ids = render_chat(state.tokenizer, messages, tools, body.add_generation_prompt,
-                                 body.chat_template_kwargs)
-    plan = plan_answer(state, prompt_ids, tools, body.forces_tool, body.parallel_tool_calls, body.include_reasoning)
-    structured = hold_after_thinking(state, plan, structured)
-    params = decode_markers(state, plan, to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured))
-    prompt_ids = check_prompt(state.client, prompt_ids, params, "messages")
-    processor = then(bias_processor(state.client, body.logit_bias),
-                     thinking_budget(state, plan, body.thinking_token_budget, "thinking_token_budget"))
+    structured = structured_spec(body, tools)
+    params = to_sampling_params(body, body.output_limit, logprobs_wanted(body), structured)
+    response_format = body.response_format.model_dump() if body.response_format is not None else None
+    turn = route_turn(state, body.messages, params, CHAT_FIELDS, tools=tools, tool_choice=body.tool_choice,
+                      parallel_tool_calls=body.parallel_tool_calls, response_format=response_format,
+                      split_reasoning=body.include_reasoning, thinking_budget=body.thinking_token_budget,
+                      add_generation_prompt=body.add_generation_prompt, template_kwargs=body.chat_template_kwargs)
+    reader, prompt_ids = turn.reader, turn.prompt_ids
+    processor = then(bias_processor(state.client, body.logit_bias), turn.processor)
     request_id = new_id("chatcmpl")
-    jobs = [Job(0, prompt_ids, with_choices(params, body.n), processor, lora)]
+    jobs = [Job(0, prompt_ids, with_choices(turn.params, body.n), processor, lora)]
     if body.stream:
-        events = stream_chat(state, body, plan, jobs, len(prompt_ids), request_id)
+        events = stream_chat(state, body, reader, jobs, len(prompt_ids), request_id)
         return StreamingResponse(events, media_type="text/event-stream")
     finals = await collect_finals(http_request, state.client, jobs, request_id, state.metrics)
-    choices = [chat_choice(state, body, plan, i, finals[i]) for i in range(body.n)]
+    choices = [chat_choice(state, body, reader, i, finals[i]) for i in range(body.n)]
     completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals.values())
-    thought = sum(plan.reasoning_tokens(state.tokenizer, out.outputs[0].token_ids) for out in finals.values())
+    thought = sum(reader.reasoning_tokens(state.tokenizer, out.outputs[0].token_ids) for out in finals.values())
     response = envelope(request_id, body.model, "chat.completion", choices)
-    return JSONResponse(response | {"usage": chat_usage(plan, len(prompt_ids), completion_tokens, thought)})
+    return JSONResponse(response | {"usage": chat_usage(reader, len(prompt_ids), completion_tokens, thought)})
 
 
-def chat_usage(plan: AnswerPlan, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
+def chat_usage(reader: AnswerReader, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
     counted = usage(prompt_tokens, completion_tokens)
-    if plan.reasoning is not None:
+    if reader.reasoning is not None:
         counted["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return counted
 
@@ -90,12 +77,12 @@ def envelope(request_id: str, model: str, kind: str, choices: list[dict[str, Any
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
 
 
-def chat_choice(state: ServerState, body: ChatCompletionRequest, plan: AnswerPlan, index: int,
+def chat_choice(state: ServerState, body: ChatCompletionRequest, reader: AnswerReader, index: int,
                 output: RequestOutput) -> dict[str, Any]:
     completion = output.outputs[0]
-    reasoning, content, calls = plan.split(plan.answer_of(completion), cut_off(completion))
+    reasoning, content, calls = reader.split(reader.answer_of(completion), cut_off(completion))
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    if plan.reasoning is not None:
+    if reader.reasoning is not None:
         message |= {"reasoning": reasoning, "reasoning_content": reasoning}
     if calls:
         message["tool_calls"] = [call.to_openai() for call in calls]
@@ -105,7 +92,7 @@ def chat_choice(state: ServerState, body: ChatCompletionRequest, plan: AnswerPla
             "stop_reason": completion.stop_reason}
 
 
-async def stream_chat(state: ServerState, body: ChatCompletionRequest, plan: AnswerPlan, jobs: list[Job],
+async def stream_chat(state: ServerState, body: ChatCompletionRequest, reader: AnswerReader, jobs: list[Job],
                       prompt_tokens: int, request_id: str) -> AsyncIterator[str]:
     generated = [0] * body.n
     thought = [0] * body.n
@@ -118,7 +105,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, plan: Ans
             event["usage"] = usage(prompt_tokens, sum(generated))
         return sse(event)
 
-    streams = [plan.stream() for _ in range(body.n)]
+    streams = [reader.stream() for _ in range(body.n)]
     for index in range(body.n):
         yield chunk(index, {"role": "assistant", "content": ""})
     async for index, output in merge_streams(state.client, jobs, request_id, state.metrics):
@@ -126,7 +113,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, plan: Ans
             yield sse_error(APIError(500, f"generation failed: {output.error}"))
             return
         generated[index] = len(output.outputs[0].token_ids)
-        pieces = streams[index].push(plan.delta_of(output))
+        pieces = streams[index].push(reader.delta_of(output))
         logprobs = stream_logprobs(state, body, output)
         for delta in reasoning_deltas(pieces.reasoning):
             yield chunk(index, delta)
@@ -136,12 +123,12 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, plan: Ans
         if calls and not output.finished:
             yield chunk(index, {"tool_calls": calls})
         if output.finished:
-            thought[index] = plan.reasoning_tokens(state.tokenizer, output.outputs[0].token_ids)
+            thought[index] = reader.reasoning_tokens(state.tokenizer, output.outputs[0].token_ids)
             for event in final_chunks(index, output, streams[index], calls, chunk):
                 yield event
     if body.include_usage:
         yield sse(envelope(request_id, body.model, "chat.completion.chunk", [])
-                  | {"usage": chat_usage(plan, prompt_tokens, sum(generated), sum(thought))})
+                  | {"usage": chat_usage(reader, prompt_tokens, sum(generated), sum(thought))})
     yield DONE
 
 
@@ -170,6 +157,12 @@ def final_chunks(index: int, output: RequestOutput, stream: AnswerStream, pendin
         events.append(chunk(index, {"tool_calls": calls}))
     events.append(chunk(index, {}, finish_reason(output.outputs[0], pieces.tool_calls)))
     return events
+
+
+def finish_reason(completion: Any, calls: list[ToolCall]) -> str | None:
+    """OpenAI's finish reason: `tool_calls` for an answer that ended with calls, but `length` for
+    one max_tokens cut, whose last call may be unfinished."""
+    return "tool_calls" if calls and not cut_off(completion) else completion.finish_reason
 
 
 def call_piece(delta: CallDelta) -> dict[str, Any]:

@@ -2,13 +2,12 @@
 speak it.
 
 A request becomes a chat conversation (`system` as the system turn, `tool_use` blocks as the assistant's
-tool calls, `tool_result` blocks as tool messages) rendered by the chat template exactly as
-/v1/chat/completions renders it, with the chat route's tool policy and forced-call grammar in the
-server's tool-call format (`tool_choice` any / tool). The answer is read through the chat route's plan
-(`answer.py`: the server's reasoning parser and tool-call format) into `thinking`, text and `tool_use`
-blocks, returned whole or streamed as Anthropic's events (`message_start` ... `message_stop`,
+tool calls, `tool_result` blocks as tool messages) built into the same chat turn as /v1/chat/completions
+builds (`paged_backend/entrypoints/chat_turn.py`), with its tool policy and forced-call grammar in the
+server's tool-call format (`tool_choice` any / tool). The answer is read by the turn's reader (the
+server's reasoning parser and tool-call format) into `thinking`, text and `tool_use` blocks, returned whole or streamed as Anthropic's events (`message_start` ... `message_stop`,
 `thinking_delta` for the thinking). `thinking` maps onto the model's own switch: enabled (its
-`budget_tokens` a thinking budget) or adaptive turn it on, disabled off (`answer.thinking_switch`). Errors use
+`budget_tokens` a thinking budget) or adaptive turn it on, disabled off (`thinking.thinking_switch`). Errors use
 Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`), the message naming the field;
 the key may come as `x-api-key` or as a bearer token.
 """
@@ -28,28 +27,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from paged_backend.core.outputs import RequestOutput
 from paged_backend.integrations.options.vocabularies import OPENAI
 
+from paged_backend.entrypoints.answer_reader import AnswerReader, AnswerStream, Pieces, cut_off
+from paged_backend.entrypoints.structured import chosen_tool_name
+from paged_backend.entrypoints.tool_calls.answer_calls import ToolCall
 from paged_backend.entrypoints.tool_calls.base import CallDelta
-from ..structured import chosen_tool_name, forced_tool_spec
-from .answer import (
-    AnswerPlan,
-    AnswerStream,
-    Pieces,
-    Thinking,
-    check_tools,
-    cut_off,
-    decode_markers,
-    hold_after_thinking,
-    plan_answer,
-    thinking_budget,
-    thinking_switch,
-)
 from .chat_template import render_chat
+from .chat_turn import TurnFields, check_tools, route_turn
 from .errors import APIError, ErrorBody, bad_request, error_responses, not_supported, param_of, request_field
 from .fanout import Job, collect_finals, merge_streams
 from .protocol import Tool
-from .sampling import build_params, check_prompt
+from .sampling import build_params
 from .state import ServerState
-from .tool_calls import ToolCall
+from .thinking import Thinking, thinking_switch
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large", 499: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
@@ -308,24 +297,25 @@ def thinking_of(state: ServerState, thinking: dict[str, Any] | None) -> Thinking
     raise bad_request(f"thinking.type: must be enabled, disabled or adaptive, got {kind!r}", "thinking.type")
 
 
-def prompt_of(state: ServerState, body: MessagesRequest | CountTokensRequest,
-              thinking: Thinking) -> tuple[list[int], Any, Any, bool]:
-    """(prompt ids, chat tools in play (None: none), chat tool choice, parallel calls allowed)."""
+def prompt_of(state: ServerState, body: CountTokensRequest, thinking: Thinking) -> list[int]:
+    """The prompt ids a request's conversation renders to, its tools shown as the turn shows them."""
     tools = chat_tools(body.tools)
-    choice, parallel = chat_tool_choice(body.tool_choice, tools)
+    choice, _ = chat_tool_choice(body.tool_choice, tools)
     messages = chat_messages(body.system, body.messages)
     in_play = tools if tools and choice != "none" else None
     with request_field("messages"):
-        ids = render_chat(state.tokenizer, messages, in_play, template_kwargs=thinking.template_kwargs)
-    return ids, in_play, choice, parallel
+        return render_chat(state.tokenizer, messages, in_play, template_kwargs=thinking.template_kwargs)
 
 
 # ------------------------------------------------------------------ routes
 
 
+MESSAGES_FIELDS = TurnFields(thinking_budget="thinking", read=frozenset({"tools"}))
+
+
 async def count_message_tokens(state: ServerState, body: CountTokensRequest, _: Request) -> JSONResponse:
     state.check_model(body.model)
-    ids, *_ = prompt_of(state, body, thinking_of(state, body.thinking))
+    ids = prompt_of(state, body, thinking_of(state, body.thinking))
     return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -333,24 +323,22 @@ async def create_message(state: ServerState, body: MessagesRequest, http_request
     body.check_supported()
     lora = state.check_model(body.model)
     thinking = thinking_of(state, body.thinking)
-    ids, tools, choice, parallel = prompt_of(state, body, thinking)
-    check_tools(tools, "tools.{}.input_schema")
-    forced = tools is not None and chosen_tool_name(tools, choice) is not None
-    plan = plan_answer(state, ids, tools, forced, parallel)
-    structured = None
-    if forced:
-        with request_field("tools"):
-            structured = forced_tool_spec(tools, choice, parallel, state.tool_parser)
-    params = build_params(OPENAI, sampling_options(body), max_tokens=body.max_tokens,
-                          structured_outputs=hold_after_thinking(state, plan, structured))
-    params = decode_markers(state, plan, params)
-    ids = check_prompt(state.client, ids, params, "messages")
+    tools = chat_tools(body.tools)
+    choice, parallel = chat_tool_choice(body.tool_choice, tools)
+    messages = chat_messages(body.system, body.messages)
+    check_tools(tools if choice != "none" else None, "tools.{}.input_schema")
+    params = build_params(OPENAI, sampling_options(body), max_tokens=body.max_tokens)
+    turn = route_turn(state, messages, params, MESSAGES_FIELDS, tools=tools,
+                      tool_choice=choice, parallel_tool_calls=parallel, thinking_budget=thinking.budget,
+                      template_kwargs=thinking.template_kwargs)
+    reader = turn.reader
     message_id = f"msg_{uuid.uuid4().hex}"
-    jobs = [Job(0, ids, params, thinking_budget(state, plan, thinking.budget, "thinking"), lora)]
+    jobs = [Job(0, turn.prompt_ids, turn.params, turn.processor, lora)]
     if body.stream:
-        return StreamingResponse(stream_message(state, body, jobs, message_id, plan), media_type="text/event-stream")
+        return StreamingResponse(stream_message(state, body, jobs, message_id, reader),
+                                 media_type="text/event-stream")
     final = (await collect_finals(http_request, state.client, jobs, message_id, state.metrics))[0]
-    reasoning, content, calls = plan.split(plan.answer_of(final.outputs[0]), cut_off(final.outputs[0]))
+    reasoning, content, calls = reader.split(reader.answer_of(final.outputs[0]), cut_off(final.outputs[0]))
     return JSONResponse(envelope(message_id, body.model, content_blocks(reasoning, content, calls), final)
                         | stop_fields(final, calls))
 
@@ -480,9 +468,9 @@ class BlockWriter:
 
 
 async def stream_message(state: ServerState, body: MessagesRequest, jobs: list[Job], message_id: str,
-                         plan: AnswerPlan) -> AsyncIterator[str]:
+                         reader: AnswerReader) -> AsyncIterator[str]:
     blocks = BlockWriter()
-    reader: AnswerStream = plan.stream()
+    stream: AnswerStream = reader.stream()
     yield event("message_start", message=envelope(message_id, body.model, [], None, len(jobs[0].prompt_ids)))
     yield event("ping")
     final: RequestOutput | None = None
@@ -492,9 +480,9 @@ async def stream_message(state: ServerState, body: MessagesRequest, jobs: list[J
             return
         if output.finished:
             final = output
-        for text in piece_events(blocks, reader.push(plan.delta_of(output))):
+        for text in piece_events(blocks, stream.push(reader.delta_of(output))):
             yield text
-    rest = reader.finish(cut_off(final.outputs[0]))
+    rest = stream.finish(cut_off(final.outputs[0]))
     for text in piece_events(blocks, rest):
         yield text
     for k, call in enumerate(rest.unsent_calls):

@@ -157,7 +157,7 @@ class ResponseFormat(BaseModel):
 
 
 # The shape of one message, for the OpenAPI schema only: messages are checked where they are rendered
-# (chat_template.py), which names the message and field of any error.
+# (the chat turn, chat_turn.py), which names the message and field of any error.
 MESSAGE_SCHEMA = {
     "type": "object", "required": ["role"],
     "properties": {

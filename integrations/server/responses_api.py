@@ -1,17 +1,17 @@
 """POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}.
 
 A request becomes a chat conversation (`previous_response_id`'s stored conversation, `instructions` as
-the system turn, `input` as text or items: messages, function calls and their outputs), rendered by the
-chat template exactly as /v1/chat/completions renders it; function tools and `tool_choice` use the chat
-route's tool policy and grammar in the server's tool-call format, `text.format` its structured outputs.
-The answer is read through the chat route's plan (`answer.py`: the server's reasoning parser and
-tool-call format) into output items (a reasoning item when the model thought, a message, function
+the system turn, `input` as text or items: messages, function calls and their outputs), built into the
+same chat turn as /v1/chat/completions builds (`paged_backend/entrypoints/chat_turn.py`): function tools and
+`tool_choice` get its tool policy and grammar in the server's tool-call format, `text.format` its response
+format. The answer is read by the turn's reader (the server's reasoning parser and tool-call format) into
+output items (a reasoning item when the model thought, a message, function
 calls), returned whole or streamed as the SDK's events (`response.created` ... `response.completed`,
 `response.reasoning_text.delta` for the thinking). `reasoning.summary` (auto, concise, detailed) moves the
 thinking, verbatim, from the item's content to its summary (streamed as `response.reasoning_summary_text.delta`):
 this server makes no shorter summary, and clients that show only summaries (LangChain's ChatOpenAI) then
 show the thinking. `reasoning.effort` "none" turns a reasoning model's thinking off
-(`answer.thinking_switch`); other efforts name levels this server has no means to set and are refused, like built-in tools (web search, file search, ...) and other features this server cannot
+(`thinking.thinking_switch`); other efforts name levels this server has no means to set and are refused, like built-in tools (web search, file search, ...) and other features this server cannot
 run, with a 400 naming the field.
 """
 
@@ -30,33 +30,18 @@ from pydantic import Field
 
 from paged_backend.core.outputs import RequestOutput
 
+from paged_backend.entrypoints.answer_reader import AnswerReader, Pieces, cut_off
+from paged_backend.entrypoints.structured import chosen_tool_name
+from paged_backend.entrypoints.tool_calls.answer_calls import ToolCall
 from paged_backend.entrypoints.tool_calls.base import CallDelta, new_call_id
-from ..structured import (
-    add_json_instruction,
-    chosen_tool_name,
-    forced_tool_spec,
-    response_format_spec,
-)
-from .answer import (
-    AnswerPlan,
-    Pieces,
-    Thinking,
-    check_tools,
-    cut_off,
-    decode_markers,
-    hold_after_thinking,
-    plan_answer,
-    thinking_budget,
-    thinking_switch,
-)
-from .chat_template import render_chat
+from .chat_turn import TurnFields, check_tools, route_turn
 from .errors import APIError, bad_request, not_supported, request_field
 from .fanout import Job, collect_finals, merge_streams
 from .protocol import STRICT, OpenAISamplingOptions, Tool
 from .response_store import ResponseStore
-from .sampling import check_prompt, to_sampling_params
+from .sampling import to_sampling_params
 from .state import ServerState
-from .tool_calls import ToolCall
+from .thinking import Thinking, thinking_switch
 
 # Fields OpenAI defines that this server takes only at the value that changes nothing: (accepted, why).
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -126,7 +111,7 @@ class Turn:
     tool_choice: Any  # chat-shaped
     text_format: dict[str, Any]
     prompt_ids: list[int] = field(default_factory=list)
-    plan: AnswerPlan = field(default_factory=AnswerPlan)
+    reader: AnswerReader = field(default_factory=AnswerReader)
     as_summary: bool = False  # the thinking goes to the reasoning item's summary (reasoning.summary)
 
     @property
@@ -164,27 +149,21 @@ async def create_response(state: ServerState, store: ResponseStore, body: Respon
     lora = state.check_model(body.model)
     turn = translate(body, store)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + turn.conversation
-    schema = turn.text_format.get("schema")
-    if turn.text_format["type"] != "text":
-        messages = add_json_instruction(messages, schema if isinstance(schema, dict) else None)
     thinking = reasoning_thinking(state, body.reasoning)
     turn.as_summary = summary_wanted(body.reasoning)
-    tools = turn.tools if turn.uses_tools else None
-    with request_field("input"):
-        turn.prompt_ids = render_chat(state.tokenizer, messages, tools, template_kwargs=thinking.template_kwargs)
-    turn.plan = plan_answer(state, turn.prompt_ids, tools, turn.forces_tool, body.parallel_tool_calls)
-    spec = hold_after_thinking(state, turn.plan, structured_spec(turn, state))
-    params = decode_markers(state, turn.plan, to_sampling_params(body, body.max_output_tokens, None, spec))
-    turn.prompt_ids = check_length(state, turn.prompt_ids, params)
-    processor = thinking_budget(state, turn.plan, thinking.budget, "reasoning")
-    jobs = [Job(0, turn.prompt_ids, params, processor, lora)]
+    params = to_sampling_params(body, body.max_output_tokens, None)
+    chat_turn = route_turn(state, messages, params, RESPONSES_FIELDS, tools=turn.tools, tool_choice=turn.tool_choice,
+                           parallel_tool_calls=body.parallel_tool_calls, response_format=response_format(turn),
+                           thinking_budget=thinking.budget, template_kwargs=thinking.template_kwargs)
+    turn.prompt_ids, turn.reader = chat_turn.prompt_ids, chat_turn.reader
+    jobs = [Job(0, turn.prompt_ids, chat_turn.params, chat_turn.processor, lora)]
     if body.stream:
         return StreamingResponse(stream_response(state, store, turn, jobs), media_type="text/event-stream")
     finals = await collect_finals(http_request, state.client, jobs, turn.response_id, state.metrics)
     final = finals[0]
-    reasoning, content, calls = turn.plan.split(turn.plan.answer_of(final.outputs[0]), cut_off(final.outputs[0]))
+    reasoning, content, calls = turn.reader.split(turn.reader.answer_of(final.outputs[0]), cut_off(final.outputs[0]))
     output = output_items(reasoning, content, calls, item_status(final), turn.as_summary)
-    response = response_object(turn, output, final, usage=response_usage(state, turn.plan, final))
+    response = response_object(turn, output, final, usage=response_usage(state, turn.reader, final))
     remember(store, turn, response, content)
     return JSONResponse(response)
 
@@ -224,14 +203,8 @@ def summary_wanted(reasoning: dict[str, Any] | None) -> bool:
     return wanted
 
 
-def check_length(state: ServerState, prompt_ids: list[int], params) -> list[int]:
-    """The chat route's context check, its refusal naming `input` (this API's field for the conversation)."""
-    try:
-        return check_prompt(state.client, prompt_ids, params, "messages")
-    except APIError as exc:
-        if exc.param == "messages":
-            exc.param = "input"
-        raise
+RESPONSES_FIELDS = TurnFields(messages="input", response_format="text.format", thinking_budget="reasoning",
+                              read=frozenset({"tools", "response_format"}))
 
 
 # ------------------------------------------------------------------ the request as a conversation
@@ -365,23 +338,18 @@ def text_format(text: dict[str, Any] | None) -> dict[str, Any]:
     return fmt
 
 
-def structured_spec(turn: Turn, state: ServerState):
-    """The engine's grammar: a forced tool call (in the server's tool-call format), or the json format;
-    both at once is a 400."""
-    fmt, body = turn.text_format, turn.body
-    forced = turn.forces_tool
-    if forced and fmt["type"] != "text":
+def response_format(turn: Turn) -> dict[str, Any] | None:
+    """`text.format` as the chat turn's response format (None for text); a 400 when a forced tool call
+    asks for the answer too."""
+    fmt = turn.text_format
+    if turn.forces_tool and fmt["type"] != "text":
         raise bad_request("text.format asks for JSON while tool_choice forces a tool call; give one", "text.format")
-    if forced:
-        with request_field("tools"):
-            return forced_tool_spec(turn.tools, turn.tool_choice, body.parallel_tool_calls, state.tool_parser)
     if fmt["type"] == "text":
         return None
     wire = {"type": fmt["type"]}
     if fmt["type"] == "json_schema":
         wire["json_schema"] = {"schema": fmt.get("schema")}
-    with request_field("text.format"):
-        return response_format_spec(wire)
+    return wire
 
 
 # ------------------------------------------------------------------ the answer as a response
@@ -461,9 +429,9 @@ def response_object(turn: Turn, output: list[dict[str, Any]], final: RequestOutp
     }
 
 
-def response_usage(state: ServerState, plan: AnswerPlan, final: RequestOutput) -> dict[str, Any]:
+def response_usage(state: ServerState, reader: AnswerReader, final: RequestOutput) -> dict[str, Any]:
     prompt, generated = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
-    thought = plan.reasoning_tokens(state.tokenizer, final.outputs[0].token_ids)
+    thought = reader.reasoning_tokens(state.tokenizer, final.outputs[0].token_ids)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
             "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": prompt + generated}
@@ -597,8 +565,8 @@ async def stream_response(state: ServerState, store: ResponseStore, turn: Turn, 
     event = EventWriter()
     yield event("response.created", response=response_object(turn, [], None, "in_progress"))
     yield event("response.in_progress", response=response_object(turn, [], None, "in_progress"))
-    plan = turn.plan
-    reader = plan.stream()
+    reader = turn.reader
+    stream = reader.stream()
     items = OutputStream(event, turn.as_summary)
     final: RequestOutput | None = None
     async for _, out in merge_streams(state.client, jobs, turn.response_id, state.metrics):
@@ -607,11 +575,11 @@ async def stream_response(state: ServerState, store: ResponseStore, turn: Turn, 
             return
         if out.finished:
             final = out
-        for text in items.take(reader.push(plan.delta_of(out))):
+        for text in items.take(stream.push(reader.delta_of(out))):
             yield text
-    for text in items.finish(reader.finish(cut_off(final.outputs[0])), item_status(final)):
+    for text in items.finish(stream.finish(cut_off(final.outputs[0])), item_status(final)):
         yield text
-    response = response_object(turn, items.output, final, usage=response_usage(state, plan, final))
+    response = response_object(turn, items.output, final, usage=response_usage(state, reader, final))
     remember(store, turn, response, items.content if items.message else None)
     yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
                 response=response)

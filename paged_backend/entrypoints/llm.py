@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,12 +19,8 @@ from paged_backend.entrypoints.beam_search import (
     beam_search,
 )
 from paged_backend.entrypoints.chat import render_chat
-from paged_backend.entrypoints.reasoning import (
-    after_thinking,
-    budget_processor,
-    prompt_tail,
-    resolve_reasoning_parser,
-)
+from paged_backend.entrypoints.chat_turn import ChatTurn, NeedsReasoningModel, build_chat_turn
+from paged_backend.entrypoints.reasoning import resolve_reasoning_parser
 from paged_backend.model.attention import ATTENTION_NAME, register
 from paged_backend.model.lora import LoRARequest, LoRASpec
 from paged_backend.model.model_loader import gguf_file_of, is_default_model, load_model
@@ -210,29 +205,31 @@ class LLM:
             raise ValueError("chat needs a tokenizer with a chat template")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs or {})
-                   for c in conversations]
-        opened = [self.reasoning is not None and self.reasoning.opens_thinking(prompt_tail(self.tokenizer, p))
-                  for p in prompts]
-        processors = self.budget_processors(thinking_token_budget, opened)
-        params = self.held_after_thinking(normalise_params(sampling_params, len(prompts)), opened)
-        outputs = self.run(prompts, params, use_tqdm, None, processors)
+        params = normalise_params(sampling_params, len(conversations))
+        turns = [self.chat_turn(c, p, add_generation_prompt, tools, chat_template_kwargs or {}, thinking_token_budget)
+                 for c, p in zip(conversations, params)]
+        processors = [turn.processor for turn in turns] if thinking_token_budget is not None else None
+        outputs = self.run([turn.prompt_ids for turn in turns], [turn.params for turn in turns], use_tqdm, None,
+                           processors)
         if self.reasoning is not None:
             marked = any(marker in self.tokenizer.all_special_tokens for marker in self.reasoning.markers)
-            for output, open_ in zip(outputs, opened):
+            for output, turn in zip(outputs, turns):
                 for completion in output.outputs:
                     text = self.marked_text(completion.token_ids) if marked else completion.text
-                    completion.reasoning, completion.text = self.reasoning.split(text, open_)
+                    completion.reasoning, completion.text = turn.reader.split_reasoning(text)
         return outputs
 
-    def held_after_thinking(self, params: list[SamplingParams], opened: list[bool]) -> list[SamplingParams]:
-        """With a reasoning parser, each request's structured outputs hold its answer, not its thinking: a
-        grammar from the first token would skip the thinking, or write the JSON inside one the prompt opened."""
-        if self.reasoning is None:
-            return params
-        return [p if p.structured_outputs is None else
-                dataclasses.replace(p, structured_outputs=after_thinking(p.structured_outputs, self.reasoning, open_))
-                for p, open_ in zip(params, opened)]
+    def chat_turn(self, conversation: Conversation, params: SamplingParams, add_generation_prompt: bool,
+                  tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any],
+                  budget: int | None) -> ChatTurn:
+        """One conversation's turn. The caller's sampling parameters keep their decoding (the markers are
+        read back from the token ids, `marked_text`); no tool-call format is read, so no call is parsed."""
+        try:
+            return build_chat_turn(self.tokenizer, conversation, params, tools=tools, reasoning=self.reasoning,
+                                   thinking_budget=budget, template_kwargs=template_kwargs,
+                                   add_generation_prompt=add_generation_prompt, keep_markers=False)
+        except NeedsReasoningModel:
+            raise ValueError("thinking_token_budget needs a reasoning model: pass LLM(..., reasoning_parser=...)") from None
 
     def marked_text(self, token_ids: Sequence[int]) -> str:
         """A completion's text with its special tokens kept, for a reasoning format whose markers are special
@@ -241,13 +238,6 @@ class LLM:
         if ids and ids[-1] in self.engine.eos_token_ids:
             ids.pop()
         return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def budget_processors(self, budget: int | None, opened: list[bool]) -> list[Any] | None:
-        if budget is None:
-            return None
-        if self.reasoning is None:
-            raise ValueError("thinking_token_budget needs a reasoning model: pass LLM(..., reasoning_parser=...)")
-        return [budget_processor(self.tokenizer, self.reasoning, budget, open_) for open_ in opened]
 
     def render_chat(self, conversation: Conversation, add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None, extra: dict[str, Any]) -> list[int]:

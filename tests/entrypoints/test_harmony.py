@@ -1,5 +1,5 @@
 """gpt-oss's harmony format read by both parsers together, as every chat-shaped route reads an answer
-(`AnswerPlan`): analysis to the reasoning, final to the content, calls to functions as tool calls,
+(`AnswerReader`): analysis to the reasoning, final to the content, calls to functions as tool calls,
 streamed in any chunking and at once alike, and no markup in the content; the thinking budget and
 the reasoning-token count on harmony's markers; a forced call's grammar after the thinking; the
 markers kept through decoding; detection from a gpt-oss-like template."""
@@ -7,14 +7,13 @@ markers kept through decoding; detection from a gpt-oss-like template."""
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 import torch
 from helpers.chunks import chunkings
 from helpers.scripted import HARMONY_MARKERS, harmony_tokenizer
-from paged_backend.integrations.server.answer import AnswerPlan
-from paged_backend.integrations.structured import forced_tool_spec
+from paged_backend.entrypoints.answer_reader import AnswerReader
+from paged_backend.entrypoints.structured import forced_tool_spec
 from paged_backend.entrypoints.tool_calls import (
     detect_tool_parser,
     get_tool_parser,
@@ -67,8 +66,8 @@ CASES = [
 ]
 
 
-def plan(opened: bool) -> AnswerPlan:
-    return AnswerPlan(HARMONY, opened, CALLS, TOOLS)
+def plan(opened: bool) -> AnswerReader:
+    return AnswerReader(HARMONY, opened, CALLS, TOOLS)
 
 
 @pytest.mark.parametrize(("text", "opened", "reasoning", "content", "calls"), CASES)
@@ -179,13 +178,12 @@ def test_a_json_answer_after_the_thinking_opens_the_final_channel() -> None:
 
 
 @pytest.mark.parametrize("forced_call", [False, True])
-def test_the_server_says_whether_the_grammar_is_a_forced_call(monkeypatch, forced_call: bool) -> None:
-    from paged_backend.integrations.server import answer
+def test_the_chat_turn_says_whether_the_grammar_is_a_forced_call(monkeypatch, forced_call: bool) -> None:
+    from paged_backend.entrypoints import chat_turn
 
     seen = {}
-    monkeypatch.setattr(answer, "after_thinking", lambda *args: seen.setdefault("args", args))
-    state = types.SimpleNamespace(reasoning_parser=HARMONY)
-    answer.hold_after_thinking(state, AnswerPlan(HARMONY, False, CALLS, TOOLS, forced=forced_call), "spec")
+    monkeypatch.setattr(chat_turn, "after_thinking", lambda *args: seen.setdefault("args", args))
+    chat_turn.hold_after_thinking("spec", HARMONY, False, forced_call)
     assert seen["args"] == ("spec", HARMONY, False, forced_call)
 
 
@@ -197,6 +195,6 @@ def test_a_forced_call_grammar_follows_the_thinking() -> None:
     assert _is_grammar_accept_string(grammar, THINK + "<|start|>assistant" + call)
     assert not _is_grammar_accept_string(grammar, THINK + "<|start|>assistant<|channel|>final<|message|>Hi")
     assert not _is_grammar_accept_string(grammar, call.replace("get_weather", "get_time"))
-    _, content, [parsed] = AnswerPlan(HARMONY, False, CALLS, TOOLS, forced=True).split(THINK + "<|start|>assistant"
+    _, content, [parsed] = AnswerReader(HARMONY, False, CALLS, TOOLS, forced=True).split(THINK + "<|start|>assistant"
                                                                                       + call)
     assert content is None and (parsed.name, json.loads(parsed.arguments)) == PARIS[0]

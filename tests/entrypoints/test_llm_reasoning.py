@@ -7,6 +7,7 @@ import pytest
 from helpers.scripted import force, harmony_tokenizer, marker_tokenizer, tiny_model
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.entrypoints import chat_turn
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
 # DeepSeek-R1's way: the generation prompt opens the thinking, and past answers lose theirs.
@@ -65,7 +66,7 @@ HARMONY_OPENED = ("{% for m in messages %}{{ '<|start|>' + m['role'] + '<|messag
                   "{% endfor %}{{ '<|start|>assistant<|channel|>analysis<|message|>' }}")
 
 
-def test_chat_splits_at_markers_that_are_special_tokens() -> None:
+def test_chat_splits_at_markers_that_are_special_tokens(monkeypatch) -> None:
     tokenizer = harmony_tokenizer(["Say hello. I think so. Hello there. assistant analysis final"] * 3, HARMONY_OPENED)
     llm = LLM(tiny_model(tokenizer), tokenizer, num_kv_blocks=64, reasoning_parser="auto")
     assert llm.reasoning.name == "harmony"
@@ -74,8 +75,9 @@ def test_chat_splits_at_markers_that_are_special_tokens() -> None:
     answer = tokenizer.encode(" Hello there.", add_special_tokens=False)
     script = thought + closing + answer
     # A random model would never write the turn: a processor in place of chat's own (a thinking budget's) forces it.
-    llm.budget_processors = lambda budget, opened: [lambda ids, row: force(row, script[len(ids)]) for _ in opened]
-    [output] = llm.chat(HELLO, SamplingParams(temperature=0, max_tokens=len(script), ignore_eos=True), use_tqdm=False)
+    monkeypatch.setattr(chat_turn, "budget_processor", lambda *_: lambda ids, row: force(row, script[len(ids)]))
+    [output] = llm.chat(HELLO, SamplingParams(temperature=0, max_tokens=len(script), ignore_eos=True), use_tqdm=False,
+                        thinking_token_budget=len(script))
     completion = output.outputs[0]
     assert completion.token_ids == script
     assert (completion.reasoning, completion.text) == (" I think so.", " Hello there.")

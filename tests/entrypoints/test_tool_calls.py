@@ -8,11 +8,11 @@ import json
 
 import pytest
 from helpers.chunks import chunkings
-from paged_backend.integrations.server.tool_calls import (
+from paged_backend.entrypoints.tool_calls.answer_calls import (
     ToolCallStreamer,
     parse_tool_calls,
 )
-from paged_backend.integrations.structured import forced_tool_spec
+from paged_backend.entrypoints.structured import forced_tool_spec
 from paged_backend.entrypoints.tool_calls import (
     HERMES,
     detect_tool_parser,

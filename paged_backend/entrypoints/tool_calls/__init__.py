@@ -3,7 +3,7 @@
 The seam (see ARCHITECTURE.md): `resolve_tool_parser(name, tokenizer)` gives a parser ("auto": the
 one the chat template's markers name, Hermes when they name none); `parser.parse(text, tools)` splits
 a finished answer into content and calls; `ToolCallStream(parser, tools)` streams one (content as it
-is certain, call pieces as they are written); `forced_tool_spec` (integrations/structured.py) holds a
+is certain, call pieces as they are written); `forced_tool_spec` (entrypoints/structured.py) holds a
 forced call to the format's grammar.
 """
 

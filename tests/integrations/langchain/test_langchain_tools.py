@@ -41,7 +41,7 @@ from paged_backend.integrations.langchain.tool_calls import (
     parse_hermes,
     parse_with_tokenizer,
 )
-from paged_backend.integrations.structured import chosen_tool_name, forced_tool_spec
+from paged_backend.entrypoints.structured import chosen_tool_name, forced_tool_spec
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 

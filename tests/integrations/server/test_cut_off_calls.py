@@ -17,7 +17,7 @@ import anthropic
 import jiter
 import pytest
 from helpers.server import Served, serve_script
-from paged_backend.integrations.server.answer import AnswerPlan
+from paged_backend.entrypoints.answer_reader import AnswerReader
 from paged_backend.integrations.server.messages import written_object
 from paged_backend.entrypoints.tool_calls import PARSERS
 
@@ -39,7 +39,7 @@ FORCED = {
 }
 
 
-def streamed(plan: AnswerPlan, text: str) -> tuple[str, list[tuple[str, str, bool]]]:
+def streamed(plan: AnswerReader, text: str) -> tuple[str, list[tuple[str, str, bool]]]:
     """(content, [(name, arguments as streamed, complete)]) of `text` streamed a character at a time, cut."""
     reader = plan.stream()
     content, calls = "", {}
@@ -63,9 +63,9 @@ def arguments_of(arguments: str, complete: bool) -> object:
 def test_a_forced_answer_cut_anywhere_reads_alike_streamed_or_whole(name: str) -> None:
     text = FORCED[name]
     for cut in range(len(text) + 1):
-        plan = AnswerPlan(tool_parser=PARSERS[name], tools=TOOLS, forced=True)
+        plan = AnswerReader(tool_parser=PARSERS[name], tools=TOOLS, forced=True)
         _, content, calls = plan.split(text[:cut], cut=True)
-        stream_content, stream_calls = streamed(AnswerPlan(tool_parser=PARSERS[name], tools=TOOLS, forced=True),
+        stream_content, stream_calls = streamed(AnswerReader(tool_parser=PARSERS[name], tools=TOOLS, forced=True),
                                                 text[:cut])
         assert content is None and stream_content == "", (cut, content, stream_content)
         assert [(c.name, arguments_of(c.arguments, c.complete), c.complete) for c in calls] == \

@@ -35,7 +35,7 @@ from helpers.server import (
 )
 from helpers.tolerances import approx
 from paged_backend.integrations.server.chat_template import add_tool_prompt, render_chat
-from paged_backend.integrations.server.tool_calls import (
+from paged_backend.entrypoints.tool_calls.answer_calls import (
     ToolCallStreamer,
     parse_tool_calls,
 )

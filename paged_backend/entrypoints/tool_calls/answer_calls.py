@@ -1,4 +1,4 @@
-"""Tool calls in chat answers, in whichever format the served model writes (`paged_backend/entrypoints/tool_calls/`).
+"""An answer's tool calls as `ToolCall`s (OpenAI's shape), in whichever format the served model writes.
 
 `parse_tool_calls` splits a finished answer into content and calls: any call that does not parse
 leaves the whole answer as content, so nothing is lost and a malformed call is never an error.
