@@ -40,7 +40,7 @@ def case(request):
 def test_the_window_groups_are_the_models(case):
     name, model, _, _ = case
     engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=BLOCK))
-    windows = [g.window for g in engine.kv.groups.groups]
+    windows = [getattr(g.spec, "window", None) for g in engine.kv.groups.groups]
     assert windows == {"gemma2": [None, WINDOW], "gemma3_text": [None] + [WINDOW] * 5, "mistral": [WINDOW]}[name]
     layers = model.config.num_hidden_layers
     assert engine.cache.kv.shape[0] == engine.kv.groups.group_size
@@ -149,7 +149,7 @@ def test_window_layers_attend_over_their_window_never_the_null_block(case):
     for inputs in seen:
         queries = np.diff(inputs.metadata.query_start_loc_host)
         for group, step in zip(engine.kv.groups.groups, inputs.group_metadata):
-            if group.window is None:
+            if not group.spec.frees_blocks:
                 assert step.seq_lens_host == inputs.metadata.seq_lens_host
                 continue
             tables = step.block_tables.numpy()
@@ -171,7 +171,7 @@ def test_stats_show_the_blocks_of_each_group(case):
     assert stats["kv_num_groups"] == len(groups)
     used = [stats[f"kv_group_{g}_blocks"] for g in range(len(groups))]
     assert sum(used) == stats["kv_blocks_total"] - stats["kv_blocks_free"]
-    assert [stats[f"kv_group_{g}_window"] for g in range(len(groups))] == [g.window or 0 for g in groups]
+    assert [stats[f"kv_group_{g}_window"] for g in range(len(groups))] == [getattr(g.spec, "window", 0) for g in groups]
     run_to_completion(engine)
 
 
@@ -190,3 +190,4 @@ def test_a_model_without_windows_keeps_its_blocks_and_stats():
     assert engine.kv.pool.num_blocks == 64 and engine.cache.kv.shape[0] == model.config.num_hidden_layers
     assert engine.cache.num_blocks == 64 and engine.kv.capacity_tokens == 64 * 4
     assert not any(key.startswith("kv_group") or key == "kv_num_groups" for key in engine.stats())
+
