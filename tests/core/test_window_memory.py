@@ -27,6 +27,7 @@ from helpers.windows import (
 )
 
 from paged_backend import BeamSearchParams, Engine, EngineConfig, SamplingParams
+from paged_backend.core.layer_specs import ChunkedAttentionSpec
 from paged_backend.entrypoints.beam_search import beam_search
 
 
@@ -191,3 +192,31 @@ def test_a_model_without_windows_keeps_its_blocks_and_stats():
     assert engine.cache.num_blocks == 64 and engine.kv.capacity_tokens == 64 * 4
     assert not any(key.startswith("kv_group") or key == "kv_num_groups" for key in engine.stats())
 
+
+@pytest.mark.parametrize("block_size", [4, 6])
+def test_chunked_layers_free_the_chunks_behind_them(block_size):
+    """Llama 4's chunked layers (8-token chunks here) form groups of their own and give back the blocks before their
+    next query's chunk, each request holding no more than a chunk and a step of them, while greedy output still
+    equals HF generate through chunked prefill and late arrivals. Blocks of 6 are no divisor of the chunk: a view
+    then starts where a chunk and a block both do (24 tokens), over freed entries the chunk mask hides."""
+    model = build("llama4_text")
+    prompts = long_prompts(6)
+    refs = [hf_greedy(model, p, 20) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=256, block_size=block_size, max_num_batched_tokens=16))
+    chunked = [g for g, group in enumerate(engine.kv.groups.groups) if group.spec == ChunkedAttentionSpec(8)]
+    assert chunked and engine.cache.grouped
+    ids = [engine.add_request(p, greedy(20)) for p in prompts[:3]]
+    finals, freed, steps = {}, 0, 0
+    while engine.has_unfinished_requests():
+        if steps == 3:
+            ids += [engine.add_request(p, greedy(20)) for p in prompts[3:]]
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        steps += 1
+        for request in engine.scheduler.running:
+            for g in chunked:
+                table = request.block_tables[g]
+                held = sum(b != engine.kv.null_block for b in table)
+                assert held <= ChunkedAttentionSpec(8).blocks_alone(len(table) * block_size, 16, block_size)
+                freed += len(table) - held
+    assert freed
+    assert_equal_to_hf([finals[i] for i in ids], refs)
