@@ -58,9 +58,9 @@ class EngineConfig:
     # any device (on CPU nothing is captured: this runs the padded path to check it); False never pads (so
     # nothing is captured either).
     pad_decode: bool | None = None
-    # Layers with a sliding window keep only the blocks inside it, freeing older ones as a sequence grows
-    # (kv_cache_groups.py); False keeps every block of every layer. Engines that pad decode steps,
-    # run a draft model or tensor parallelism keep every block either way.
+    # Layers with a sliding window keep only the blocks inside it (chunked layers those of their chunk),
+    # freeing older ones as a sequence grows (layer_specs.py); False keeps every block of every layer. Engines
+    # that pad decode steps, run a draft model or tensor parallelism keep every block either way.
     free_window_blocks: bool = True
 
     def __post_init__(self) -> None:

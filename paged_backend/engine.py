@@ -348,15 +348,15 @@ class Engine:
 
 
 def group_stats(kv: KVCacheManager) -> dict[str, float]:
-    """Blocks in use and the window of each layer group, when window layers free their blocks (a model
-    without windows has one group: kv_blocks_total - kv_blocks_free)."""
+    """Blocks in use and the window (or chunk) of each layer group, when window or chunked layers free their blocks
+    (a model without either has one group: kv_blocks_total - kv_blocks_free)."""
     groups = kv.groups
     if not groups.frees_blocks:
         return {}
     stats: dict[str, float] = {"kv_num_groups": groups.num_groups}
     for g, (group, used) in enumerate(zip(groups.groups, kv.blocks_per_group())):
         stats[f"kv_group_{g}_blocks"] = used
-        stats[f"kv_group_{g}_window"] = group.window or 0  # 0: full attention
+        stats[f"kv_group_{g}_window"] = group.spec.reach or 0  # the most keys a query reads; 0: all
         stats[f"kv_group_{g}_layers"] = len(group.layers)
     return stats
 

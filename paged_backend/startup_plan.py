@@ -7,10 +7,10 @@ then `plan_startup` decides, in this order, each choice reading only the facts a
 2. the KV cache's element type and its number of blocks within the memory budget (agreed between tensor
    parallel ranks);
 3. whether decode steps are captured in CUDA graphs, and whether they are padded (captured steps must be);
-4. the layer groups of the cache: per sliding window, so window layers free their old blocks, unless padding,
-   a draft model or tensor parallelism needs one block table for every layer;
+4. the layer groups of the cache: per layer spec, so window and chunked layers free their old blocks, unless
+   padding, a draft model or tensor parallelism needs one block table for every layer;
 5. the context length: the model's positions, capped where the engine is exact and by what the cache holds;
-6. whether prefix caching, LoRA and the compiled forward are on.
+6. whether prefix caching (where every layer's spec allows it), LoRA and the compiled forward are on.
 
 The result is a frozen record: the engine builds its cache, KV manager and scheduler from it and the model
 runner its padding, compiled forward and CUDA graphs. `notes` says why each choice that is off or limited is
@@ -29,7 +29,6 @@ from paged_backend.model import compilation, cuda_graphs
 from paged_backend.model.model_check import temperature_tuning_limit, usable_context
 from paged_backend.model.model_loader import eager_type_reason
 from paged_backend.model.paged_cache import KVShape
-from paged_backend.model.recurrent_state import state_layout
 from paged_backend.parallel.step_protocol import agree_on_blocks
 
 
@@ -39,13 +38,12 @@ class ModelFacts:
 
     device: torch.device
     dtype: torch.dtype  # the parameters'
-    shape: KVShape  # the K/V each layer keeps, as the start-up probe found it
+    shape: KVShape  # the K/V each layer keeps (its spec), as the start-up probe found it
     positions: int | None = None  # the config's max_position_embeddings
     context_limit: tuple[int, str] | None = None  # the longest context the engine runs exactly, and why
     step_limit: tuple[int, str] | None = None  # the most tokens (and rows) one step runs exactly, and why
     draft_shape: KVShape | None = None  # a draft model's K/V per block; None: no draft model
     draft_positions: int | None = None  # the draft's max_position_embeddings
-    recurrent: bool = False  # a hybrid model whose recurrent layers keep a state per request
     tensor_parallel_reason: str | None = None  # why this process runs eagerly: tensor parallelism; None: one rank
     model_eager_reason: str | None = None  # why this model runs eagerly (PEFT tuner layers, dynamic rope, its type)
     free_device_bytes: int | None = None  # CUDA memory free after loading the model; None on CPU
@@ -54,13 +52,18 @@ class ModelFacts:
     def tensor_parallel(self) -> bool:
         return self.tensor_parallel_reason is not None
 
+    @property
+    def recurrent(self) -> bool:
+        """A hybrid model whose recurrent layers keep a state per request, in a state slot."""
+        return self.shape.needs_state_slots
+
 
 @dataclass(frozen=True)
 class StartupPlan:
     device: torch.device
     tensor_parallel: bool
     kv_dtype: torch.dtype
-    num_blocks: int  # blocks the pool hands out (pages of a layer group each, when window layers free theirs)
+    num_blocks: int  # blocks the pool hands out (pages of a layer group each, when some layers free theirs)
     groups: CacheGroups
     pad: bool  # decode-only steps padded to a fixed size (decode_padding.py)
     graph_refusal: str | None  # why decode steps are not captured in CUDA graphs; None: they are
@@ -74,12 +77,12 @@ class StartupPlan:
     @property
     def cache_pages(self) -> int:
         """Pages of the cache tensor: the pool's, and one beyond it that the pool never hands out, read by freed
-        window entries (the null block) or written by a padded step's padding rows (the scratch block)."""
+        table entries (the null block) or written by a padded step's padding rows (the scratch block)."""
         return self.num_blocks + (1 if self.groups.frees_blocks or self.pad else 0)
 
     @property
     def null_block(self) -> int | None:
-        """The page freed window-table entries point at, when window layers free their blocks."""
+        """The page freed table entries point at, when window or chunked layers free their blocks."""
         return self.num_blocks if self.groups.frees_blocks else None
 
     @property
@@ -111,7 +114,7 @@ def read_facts(model: torch.nn.Module, shape: KVShape, draft=None) -> ModelFacts
         draft_shape=draft.shape if draft is not None else None,
         draft_positions=(getattr(draft.model.config.get_text_config(), "max_position_embeddings", None)
                          if draft is not None else None),
-        recurrent=state_layout(text_config) is not None, tensor_parallel_reason=compilation.eager_reason(),
+        tensor_parallel_reason=compilation.eager_reason(),
         model_eager_reason=compilation.model_eager_reason(model) or eager_type_reason(model),
         free_device_bytes=free)
 
@@ -134,7 +137,7 @@ def plan_startup(config: EngineConfig, facts: ModelFacts) -> StartupPlan:
         device=facts.device, tensor_parallel=facts.tensor_parallel, kv_dtype=kv_dtype, num_blocks=blocks,
         groups=groups, pad=pad, graph_refusal=graph_refusal, max_model_len=max_model_len,
         context_note=context_note,
-        prefix_caching=config.enable_prefix_caching and not facts.recurrent,  # no recurrent state for a prefix
+        prefix_caching=config.enable_prefix_caching and facts.shape.prefix_caching,
         lora=config.enable_lora, compile=choose_compile(config, facts, notes), notes=tuple(notes))
 
 
@@ -187,24 +190,24 @@ def choose_padding(config: EngineConfig, facts: ModelFacts, graph_refusal: str |
 
 
 def choose_groups(config: EngineConfig, facts: ModelFacts, pad: bool, notes: list[tuple[str, str]]) -> CacheGroups:
-    """The layer groups of the KV cache: per window, so window layers free their old blocks (kv_cache_groups.py),
-    unless the model has no window or this engine needs one block table for all layers; then one group keeping
-    every block, as a model without windows has. A hybrid model's recurrent layers keep no K/V: the pages hold
-    its attention layers only."""
-    shape = facts.shape
-    groups = plan_groups(list(shape.layer_windows), shape.no_kv_layers)
+    """The layer groups of the KV cache: per layer spec, so window and chunked layers free their old blocks
+    (kv_cache_groups.py), unless no layer frees any or this engine needs one block table for all layers; then
+    one group keeping every block, as a model without windows has. A hybrid model's recurrent layers keep no K/V:
+    the pages hold its attention layers only."""
+    specs = facts.shape.layers
+    groups = plan_groups(specs)
     if not groups.frees_blocks:
         return groups
     reason = window_memory_refusal(config, facts, pad)
     if reason is None:
         return groups
     notes.append(("sliding windows", f"every layer keeps every block ({reason})"))
-    return plan_groups([None] * shape.num_layers, shape.no_kv_layers)
+    return plan_groups([spec.keeping_every_block() for spec in specs])
 
 
 def window_memory_refusal(config: EngineConfig, facts: ModelFacts, pad: bool) -> str | None:
-    """Why this engine keeps every block of its window layers, or None when they free theirs. A compiled
-    forward frees them too: its graphs read no block table (the attention op takes each layer's group
+    """Why this engine keeps every block of its window (and chunked) layers, or None when they free theirs. A
+    compiled forward frees them too: its graphs read no block table (the attention op takes each layer's group
     metadata from the step context)."""
     if not config.free_window_blocks:
         return "EngineConfig.free_window_blocks=False"

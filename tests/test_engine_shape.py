@@ -4,6 +4,7 @@ that lets a benchmark watch each step's forward without patching the engine's pa
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from helpers.engine import greedy, mixed_prompts, run_to_completion
 from helpers.models import build
 
 from paged_backend import Engine, EngineConfig
+from paged_backend.core import layer_specs
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 ENGINE_SOURCE = Path(inspect.getfile(Engine))
@@ -77,6 +79,49 @@ def test_one_step_context_holds_what_a_steps_layers_read() -> None:
     """Attention metadata and cache, LoRA, recurrent state and the fused flag reach the layers through one
     context, set once per forward."""
     assert module_globals_set_per_step() == {"model/step_context.py"}
+
+
+def kind_names() -> tuple[set[str], set[str]]:
+    """The layer spec classes of each kind, and the fields only a kind has (a window, a chunk, a latent's value
+    width, a state's tensors), with the per-kind fields the model's K/V shape once had."""
+    kinds = {cls for cls in vars(layer_specs).values()
+             if isinstance(cls, type) and issubclass(cls, layer_specs.LayerSpec) and cls is not layer_specs.LayerSpec}
+    fields = {field.name for cls in kinds for field in dataclasses.fields(cls)}
+    return {cls.__name__ for cls in kinds}, fields | {"layer_windows", "latent_value_dim", "no_kv_layers"}
+
+
+def names_used(path: Path) -> set[str]:
+    """Every name, attribute, imported name and string constant a module's code uses, and `isinstance` if called."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias):
+            found.add(node.asname or node.name)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value)
+    return found
+
+
+def test_the_kv_manager_and_the_plan_ask_layer_specs_not_kinds() -> None:
+    """A new kind of layer is a spec class (core/layer_specs.py), its kernel and its tests: the KV manager, the
+    layer groups, the start-up plan, the engine and the runner ask a group's spec, and never test which kind it is
+    or read a field only one kind has. (The groups name full attention once: the default of a group keeping
+    every block.)"""
+    classes, fields = kind_names()
+    assert classes >= {"SlidingWindowSpec", "ChunkedAttentionSpec", "LatentAttentionSpec", "RecurrentStateSpec"}
+    assert fields >= {"window", "chunk", "value_dim", "states"}
+    package = ENGINE_SOURCE.parent
+    allowed = {"core/kv_cache_groups.py": {"FullAttentionSpec"}}
+    for name in ("core/kv_cache_manager.py", "core/kv_cache_groups.py", "startup_plan.py", "engine.py",
+                 "model/model_runner.py"):
+        used = names_used(package / name)
+        assert not used & (classes - allowed.get(name, set())), name
+        assert not used & fields, name
+        if name.startswith("core/"):
+            assert "isinstance" not in used, name
 
 
 def test_formats_have_one_module_each() -> None:

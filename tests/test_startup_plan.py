@@ -10,12 +10,15 @@ from helpers.models import build
 from paged_backend import Engine, EngineConfig
 from paged_backend.config import DEFAULT_CPU_KV_BYTES
 from paged_backend.model import compilation, cuda_graphs
-from paged_backend.model.paged_cache import KVShape
+from paged_backend.core.layer_specs import FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec, StateSpec
+from paged_backend.model.paged_cache import KVShape, uniform_shape
 from paged_backend.startup_plan import ModelFacts, plan_startup
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-SHAPE = KVShape(num_layers=4, num_kv_heads=2, head_dim=64)
-WINDOWED = KVShape(num_layers=4, num_kv_heads=2, head_dim=64, layer_windows=(32, None, 32, None))
+FULL, WINDOW = FullAttentionSpec(), SlidingWindowSpec(32)
+SHAPE = uniform_shape(4, num_kv_heads=2, head_dim=64)
+WINDOWED = KVShape(num_kv_heads=2, head_dim=64, layers=(WINDOW, FULL, WINDOW, FULL))
+HYBRID = KVShape(num_kv_heads=2, head_dim=64, layers=(RecurrentStateSpec((StateSpec((8, 4)),)), FULL) * 2)
 TP = "tensor parallelism runs eagerly (its collectives are inside the forward)"
 BLOCKS = 64
 
@@ -44,11 +47,11 @@ CASES = [
                                                                   topics=["CUDA graphs"])),
     ("cuda, tensor parallel", {}, {"device": CUDA, "tensor_parallel_reason": TP},
      dict(pad=False, capture=False, topics=["CUDA graphs"])),
-    ("cuda, head size Triton cannot serve", {}, {"device": CUDA, "shape": KVShape(4, 2, 1024)},
+    ("cuda, head size Triton cannot serve", {}, {"device": CUDA, "shape": uniform_shape(4, 2, 1024)},
      dict(pad=False, topics=["CUDA graphs"])),
     ("cuda, padded though uncaptured", {"pad_decode": True, "enable_lora": False},
      {"device": CUDA, "tensor_parallel_reason": TP}, dict(pad=True, capture=False)),
-    ("a hybrid model", {"pad_decode": True}, {"recurrent": True}, dict(prefix_caching=False, pad=False)),
+    ("a hybrid model", {"pad_decode": True}, {"shape": HYBRID}, dict(prefix_caching=False, pad=False)),
     ("prefix caching off", {"enable_prefix_caching": False}, {}, dict(prefix_caching=False)),
     ("a model that runs eagerly", {}, {"model_eager_reason": "PEFT tuner layers"},
      dict(compile=False, topics=["compile"])),

@@ -1,27 +1,29 @@
 """KV cache groups: which layers share a block table, and how much of a sequence each group must keep.
 
-A layer that attends over a sliding window of `W` keys never reads a key more than `W - 1` positions
-behind its query, so once a sequence has grown past it, the blocks before its window can go back to
-the pool. Layers that attend to everything keep every block. Layers are therefore split into groups
-by window (None: full attention), and each group has its own block table per request, so a window
-group can free its old blocks while a full group keeps them.
+Each layer has a spec (layer_specs.py) saying which blocks a query still reads: a sliding-window or chunked layer
+lets the blocks behind its window or chunk go back to the pool as a sequence grows, a full-attention or latent
+layer keeps every block. Layers are therefore split into groups by spec, and each group has its own block table
+per request, so a window group can free its old blocks while a full group keeps them.
 
 All groups draw from one pool of pages. A page holds one block of `group_size` layers, so a page
 serves any group: the cache tensor is `[group_size, k/v, kv_head, slot, head_dim]` and layer `l` reads
 position `layer_position[l]` of it, through the block table of its group `layer_group[l]`. Each kind
-of layer (a window size, or full) is cut into groups of `group_size` layers, where `group_size` is the
+of layer (one spec) is cut into groups of `group_size` layers, where `group_size` is the
 smallest number of layers of any kind: Gemma 3 (five sliding layers to one full) gets groups of one
 layer; a model whose layers all slide alike gets one group of all its layers. A kind whose count is no
 multiple of `group_size` leaves positions of its last group's pages unused.
 
-A model without windows gets one group of every layer: its pages are exactly the blocks it always had.
-A hybrid model's recurrent layers keep no K/V (their state lives in state slots): they belong to no group and
-have no position in the pages.
+A model whose layers all keep every block alike gets one group of every layer: its pages are exactly the blocks
+it always had. A hybrid model's recurrent layers keep no rows (their state lives in state slots): they belong to
+no group and have no position in the pages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from paged_backend.core.layer_specs import FullAttentionSpec, LayerSpec
 
 # A context no request reaches: the capacity of a cache whose every group slides (a lone request never
 # outgrows its windows).
@@ -30,18 +32,12 @@ UNBOUNDED_TOKENS = 2**40
 
 @dataclass(frozen=True, slots=True)
 class LayerGroup:
-    window: int | None  # keys a query attends to, itself included (None: all before it)
+    spec: LayerSpec  # what each of its layers keeps
     layers: tuple[int, ...]
 
     @property
     def name(self) -> str:
-        return "full" if self.window is None else f"window{self.window}"
-
-    def first_needed_block(self, position: int, block_size: int) -> int:
-        """The first block a query at `position` (or any later one) reads in this group."""
-        if self.window is None:
-            return 0
-        return max(0, position - self.window + 1) // block_size
+        return self.spec.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +69,7 @@ class CacheGroups:
     @property
     def frees_blocks(self) -> bool:
         """Whether some group lets blocks go as a sequence grows (so the layout differs from one table)."""
-        return any(group.window is not None for group in self.groups)
+        return any(group.spec.frees_blocks for group in self.groups)
 
     def pages_for(self, num_blocks: int) -> int:
         """Pages holding the memory of `num_blocks` blocks of every layer that keeps K/V."""
@@ -81,16 +77,9 @@ class CacheGroups:
 
     def blocks_alone(self, num_tokens: int, step_tokens: int, block_size: int) -> int:
         """Pages a lone request holds at its largest, when it has `num_tokens` tokens and a step computes
-        at most `step_tokens` of them: all its blocks in a full group; in a window group those of the
-        window behind the step's first query and those the step writes."""
-        every = -(-num_tokens // block_size)
-        total = 0
-        for group in self.groups:
-            if group.window is None:
-                total += every
-            else:  # +1: the window's first key may sit anywhere in its block
-                total += min(every, -(-(group.window - 1 + step_tokens) // block_size) + 1)
-        return total
+        at most `step_tokens` of them: what each group's spec holds at most (a full group all its blocks, a
+        window group those of the window behind the step's first query and those the step writes)."""
+        return sum(group.spec.blocks_alone(num_tokens, step_tokens, block_size) for group in self.groups)
 
     def capacity_tokens(self, num_blocks: int, block_size: int, step_tokens: int | None) -> int:
         """The longest request that fits alone in a pool of `num_blocks` pages, when a step computes at most
@@ -110,33 +99,32 @@ class CacheGroups:
         return low
 
 
-def one_group(num_layers: int) -> CacheGroups:
-    """Every layer in one group that keeps every block: the layout of a model without windows, and of any
-    model when out-of-window blocks are not freed."""
-    return CacheGroups((LayerGroup(None, tuple(range(num_layers))),), num_layers,
+def one_group(num_layers: int, spec: LayerSpec = FullAttentionSpec()) -> CacheGroups:
+    """Every layer in one group of `spec` (one that keeps every block): the layout of a model without windows, and
+    of any model when out-of-window blocks are not freed."""
+    return CacheGroups((LayerGroup(spec, tuple(range(num_layers))),), num_layers,
                        (0,) * num_layers, tuple(range(num_layers)))
 
 
-def plan_groups(windows: list[int | None], no_kv_layers: tuple[int, ...] = ()) -> CacheGroups:
-    """Groups for layers with these windows (None: full attention), in layer order within each kind; the layers
-    `no_kv_layers` (a hybrid's recurrent ones) in none (their group and position entries are 0, never read)."""
-    if not no_kv_layers and all(window is None for window in windows):
-        return one_group(len(windows))
-    kinds: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(windows):
-        if layer not in no_kv_layers:
-            kinds.setdefault(window, []).append(layer)
+def plan_groups(specs: Sequence[LayerSpec]) -> CacheGroups:
+    """Groups for layers of these specs, in layer order within each kind; layers that keep no rows (a hybrid's
+    recurrent ones) in none (their group and position entries are 0, never read)."""
+    kinds: dict[LayerSpec, list[int]] = {}
+    for layer, spec in enumerate(specs):
+        if spec.keeps_blocks:
+            kinds.setdefault(spec, []).append(layer)
+    if len(kinds) == 1 and len(set(specs)) == 1 and not specs[0].frees_blocks:
+        return one_group(len(specs), specs[0])  # every layer alike, keeping every block
     size = min(len(layers) for layers in kinds.values())
     groups: list[LayerGroup] = []
-    layer_group = [0] * len(windows)
-    layer_position = [0] * len(windows)
-    # Full attention first, then windows from the smallest: the group order stats and metrics show.
-    for window in sorted(kinds, key=lambda w: -1 if w is None else w):
-        layers = kinds[window]
+    layer_group = [0] * len(specs)
+    layer_position = [0] * len(specs)
+    for spec in sorted(kinds, key=lambda spec: spec.order):
+        layers = kinds[spec]
         for start in range(0, len(layers), size):
             members = tuple(layers[start:start + size])
             for position, layer in enumerate(members):
                 layer_group[layer] = len(groups)
                 layer_position[layer] = position
-            groups.append(LayerGroup(window, members))
+            groups.append(LayerGroup(spec, members))
     return CacheGroups(tuple(groups), size, tuple(layer_group), tuple(layer_position))

@@ -5,16 +5,16 @@ and for the first block the request's cache salt, LoRA adapter and the model's s
 request first takes the longest run of cached blocks matching its tokens and starts computing
 after them; its last token is always computed, so there are logits to sample from.
 
-Layer groups (kv_cache_groups.py): each request has a block table per group. A group with a sliding
-window of W keys lets go of the blocks before its window as the request grows: before each step,
-blocks no query of the step or of any later step reads (every position below `computed - W + 1`) go
-back to the pool, their table entries pointing at the null block (a page outside the pool, zeroed,
-which no step writes), so the tables keep their positions; the runner hands the attention of a window
-group only the blocks from its window on (ModelRunner._window_view).
+Layer groups (kv_cache_groups.py): each request has a block table per group, and each group's layer spec
+(layer_specs.py) says which blocks its queries still read. A group whose spec frees blocks (a sliding window, a
+chunk) lets go of the blocks before the first one it needs as the request grows: before each step, blocks no
+query of the step or of any later step reads go back to the pool, their table entries pointing at the null
+block (a page outside the pool, zeroed, which no step writes), so the tables keep their positions; the runner
+hands such a group's attention only the blocks from the first one its spec lets it view (ModelRunner._cropped_view).
 A freed block keeps its prefix-cache entry until reused, like any freed block. A cached prefix is a hit
-only where every group can serve it: a full group needs every block before the hit point, a window
-group only those of the window behind it (the first query after the hit reads nothing older), so the
-hit is the longest prefix that all groups hold.
+only where every group can serve it: each group needs the blocks from the first one its spec says the first
+query after the hit reads (a full group: every block before the hit point), so the hit is the longest prefix
+that all groups hold.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import hashlib
 import struct
 
 from paged_backend.core.block_pool import BlockHash, BlockKey, BlockPool
-from paged_backend.core.kv_cache_groups import CacheGroups, LayerGroup, one_group
+from paged_backend.core.kv_cache_groups import CacheGroups, one_group
+from paged_backend.core.layer_specs import LayerSpec
 from paged_backend.core.request import Request
 from paged_backend.core.state_slots import StateSlots
 
@@ -47,13 +48,13 @@ class KVCacheManager:
                  groups: CacheGroups | None = None, max_step_tokens: int | None = None,
                  state_slots: StateSlots | None = None) -> None:
         """`groups`: the layer groups (None: one group of every layer, keeping every block). `max_step_tokens`:
-        the most tokens one step computes for a request, which a window group must hold besides its
-        window (None: a whole request's). `state_slots`: a hybrid model's recurrent-state slots, one held by
+        the most tokens one step computes for a request, which a group that frees blocks must hold besides
+        those its spec still reads (None: a whole request's). `state_slots`: a hybrid model's recurrent-state slots, one held by
         each request from its first blocks until they are freed (None: the model has no recurrent layers)."""
         self.block_size = block_size
         self.groups = groups or one_group(1)
         self.pool = BlockPool(num_blocks, self.groups.num_groups)
-        self.null_block = num_blocks  # the page after the pool's: what freed window entries point at
+        self.null_block = num_blocks  # the page after the pool's: what freed table entries point at
         self.max_step_tokens = max_step_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.state_slots = state_slots
@@ -109,18 +110,18 @@ class KVCacheManager:
         return its length in blocks."""
         keys, hashes = self.prefix_keys(request, limit)
         groups = self.groups.groups
-        full = [g for g, group in enumerate(groups) if group.window is None]
+        keeping = [g for g, group in enumerate(groups) if not group.spec.frees_blocks]
         hit = limit
-        for g in full:  # a full group serves the run of blocks it holds from the start
+        for g in keeping:  # a group keeping every block serves the run of blocks it holds from the start
             hit = next((i for i in range(hit) if self.pool.find(hashes[i], keys[i], g) is None), hit)
-        while hit > 0:  # a window group serves a hit whose window it holds; else the hit must end earlier
-            missing = self.missing_in_window(keys, hashes, hit)
+        while hit > 0:  # a freeing group serves a hit whose needed blocks it holds; else the hit must end earlier
+            missing = self.missing_behind(keys, hashes, hit)
             if missing is None:
                 break
             hit = missing
         self.ensure_tables(request)
         for g, group in enumerate(groups):
-            first = group.first_needed_block(hit * self.block_size, self.block_size)
+            first = group.spec.first_needed_block(hit * self.block_size, self.block_size)
             table = request.block_tables[g]
             table.extend([self.null_block] * first)
             for i in range(first, hit):
@@ -137,13 +138,13 @@ class KVCacheManager:
             hashes.append(hash_block(keys[-1]))
         return keys, hashes
 
-    def missing_in_window(self, keys: list[BlockKey], hashes: list[BlockHash], hit: int) -> int | None:
-        """The last block a window group would read after a hit of `hit` blocks and has not cached."""
+    def missing_behind(self, keys: list[BlockKey], hashes: list[BlockHash], hit: int) -> int | None:
+        """The last block a group that frees blocks would read after a hit of `hit` blocks and has not cached."""
         bs = self.block_size
         for g, group in enumerate(self.groups.groups):
-            if group.window is None:
+            if not group.spec.frees_blocks:
                 continue
-            for i in range(hit - 1, group.first_needed_block(hit * bs, bs) - 1, -1):
+            for i in range(hit - 1, group.spec.first_needed_block(hit * bs, bs) - 1, -1):
                 if self.pool.find(hashes[i], keys[i], g) is None:
                     return i
         return None
@@ -161,7 +162,7 @@ class KVCacheManager:
         for i in range(len(hashes), request.num_computed_tokens // self.block_size):
             key = self.block_key(request, i, hashes[-1] if hashes else None)
             block_hash = hash_block(key)
-            # A block is freed from its window only at the next step's allocation, after this: every
+            # A block is freed by its group only at the next step's allocation, after this: every
             # group's block i is still held here.
             for table in request.block_tables:
                 self.pool.register(table[i], block_hash, key)
@@ -180,8 +181,8 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the request's block tables to hold `num_new_tokens` more computed tokens; False if full.
-        First, each window group frees the blocks that fell out of its window. A hybrid model's request
-        also takes its recurrent-state slot with its first blocks."""
+        First, each group frees the blocks its spec says no query reads any more. A request of a model with
+        state slots (a hybrid's recurrent layers) also takes its slot with its first blocks."""
         if not self.grow_tables(request, num_new_tokens):
             return False
         if self.state_slots is not None and request.state_slot is None:
@@ -198,7 +199,7 @@ class KVCacheManager:
             request.block_ids.extend(self.pool.allocate(needed))
             return True
         self.ensure_tables(request)
-        self.free_out_of_window(request)
+        self.free_unneeded(request)
         total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
         needed = [max(0, total - len(table)) for table in request.block_tables]
         if not self.pool.can_allocate(sum(needed)):
@@ -208,18 +209,18 @@ class KVCacheManager:
                 request.block_tables[g].extend(self.pool.allocate(count, g))
         return True
 
-    def free_out_of_window(self, request: Request) -> None:
-        """Give back each window group's blocks that no query from the request's next token on reads."""
+    def free_unneeded(self, request: Request) -> None:
+        """Give back each group's blocks that no query from the request's next token on reads."""
         computed = request.num_computed_tokens
         for g, group in enumerate(self.groups.groups):
-            if group.window is not None:
-                self.free_before(request.block_tables[g], group, computed)
+            if group.spec.frees_blocks:
+                self.free_before(request.block_tables[g], group.spec, computed)
 
-    def free_before(self, table: list[int], group: LayerGroup, position: int) -> None:
-        """Free the blocks of `table` before the window of a query at `position`, oldest first, so the pool
-        evicts those first: a later prefix hit needs a window group's blocks just behind its hit point, never
+    def free_before(self, table: list[int], spec: LayerSpec, position: int) -> None:
+        """Free the blocks of `table` before the first one a query at `position` reads, oldest first, so the pool
+        evicts those first: a later prefix hit needs a freeing group's blocks just behind its hit point, never
         its oldest. The scan stops at the first entry already freed, as every one before it is too."""
-        first = min(group.first_needed_block(position, self.block_size), len(table))
+        first = min(spec.first_needed_block(position, self.block_size), len(table))
         start = first
         while start > 0 and table[start - 1] != self.null_block:
             start -= 1

@@ -60,12 +60,12 @@ def paged_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
     window = sliding_window if sliding_window is not None else mask_window(module)
+    chunk_size = attention_chunk_size(module)
     if isinstance(paged_cache, ShapeProbe):
         paged_cache.reached(module.layer_idx, "adapter" if hasattr(module, "_paged_original_forward") else "interface",
-                            window)
+                            window, chunk_size)
         out = attend_one(query[0], key[0], value[0], scale, window, softcap, sinks=sinks)
         return out.transpose(0, 1).unsqueeze(0), None
-    chunk_size = attention_chunk_size(module)
     if paged_single_row is not None:  # a compiled one-token step (torch_single_row.py)
         out = write_and_attend_single_row(query[0, :, 0], key[0, :, 0], value[0, :, 0], traced_layer(module),
                                           paged_single_row, scale, window, softcap, sinks, chunk_size)

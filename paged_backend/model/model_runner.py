@@ -229,8 +229,9 @@ class ModelRunner:
     def _group_metadata(self, requests: list[Request], first_tables: np.ndarray, positions: np.ndarray,
                        starts: np.ndarray, counts: np.ndarray, first: AttentionMetadata) -> tuple[AttentionMetadata, ...]:
         """Each layer group's metadata. `first` (from pack(), over `first_tables`) is the first group's; the
-        others differ in their block tables and the slots these give the step's tokens. A window group's sequences start at the block
-        of their first query's window (_window_view): the kernels then read no block the group freed."""
+        others differ in their block tables and the slots these give the step's tokens. The sequences of a group that
+        frees blocks start at the first block its spec lets the step's first query view (_cropped_view): the
+        kernels then read about what the group's layers attend to, not the whole sequence."""
         block_size = self.cache.block_size
         rows = np.repeat(np.arange(len(requests)), counts)
         metadata = []
@@ -241,24 +242,27 @@ class ModelRunner:
                 tables = self.block_table_array(requests, index)
                 slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
                 slot_mapping = self.to_device(slots)
-            if group.window is None:
+            if not group.spec.frees_blocks:
                 step = first if index == 0 else dataclasses.replace(
                     first, slot_mapping=slot_mapping, block_tables=self.to_device(tables), derived={})
             else:
-                step = self._window_view(first, tables, slot_mapping, starts, counts, group.window)
+                skip = np.fromiter((group.spec.first_viewed_block(start, block_size) for start in starts.tolist()),
+                                   dtype=np.int64, count=len(starts))
+                step = self._cropped_view(first, tables, slot_mapping, starts, counts, skip)
             metadata.append(step)
         return tuple(metadata)
 
-    def _window_view(self, first: AttentionMetadata, tables: np.ndarray, slot_mapping: torch.Tensor,
-                    starts: np.ndarray, counts: np.ndarray, window: int) -> AttentionMetadata:
-        """A window group's metadata: each sequence cropped to start at the block holding the first key its
-        first query reads. Causal and window masks (and ALiBi) depend only on the distance between query and
-        key, so dropping whole blocks from the front of a sequence, its length with them, changes nothing the
-        queries see; slots stay absolute. Every entry from that block on is a block the group holds (it frees
-        only blocks wholly before it), so the kernels never read the null block, and a window layer's
-        attention reads about its window, not the whole sequence."""
+    def _cropped_view(self, first: AttentionMetadata, tables: np.ndarray, slot_mapping: torch.Tensor,
+                      starts: np.ndarray, counts: np.ndarray, skip: np.ndarray) -> AttentionMetadata:
+        """The metadata of a group that frees blocks: sequence i cropped to start at its block `skip[i]`, the first
+        its spec lets the step's first query view (LayerSpec.first_viewed_block). Causal and window masks (and
+        ALiBi) depend only on the distance between query and key, and a chunk mask on the position within a chunk,
+        which a crop by whole chunks keeps, so dropping those blocks from the front of a sequence, its length with
+        them, changes nothing the queries see; slots stay absolute. A window group holds every entry from there
+        on (it frees only blocks wholly before it), so the kernels never read the null block; a chunked group's
+        view may start at freed entries before its chunk, which the chunk mask hides. A window layer's attention
+        reads about its window, not the whole sequence."""
         block_size = self.cache.block_size
-        skip = np.maximum(starts - window + 1, 0) // block_size
         ends = starts + counts
         width = max(1, int((tables.shape[1] - skip).max()))
         columns = np.minimum(skip[:, None] + np.arange(width), tables.shape[1] - 1)

@@ -17,34 +17,72 @@ import torch
 from transformers.cache_utils import Cache
 
 from paged_backend.core.kv_cache_groups import CacheGroups, one_group
+from paged_backend.core.layer_specs import (
+    ChunkedAttentionSpec,
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    LayerSpec,
+    RecurrentStateSpec,
+    SlidingWindowSpec,
+    StateSpec,
+)
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels.kv_quant import SCALE_DTYPE
+from paged_backend.model.recurrent_state import state_layout
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class KVShape:
-    num_layers: int
+    """The K/V a model keeps: the row of one head that each layer keeping rows writes per token (one shape for every
+    such layer), and each layer's spec (core/layer_specs.py: what a layer of its kind keeps, and for how long).
+    `parallel`: the specs of recurrent mixers that run beside a layer's attention (Falcon-H1's Mamba-2 beside each
+    attention), which keep a state slot where their layer's own spec keeps rows."""
+
     num_kv_heads: int
     head_dim: int
-    # Each layer's sliding window as its attention received it (None: full attention); () when not probed.
-    layer_windows: tuple[int | None, ...] = ()
-    # A latent cache (multi-head latent attention, latent_cache.py): one row of `head_dim` per token and layer,
-    # whose first `latent_value_dim` entries are also its value. None: separate K and V rows.
-    latent_value_dim: int | None = None
-    # Layers that keep no K/V: a hybrid model's recurrent layers, whose state lives in state slots.
-    no_kv_layers: tuple[int, ...] = ()
+    layers: tuple[LayerSpec, ...]
+    parallel: tuple[LayerSpec, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
     @property
     def planes(self) -> int:
-        """Rows stored per token, head and layer: K and V (2), or the one latent row (1)."""
-        return 2 if self.latent_value_dim is None else 1
+        """Rows stored per token, head and layer: K and V (2), or the one latent row (1). The probe lets every layer
+        that keeps rows keep one kind of row."""
+        return max((spec.planes for spec in self.layers), default=2)
+
+    @property
+    def specs(self) -> tuple[LayerSpec, ...]:
+        """Every layer's spec, and every mixer's beside a layer's attention."""
+        return self.layers + self.parallel
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether every layer and mixer lets a request take a cached prefix's blocks."""
+        return all(spec.prefix_caching for spec in self.specs)
+
+    @property
+    def needs_state_slots(self) -> bool:
+        """Whether each request holds a state slot (a hybrid model's recurrent layers or mixers)."""
+        return any(spec.needs_state_slot for spec in self.specs)
+
+    def plane_bytes(self, dtype: torch.dtype) -> int:
+        """One token's row of one plane, every head, stored as `dtype` (int8: plus a scale per head)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return self.num_kv_heads * (self.head_dim * elem + (SCALE_DTYPE.itemsize if dtype == torch.int8 else 0))
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """K and V (or the latent) of one block in every layer that keeps them, stored as `dtype` (int8: plus a
-        scale per token and head)."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        row = self.head_dim * elem + (SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
-        return self.planes * (self.num_layers - len(self.no_kv_layers)) * self.num_kv_heads * block_size * row
+        """One block of every layer, rows stored as `dtype`."""
+        plane = self.plane_bytes(dtype)
+        return sum(spec.bytes_per_block(plane, block_size) for spec in self.layers)
+
+
+def uniform_shape(num_layers: int, num_kv_heads: int, head_dim: int,
+                  spec: LayerSpec = FullAttentionSpec()) -> KVShape:
+    """`num_layers` layers of one spec (full attention unless given)."""
+    return KVShape(num_kv_heads, head_dim, (spec,) * num_layers)
 
 
 class PackedStepCache(Cache):
@@ -126,17 +164,20 @@ class ShapeProbe(PackedStepCache):
         self.seen: dict[int, tuple[int, int, torch.dtype]] = {}
         self.routes: dict[int, str] = {}  # layer -> "interface", "adapter" or "recurrent" (a hybrid's mixer)
         self.windows: dict[int, int | None] = {}  # layer -> the sliding window its attention was given
+        self.chunks: dict[int, int | None] = {}  # layer -> the chunk its attention sees keys from
         self.latent_value_dims: dict[int, int] = {}  # layer -> its latent's value width, for a latent cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.seen[layer_idx] = (key_states.shape[1], key_states.shape[3], key_states.dtype)
         return key_states, value_states
 
-    def reached(self, layer_idx: int, route: str, sliding_window: int | None = None) -> None:
+    def reached(self, layer_idx: int, route: str, sliding_window: int | None = None,
+                chunk_size: int | None = None) -> None:
         """Called by the paged attention function or an adapter when the probe's step got to them, with the
-        sliding window the layer attends with (the one the engine's attention will mask with)."""
+        sliding window or chunk the layer attends with (the ones the engine's attention will mask with)."""
         self.routes[layer_idx] = route
         self.windows[layer_idx] = sliding_window
+        self.chunks[layer_idx] = chunk_size
 
     def stores_latent(self, layer_idx: int, value_dim: int) -> None:
         """Called by a latent-attention adapter: the layer caches one latent row per token (what it handed
@@ -181,9 +222,24 @@ def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
         raise UnsupportedArchitectureError(
             f"{type(model).__name__}: the paged cache needs every layer to cache one kind of row; layers "
             f"{sorted(probe.latent_value_dims)} of {num_layers} cache a latent (value widths {sorted(latent)})")
-    no_kv = tuple(layer for layer in range(num_layers) if layer not in probe.seen)  # recurrent (checked above)
-    return KVShape(num_layers, heads, head_dim, tuple(probe.windows.get(layer) for layer in range(num_layers)),
-                   latent_value_dim=latent.pop() if latent else None, no_kv_layers=no_kv)
+    states = state_layout(model.config.get_text_config()) or {}
+    return KVShape(heads, head_dim, tuple(layer_spec(probe, layer, states.get(layer, ())) for layer in range(num_layers)),
+                   parallel=tuple(RecurrentStateSpec(states[layer]) for layer in sorted(states) if layer in probe.seen))
+
+
+def layer_spec(probe: ShapeProbe, layer: int, states: tuple[StateSpec, ...]) -> LayerSpec:
+    """The spec of what `layer` keeps, from what the probe saw it do: no rows (a recurrent layer, checked by
+    check_every_layer_driven, whose state tensors are `states`), a latent, or K and V under a window, a chunk or
+    neither."""
+    if layer not in probe.seen:
+        return RecurrentStateSpec(states)
+    if layer in probe.latent_value_dims:
+        return LatentAttentionSpec(probe.latent_value_dims[layer])
+    if probe.windows.get(layer) is not None:
+        return SlidingWindowSpec(probe.windows[layer])
+    if probe.chunks.get(layer) is not None:
+        return ChunkedAttentionSpec(probe.chunks[layer])
+    return FullAttentionSpec()
 
 
 def check_every_layer_driven(model: torch.nn.Module, probe: ShapeProbe, num_layers: int) -> None:

@@ -16,23 +16,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from paged_backend.core.layer_specs import StateSpec
 from paged_backend.core.state_slots import StateSlots
 
 logger = logging.getLogger(__name__)
-
-
-
-class StateSpec(NamedTuple):
-    """One state tensor of one sequence in one layer."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype | None = None  # None: the model's (a Mamba-2 SSM state is fp32, as transformers keeps it)
-
 
 # config -> {layer index: (each state tensor of one sequence, ...)}
 StateLayout = Callable[[PretrainedConfig], dict[int, tuple[StateSpec, ...]]]

@@ -9,16 +9,24 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_backend.core.kv_cache_groups import UNBOUNDED_TOKENS, LayerGroup, one_group, plan_groups
+from paged_backend.core.kv_cache_groups import UNBOUNDED_TOKENS, one_group, plan_groups
 from paged_backend.core.kv_cache_manager import KVCacheManager
+from paged_backend.core.layer_specs import FullAttentionSpec, LayerSpec, SlidingWindowSpec
 from paged_backend.core.outputs import RequestMetrics
 from paged_backend.core.request import Request
 from paged_backend.sampling.sampling_params import SamplingParams
 
 BLOCK = 4
 WINDOW = 8
+
+
+def specs(*windows: int | None) -> list[LayerSpec]:
+    """A layer per window: full attention for None, else a sliding window of that many keys."""
+    return [FullAttentionSpec() if window is None else SlidingWindowSpec(window) for window in windows]
+
+
 # One full layer, one with an 8-key window: group 0 full, group 1 the window.
-TWO_KINDS = plan_groups([None, WINDOW])
+TWO_KINDS = plan_groups(specs(None, WINDOW))
 
 
 def make_request(prompt: list[int]) -> Request:
@@ -37,23 +45,23 @@ def held(kv: KVCacheManager, request: Request, group: int) -> list[int]:
 
 
 def test_layers_group_by_window_in_groups_of_the_rarest_kind():
-    gemma3 = plan_groups([32, 32, 32, 32, 32, None] * 2)
+    gemma3 = plan_groups(specs(32, 32, 32, 32, 32, None) * 2)
     assert gemma3.group_size == 2 and gemma3.num_groups == 6
-    assert [g.window for g in gemma3.groups] == [None] + [32] * 5
+    assert [g.spec for g in gemma3.groups] == [FullAttentionSpec()] + [SlidingWindowSpec(32)] * 5
     assert gemma3.groups[0].layers == (5, 11) and gemma3.groups[1].layers == (0, 1)
     assert gemma3.layer_group[11] == 0 and gemma3.layer_position[11] == 1
     assert gemma3.pages_for(10) == 60  # pages of 2 layers with the memory of 10 blocks of 12
-    uneven = plan_groups([4, 4, 4, None, None])  # three window layers in groups of two: one position unused
+    uneven = plan_groups(specs(4, 4, 4, None, None))  # three window layers in groups of two: one position unused
     assert [g.layers for g in uneven.groups] == [(3, 4), (0, 1), (2,)]
-    mistral = plan_groups([4, 4, 4])
+    mistral = plan_groups(specs(4, 4, 4))
     assert mistral.num_groups == 1 and mistral.group_size == 3 and mistral.frees_blocks
-    assert plan_groups([None, None]) == one_group(2) and not one_group(2).frees_blocks
+    assert plan_groups(specs(None, None)) == one_group(2) and not one_group(2).frees_blocks
 
 
 def test_a_window_group_reads_from_the_block_of_its_first_key():
-    group = LayerGroup(WINDOW, (0,))
-    assert [group.first_needed_block(p, BLOCK) for p in (0, 7, 8, 11, 12, 100)] == [0, 0, 0, 1, 1, 23]
-    assert LayerGroup(None, (0,)).first_needed_block(100, BLOCK) == 0
+    spec = TWO_KINDS.groups[1].spec
+    assert [spec.first_needed_block(p, BLOCK) for p in (0, 7, 8, 11, 12, 100)] == [0, 0, 0, 1, 1, 23]
+    assert TWO_KINDS.groups[0].spec.first_needed_block(100, BLOCK) == 0
 
 
 def test_a_window_group_frees_the_blocks_behind_its_window_as_the_request_grows():
@@ -105,7 +113,7 @@ def test_a_prefix_hit_ends_where_a_window_group_lost_a_block_of_its_window():
 
 
 def test_a_window_only_model_hits_where_its_window_is_cached_without_the_blocks_before():
-    kv = KVCacheManager(64, BLOCK, groups=plan_groups([WINDOW, WINDOW]))
+    kv = KVCacheManager(64, BLOCK, groups=plan_groups(specs(WINDOW, WINDOW)))
     first = make_request(list(range(30)))
     step(kv, first, 29)
     tables = list(first.block_tables[0])
@@ -131,7 +139,7 @@ def test_a_lone_request_fits_up_to_what_its_full_groups_hold():
     # Window group: at most ceil((8 - 1 + 4) / 4) + 1 = 4 blocks with steps of 4 tokens; the rest is the full group's.
     kv = KVCacheManager(20, BLOCK, groups=TWO_KINDS, max_step_tokens=4)
     assert kv.capacity_tokens == (20 - 4) * BLOCK
-    assert KVCacheManager(20, BLOCK, groups=plan_groups([WINDOW]), max_step_tokens=4).capacity_tokens == UNBOUNDED_TOKENS
+    assert KVCacheManager(20, BLOCK, groups=plan_groups(specs(WINDOW)), max_step_tokens=4).capacity_tokens == UNBOUNDED_TOKENS
     assert KVCacheManager(20, BLOCK).capacity_tokens == 20 * BLOCK  # one group keeping every block, as before
 
 
@@ -165,7 +173,7 @@ def test_window_groups_never_leak_or_keep_a_block_behind_the_window(actions, num
                 kv.acquire_cached_prefix(request)
             n = min(size, request.num_tokens - request.num_computed_tokens)
             if n and kv.allocate_slots(request, n):
-                first = TWO_KINDS.groups[1].first_needed_block(request.num_computed_tokens, BLOCK)
+                first = TWO_KINDS.groups[1].spec.first_needed_block(request.num_computed_tokens, BLOCK)
                 assert all(b == kv.null_block for b in request.block_tables[1][:first])
                 request.num_computed_tokens += n
                 kv.cache_full_blocks(request)

@@ -49,7 +49,7 @@ def assert_windows_held(engine: Engine) -> None:
     step_tokens = engine.config.max_num_batched_tokens
     for request in engine.scheduler.running:
         for g, group in enumerate(engine.kv.groups.groups):
-            if group.window is not None:
+            if group.spec.frees_blocks:
                 table = request.block_tables[g]
                 assert sum(b != engine.kv.null_block for b in table) <= window_bound(step_tokens)
 

@@ -28,6 +28,7 @@ from paged_backend import (
     SamplingParams,
     UnsupportedArchitectureError,
 )
+from paged_backend.core.layer_specs import LatentAttentionSpec
 from paged_backend.entrypoints.beam_search import beam_search
 from paged_backend.kernels import dispatch
 from paged_backend.model.adapters import deepseek_v3
@@ -55,7 +56,7 @@ def test_cache_holds_one_latent_row_per_token_and_layer(model):
     engine = Engine(model, None, EngineConfig(kv_cache_bytes=2 * 4 * LATENT * 4 * 100, block_size=4))
     layers = model.config.num_hidden_layers
     assert engine.cache.kv.shape == (layers, 1, 1, engine.cache.num_blocks * 4, LATENT)
-    assert engine.cache.shape.latent_value_dim == RANK
+    assert set(engine.cache.shape.layers) == {LatentAttentionSpec(RANK)}
     assert engine.cache.shape.bytes_per_block(4, torch.float32) == layers * 4 * LATENT * 4
     assert engine.kv.pool.num_blocks == 100
     per_token = engine.cache.kv[0, :, :, 0].numel()  # values one layer stores per token

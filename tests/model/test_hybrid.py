@@ -26,6 +26,7 @@ from paged_backend.core.state_slots import StateSlots
 from paged_backend.entrypoints.beam_search import beam_search
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.model.adapters import lfm2
+from paged_backend.model.paged_cache import KVShape
 from paged_backend.model.recurrent_state import SlotView
 from paged_backend.model.step_context import current_step
 
@@ -43,6 +44,11 @@ def prompts():
 @pytest.fixture(scope="module")
 def refs(model, prompts):
     return [hf_greedy(model, p, MAX_NEW) for p in prompts]
+
+
+def recurrent_layers(shape: KVShape) -> list[int]:
+    """The layers whose spec keeps a state slot, not rows in the pages."""
+    return [layer for layer, spec in enumerate(shape.layers) if spec.needs_state_slot and not spec.keeps_blocks]
 
 
 def assert_all_slots_free(engine: Engine) -> None:
@@ -174,10 +180,13 @@ def test_recurrent_layers_keep_no_kv(model):
     """The pages hold the attention layer alone: a K/V budget buys blocks of one layer, not of three."""
     engine = Engine(model, None, EngineConfig(kv_cache_bytes=1 << 20, block_size=4))
     shape = engine.cache.shape
-    assert shape.no_kv_layers == (0, 2) and engine.cache.kv.shape[0] == 1
+    assert recurrent_layers(shape) == [0, 2] and engine.cache.kv.shape[0] == 1
     per_block = 2 * shape.num_kv_heads * 4 * shape.head_dim * 4  # K and V of one layer, fp32
     assert shape.bytes_per_block(4, torch.float32) == per_block
     assert engine.kv.pool.num_blocks == (1 << 20) // per_block
+    # Each recurrent layer's spec knows its state: one slot of every layer is what the state holds per request.
+    per_slot = sum(spec.bytes_per_slot(torch.float32) for spec in shape.specs)
+    assert per_slot > 0 and engine.recurrent.nbytes == engine.recurrent.num_slots * per_slot
 
 
 @pytest.mark.parametrize("arch", ["granitemoehybrid", "falcon_h1"])
@@ -189,6 +198,11 @@ def test_mamba2_batches_equal_chunks_and_decodes(arch):
     prompts = [torch.randint(3, 200, (12,), generator=g).tolist() for _ in range(4)] + [[5, 6, 7, 8, 9]]
     # 24 tokens a step: two 12-token prompts per step, or chunks of them; the 5-token one runs beside.
     engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=24))
+    # Falcon-H1 runs its Mamba-2 beside every layer's attention: each layer keeps K/V, and the mixers' specs still
+    # hold a state slot per request and share no prefix.
+    shape = engine.cache.shape
+    assert shape.needs_state_slots and not shape.prefix_caching and not engine.plan.prefix_caching
+    assert (recurrent_layers(shape) == []) == (arch == "falcon_h1") and bool(shape.parallel) == (arch == "falcon_h1")
     ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
     finals = run_to_completion(engine)
     assert [finals[i].outputs[0].token_ids for i in ids] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
@@ -206,7 +220,7 @@ def test_a_hybrid_type_with_attention_layers_only_runs_as_an_attention_model(nam
     ref = hf_greedy(model, prompt, MAX_NEW)
     engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=4))
     assert engine.recurrent is None and engine.kv.state_slots is None
-    assert engine.cache.shape.no_kv_layers == ()
+    assert recurrent_layers(engine.cache.shape) == [] and engine.cache.shape.prefix_caching
     assert "recurrent_slots_total" not in engine.stats()
     assert model.config._attn_implementation == "paged_backend"
     first = engine.add_request(prompt, greedy(MAX_NEW))
@@ -246,7 +260,7 @@ def test_gated_delta_net_chunked_prefill_crosses_the_delta_rule_chunks(name):
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in lengths]
     engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=4, max_num_batched_tokens=48))
     conv, state = engine.recurrent.layer(0)
-    assert engine.cache.shape.no_kv_layers == (0,) and list(engine.recurrent.tensors) == [0]
+    assert recurrent_layers(engine.cache.shape) == [0] and list(engine.recurrent.tensors) == [0]
     assert conv.shape[1:] == (2 * 2 * 16 + 4 * 16, 4) and conv.dtype == torch.float32
     assert state.shape[1:] == (4, 16, 16) and state.dtype == torch.float32
     ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
@@ -269,7 +283,7 @@ def test_qwen3_5_multimodal_model_runs_on_text():
     prompts = mixed_prompts(6)
     refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     engine = Engine(model, None, EngineConfig(num_kv_blocks=20, block_size=4, max_num_batched_tokens=24))
-    assert list(engine.recurrent.tensors) == [1] and engine.cache.shape.no_kv_layers == (1,)
+    assert list(engine.recurrent.tensors) == [1] and recurrent_layers(engine.cache.shape) == [1]
     ids = [engine.add_request(p, greedy(MAX_NEW)) for p in prompts]
     finals = run_to_completion(engine)
     assert [finals[i].outputs[0].token_ids for i in ids] == refs

@@ -10,6 +10,7 @@ from helpers.engine import MAX_NEW, greedy, hf_greedy, run_to_completion
 from helpers.models import build
 
 from paged_backend import Engine, EngineConfig, UnsupportedArchitectureError
+from paged_backend.core.layer_specs import LatentAttentionSpec
 from paged_backend.model.recurrent_state import SlotView
 
 
@@ -25,7 +26,8 @@ def test_kda_chunked_prefill_crosses_the_delta_rule_chunks():
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in lengths]
     engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=4, max_num_batched_tokens=48))
     shape = engine.cache.shape
-    assert shape.no_kv_layers == (0,) and shape.latent_value_dim == 32 and shape.head_dim == 48
+    assert shape.layers[0].name == "recurrent" and set(shape.layers[1:]) == {LatentAttentionSpec(32)}
+    assert shape.head_dim == 48
     assert list(engine.recurrent.tensors) == [0]
     conv, state = engine.recurrent.layer(0)
     assert conv.shape[1:] == (3 * 4 * 16, 4) and state.shape[1:] == (4, 16, 16) and state.dtype == torch.float32

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from paged_backend.model.paged_cache import PackedStepCache, ShapeProbe
-from paged_backend.model.recurrent_state import SlotView, StateSpec
+from paged_backend.core.layer_specs import StateSpec
+from paged_backend.model.recurrent_state import SlotView
 from paged_backend.model.step_context import current_step
 
 
