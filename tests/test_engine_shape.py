@@ -90,7 +90,7 @@ def kind_names() -> tuple[set[str], set[str]]:
     return {cls.__name__ for cls in kinds}, fields | {"layer_windows", "latent_value_dim", "no_kv_layers"}
 
 
-def names_used(path: Path) -> set[str]:
+def names_in_file(path: Path) -> set[str]:
     """Every name, attribute, imported name and string constant a module's code uses, and `isinstance` if called."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -117,7 +117,7 @@ def test_the_kv_manager_and_the_plan_ask_layer_specs_not_kinds() -> None:
     allowed = {"core/kv_cache_groups.py": {"FullAttentionSpec"}}
     for name in ("core/kv_cache_manager.py", "core/kv_cache_groups.py", "startup_plan.py", "engine.py",
                  "model/model_runner.py"):
-        used = names_used(package / name)
+        used = names_in_file(package / name)
         assert not used & (classes - allowed.get(name, set())), name
         assert not used & fields, name
         if name.startswith("core/"):
