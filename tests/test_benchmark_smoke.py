@@ -97,6 +97,7 @@ def test_compiled_engine_system(tiny_model_dir, workload):
     assert next(t for t in report["targets"] if "compiled" in t["target"])["met"] is not None
 
 
+@pytest.mark.slow  # a worker process per system: the slow tier
 def test_isolated_worker_returns_the_same_tokens(tiny_model_dir, workload):
     options = throughput.Options(floor_repeats=1, block_size=8)  # a non-default block size reaches the worker
     isolated = throughput.run_systems(workload, ["engine"], tiny_model_dir, options, isolate=True)["engine"]

@@ -156,6 +156,7 @@ print(json.dumps({"names": sorted(names), "services": sorted(services)}))
 """
 
 
+@pytest.mark.slow  # a process exporting to a collector: the slow tier
 def test_export_otlp_sends_the_spans_of_a_process_wide_provider_to_a_collector() -> None:
     run = subprocess.run([sys.executable, "-c", COLLECTOR_RUN, str(TESTS)], capture_output=True, text=True,
                          timeout=300)

@@ -190,7 +190,7 @@ def test_alibi_kernel_compiles_for_hopper() -> None:
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the engine reaches the compiled kernel by itself")
-@pytest.mark.parametrize("name", ["bloom", "falcon-40b"])
+@pytest.mark.parametrize("name", [pytest.param("bloom", marks=pytest.mark.slow), "falcon-40b"])  # one in the fast tier
 def test_adapted_engine_through_triton_kernels_matches_hf_generate(name: str) -> None:
     """An adapted model with every attention call on the Triton path (interpreted on CPU): ALiBi
     (BLOOM) and grouped KV (falcon-40b); chunked prefill with block size 5; greedy equals `generate`."""

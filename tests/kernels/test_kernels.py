@@ -193,6 +193,7 @@ def load_gpu_check(monkeypatch: pytest.MonkeyPatch):
     return gpu_check
 
 
+@pytest.mark.slow  # runs the GPU check script in a process of its own: the slow tier
 def test_gpu_check_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/gpu_check.py cannot run on a GPU here; its dry run takes every section's code path at
     toy sizes (kernels interpreted) and compares the kernel with SDPA on the gathered data."""

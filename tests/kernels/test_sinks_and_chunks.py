@@ -185,7 +185,7 @@ def test_dispatcher_passes_sinks_and_chunks_to_both_backends() -> None:
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="benchmarks/gpu_check.py's greedy section runs engines on the GPU")
-@pytest.mark.parametrize("name", ["gpt_oss", "llama4_text"])
+@pytest.mark.parametrize("name", ["gpt_oss", pytest.param("llama4_text", marks=pytest.mark.slow)])  # one in the fast tier
 def test_engine_through_triton_kernels_matches_hf_generate(name: str) -> None:
     """gpt-oss (sinks, an 8-token window) and Llama 4 (8-token chunks) with every attention on the Triton path
     (interpreted on CPU): chunked prefill, block size 5; greedy equals HF `generate`."""

@@ -15,6 +15,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import pytest
 from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
 from paged_backend.model import compile_cache
@@ -44,6 +45,7 @@ FRESH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # compiles in a fresh process: the slow tier
 def test_a_fresh_process_keeps_its_kernels_under_the_project_cache(tmp_path) -> None:
     """As a user starts the server: nothing set but PAGED_BACKEND_CACHE, torch's compiler imported on the way."""
     env = {**os.environ, "PAGED_BACKEND_CACHE": str(tmp_path)}

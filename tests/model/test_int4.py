@@ -128,6 +128,7 @@ def test_an_fp32_int8_head_picks_the_dense_paths_largest_logit_at_near_ties() ->
         assert torch.allclose(out.gather(-1, largest), F.linear(rows, head.dense).gather(-1, largest), atol=1e-4)
 
 
+@pytest.mark.slow  # compiles: the slow tier
 def test_a_compiled_int8_head_picks_its_kernel_at_run_time() -> None:
     """Compiled, the head calls one op that takes the int8 kernel for a few rows and the copy past them,
     in one graph: the same numbers as eager on both sides of the crossover, and no recompile."""

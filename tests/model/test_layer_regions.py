@@ -70,6 +70,7 @@ def region_layers(graph: torch.fx.GraphModule) -> dict[str, list[int]]:
     return layers
 
 
+@pytest.mark.slow  # traces a step with dynamo: the slow tier
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_equal_layers_trace_one_region(tokens: int):
     model = four_layer_llama()
@@ -79,6 +80,7 @@ def test_equal_layers_trace_one_region(tokens: int):
     assert len(calls) == 3 and len(set(calls)) == 1
 
 
+@pytest.mark.slow  # traces a step with dynamo: the slow tier
 def test_each_kind_of_layer_is_a_region_of_its_own():
     """Gemma 2's sliding-window and full layers trace two graphs: two regions, each run by layers of one kind."""
     model = build_from_config(DEEP["gemma2"], seed=1)
@@ -90,6 +92,7 @@ def test_each_kind_of_layer_is_a_region_of_its_own():
     assert all(len(members) > 1 for members in layers.values())
 
 
+@pytest.mark.slow  # traces a step with dynamo: the slow tier
 def test_without_index_tensors_each_layer_is_its_own_region():
     """The control: with the index as an int, it is a constant of each layer's graph, no two are equal, and each
     subgraph, called once, is inlined."""

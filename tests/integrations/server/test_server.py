@@ -117,10 +117,12 @@ def greedy(**kwargs) -> dict:
 
 # ------------------------------------------------------------------ real text (default model)
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_models_lists_the_served_name(real: Served) -> None:
     assert [m.id for m in real.client().models.list().data] == ["smollm2"]
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_chat_answers_with_real_text_and_usage(real: Served) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     reply = real.client().chat.completions.create(model="smollm2", messages=messages, **greedy(max_tokens=12))
@@ -131,6 +133,7 @@ def test_chat_answers_with_real_text_and_usage(real: Served) -> None:
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_chat_stream_equals_the_plain_answer(real: Served) -> None:
     client = real.client()
     args = dict(model="smollm2", messages=[{"role": "user", "content": "Name a colour."}], **greedy(max_tokens=10))
@@ -144,6 +147,7 @@ def test_chat_stream_equals_the_plain_answer(real: Served) -> None:
     assert [c.usage for c in chunks if c.usage] == [plain.usage] and not chunks[-1].choices
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_completion_prompt_forms_and_echo(real: Served) -> None:
     client = real.client()
     prompt = "The capital of France is"
@@ -160,6 +164,7 @@ def test_completion_prompt_forms_and_echo(real: Served) -> None:
     assert both.usage.prompt_tokens == len(ids) + len(real.tokenizer("1, 2, 3,")["input_ids"])
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_stop_string_cuts_the_text(real: Served) -> None:
     client = real.client()
     prompt = "Count: one, two, three, four, five,"
@@ -170,6 +175,7 @@ def test_stop_string_cuts_the_text(real: Served) -> None:
     assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == ","
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_echo_with_logprobs_scores_the_prompt(real: Served) -> None:
     """echo + logprobs (how evaluation harnesses score text): every prompt token after the first gets
     the model's own log probability, then the generated tokens follow."""
@@ -190,6 +196,7 @@ def test_echo_with_logprobs_scores_the_prompt(real: Served) -> None:
     assert first.tokens[:len(ids)] == lp.tokens[:len(ids)] and first.token_logprobs[0] is None
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_logit_bias_forces_and_bans_tokens(real: Served) -> None:
     client = real.client()
     args = {"model": "smollm2", "prompt": "The capital of France is", **greedy(max_tokens=4)}
@@ -205,6 +212,7 @@ def test_logit_bias_forces_and_bans_tokens(real: Served) -> None:
     assert chat.choices[0].message.content == real.tokenizer.decode([forced] * 3)
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_n_choices_use_derived_seeds(real: Served) -> None:
     client = real.client()
     args = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0}
@@ -221,6 +229,7 @@ def test_n_choices_use_derived_seeds(real: Served) -> None:
     assert streamed == texts
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_best_of_returns_the_choice_with_the_best_logprob_per_token(real: Served) -> None:
     client = real.client()
     args = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 8}
@@ -241,6 +250,7 @@ PERSON_SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "employed", "languages"]}
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_json_schema_answers_parse_and_follow_the_schema(real: Served) -> None:
     client = real.client()
     args = {"model": "smollm2", "max_tokens": 60, "temperature": 0,
@@ -264,6 +274,7 @@ def test_json_schema_answers_parse_and_follow_the_schema(real: Served) -> None:
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_langchain_chatopenai_structured_output(real: Served, method: str) -> None:
     """LangChain's own OpenAI chat model, pointed at the server: both structured-output methods parse."""
     langchain_openai = pytest.importorskip("langchain_openai")
@@ -302,6 +313,7 @@ def test_structured_answers_with_n_choices_use_derived_seeds(real: Served) -> No
     wait_all_blocks_free(real.aengine)
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_chat_logprobs(real: Served) -> None:
     reply = real.client().chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Hi!"}], logprobs=True, top_logprobs=3,
@@ -315,6 +327,7 @@ def test_chat_logprobs(real: Served) -> None:
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_legacy_generate(real: Served) -> None:
     body = {"prompt": "The capital of France is", "n": 2, "temperature": 0, "max_tokens": 4}
     texts = httpx.post(f"{real.url}/generate", json=body, timeout=60).json()["text"]
@@ -328,6 +341,7 @@ def test_legacy_generate(real: Served) -> None:
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "beam_width"
 
 
+@pytest.mark.slow  # the default model behind the server: the slow tier
 def test_metrics_count_requests_tokens_and_latency(real: Served) -> None:
     client = real.client()
     client.completions.create(model="smollm2", prompt="Hello", **greedy(max_tokens=3))
@@ -592,6 +606,7 @@ def test_hanging_up_on_a_plain_request_aborts_it(tiny: Served) -> None:
     assert after['paged_backend_requests_total{finished_reason="abort"}'] == aborted + 1
 
 
+@pytest.mark.slow  # a serve process on the default model
 def test_serve_command_wires_its_flags() -> None:
     """`python -m paged_backend.integrations.server` (what `paged-backend serve` runs) on the default model."""
     with socket.socket() as sock:

@@ -123,6 +123,7 @@ def test_past_the_drain_timeout_requests_are_aborted_each_with_a_last_event(llm:
             aengine.shutdown()
 
 
+@pytest.mark.slow  # a serve process, stopped by a signal: the slow tier
 def test_sigterm_drains_the_serve_process_which_exits_cleanly() -> None:
     """`paged-backend serve` on the default model: /health is 503 while it loads, then 200; SIGTERM during 32
     streams ends each with its last event and [DONE], and the process exits 0 within the drain timeout."""
