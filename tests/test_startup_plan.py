@@ -10,12 +10,14 @@ from helpers.models import build
 from paged_backend import Engine, EngineConfig
 from paged_backend.config import DEFAULT_CPU_KV_BYTES
 from paged_backend.model import compilation, cuda_graphs
+from paged_backend.kernels import LayerAttention
 from paged_backend.model.paged_cache import KVShape
 from paged_backend.startup_plan import ModelFacts, plan_startup
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 SHAPE = KVShape(num_layers=4, num_kv_heads=2, head_dim=64)
-WINDOWED = KVShape(num_layers=4, num_kv_heads=2, head_dim=64, layer_windows=(32, None, 32, None))
+WINDOWED = KVShape(num_layers=4, num_kv_heads=2, head_dim=64,
+                   attention=tuple(LayerAttention(0.125, window) for window in (32, None, 32, None)))
 TP = "tensor parallelism runs eagerly (its collectives are inside the forward)"
 BLOCKS = 64
 

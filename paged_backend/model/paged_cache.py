@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache
 from paged_backend.core.kv_cache_groups import CacheGroups, one_group
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels.kv_quant import SCALE_DTYPE
+from paged_backend.kernels.layer_attention import LayerAttention
 
 
 @dataclass(slots=True)
@@ -26,13 +27,20 @@ class KVShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    # Each layer's sliding window as its attention received it (None: full attention); () when not probed.
-    layer_windows: tuple[int | None, ...] = ()
+    # Each layer's attention as the probe recorded it (its scale, window, soft-cap, sinks, ...: the record every
+    # step's kernels read, step_context.py); None for a layer without one (a hybrid's recurrent layer); () when
+    # not probed.
+    attention: tuple[LayerAttention | None, ...] = ()
     # A latent cache (multi-head latent attention, latent_cache.py): one row of `head_dim` per token and layer,
     # whose first `latent_value_dim` entries are also its value. None: separate K and V rows.
     latent_value_dim: int | None = None
     # Layers that keep no K/V: a hybrid model's recurrent layers, whose state lives in state slots.
     no_kv_layers: tuple[int, ...] = ()
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: it sees every earlier key), what its cache group is planned by."""
+        return tuple(None if layer is None else layer.window for layer in self.attention)
 
     @property
     def planes(self) -> int:
@@ -125,18 +133,23 @@ class ShapeProbe(PackedStepCache):
         super().__init__()
         self.seen: dict[int, tuple[int, int, torch.dtype]] = {}
         self.routes: dict[int, str] = {}  # layer -> "interface", "adapter" or "recurrent" (a hybrid's mixer)
-        self.windows: dict[int, int | None] = {}  # layer -> the sliding window its attention was given
+        self.attention: dict[int, LayerAttention] = {}  # layer -> what its attention computes, as it said
         self.latent_value_dims: dict[int, int] = {}  # layer -> its latent's value width, for a latent cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.seen[layer_idx] = (key_states.shape[1], key_states.shape[3], key_states.dtype)
         return key_states, value_states
 
-    def reached(self, layer_idx: int, route: str, sliding_window: int | None = None) -> None:
-        """Called by the paged attention function or an adapter when the probe's step got to them, with the
-        sliding window the layer attends with (the one the engine's attention will mask with)."""
+    def reached(self, layer_idx: int, route: str, attention: LayerAttention | None = None) -> None:
+        """Called by the paged attention function or an adapter when the probe's step got to them, with what the
+        layer's attention computes (None: a recurrent mixer's layer): the record the engine's steps attend with."""
         self.routes[layer_idx] = route
-        self.windows[layer_idx] = sliding_window
+        if attention is not None:
+            self.attention[layer_idx] = attention
+
+    def layer_attention(self, num_layers: int) -> tuple[LayerAttention | None, ...]:
+        """The attention record of each of `num_layers` layers (None where the probe met no attention)."""
+        return tuple(self.attention.get(layer) for layer in range(num_layers))
 
     def stores_latent(self, layer_idx: int, value_dim: int) -> None:
         """Called by a latent-attention adapter: the layer caches one latent row per token (what it handed
@@ -182,7 +195,7 @@ def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
             f"{type(model).__name__}: the paged cache needs every layer to cache one kind of row; layers "
             f"{sorted(probe.latent_value_dims)} of {num_layers} cache a latent (value widths {sorted(latent)})")
     no_kv = tuple(layer for layer in range(num_layers) if layer not in probe.seen)  # recurrent (checked above)
-    return KVShape(num_layers, heads, head_dim, tuple(probe.windows.get(layer) for layer in range(num_layers)),
+    return KVShape(num_layers, heads, head_dim, probe.layer_attention(num_layers),
                    latent_value_dim=latent.pop() if latent else None, no_kv_layers=no_kv)
 
 
