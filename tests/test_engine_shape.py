@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import sys
 from pathlib import Path
 
 from helpers.engine import greedy, mixed_prompts, run_to_completion
@@ -77,6 +78,44 @@ def test_one_step_context_holds_what_a_steps_layers_read() -> None:
     """Attention metadata and cache, LoRA, recurrent state and the fused flag reach the layers through one
     context, set once per forward."""
     assert module_globals_set_per_step() == {"model/step_context.py"}
+
+
+# A layer's attention options, which its attention record (kernels/layer_attention.py) carries from start-up on.
+LAYER_OPTIONS = {"chunk_size", "sliding_window", "softcap"}
+
+
+def functions_taking(names: set[str]) -> list[str]:
+    """`path:function(parameter)` for every function or lambda of the package and the integrations, outside the
+    kernels package (where the record is unpacked), with a parameter of one of `names`."""
+    package = ENGINE_SOURCE.parent
+    files = {path.resolve() for path in [*package.rglob("*.py"), *(package.parent / "integrations").rglob("*.py")]}
+    found = []
+    for path in sorted(files):
+        if package / "kernels" in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                arguments = node.args
+                every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                         *filter(None, (arguments.vararg, arguments.kwarg))]
+                found += [f"{path.name}:{getattr(node, 'name', 'lambda')}({a.arg})" for a in every if a.arg in names]
+    return found
+
+
+def test_layer_options_travel_as_one_record() -> None:
+    """A layer's chunk, window and soft-cap are read once, into its attention record, and reach the kernels in it:
+    no function outside the kernels package takes one of them as a parameter."""
+    assert functions_taking(LAYER_OPTIONS) == []
+
+
+def test_the_option_finder_finds_a_parameter(tmp_path: Path, monkeypatch) -> None:
+    """Guards the test above: the walk sees a parameter of that name outside the kernels, and none inside."""
+    package = tmp_path / "paged_backend"
+    (package / "kernels").mkdir(parents=True)
+    (package / "engine.py").write_text("def attend(query, *, sliding_window=None):\n    return query\n")
+    (package / "kernels" / "inside.py").write_text("def attend(query, chunk_size):\n    return query\n")
+    monkeypatch.setattr(sys.modules[__name__], "ENGINE_SOURCE", package / "engine.py")
+    assert functions_taking(LAYER_OPTIONS) == ["engine.py:attend(sliding_window)"]
 
 
 def test_formats_have_one_module_each() -> None:
