@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `throug
 
 from common import alternate, load_average, workload_runs, write_results
 
-from paged_backend.kernels import AttentionMetadata, cpu_paged_attention, paged_attention
+from paged_backend.kernels import AttentionMetadata, LayerAttention, PagedCaches, cpu_paged_attention, paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 PATHS = ("kernel", "torch_ops")
@@ -60,6 +60,7 @@ def one_layer_call(seqs: int, repeats: int) -> dict[str, Any]:
     cache = cache.to(torch.bfloat16)
     query = torch.randn(seqs, HEADS, HEAD_DIM).to(torch.bfloat16)
     starts = list(range(seqs + 1))
+    caches, layer = PagedCaches(cache[0], cache[1]), LayerAttention(HEAD_DIM ** -0.5)
     metadata = AttentionMetadata(torch.full((seqs,), -1), torch.from_numpy(tables), torch.tensor(starts, dtype=torch.int32),
                                  torch.tensor(lens, dtype=torch.int32), BLOCK_SIZE, starts, lens, 1, max(lens))
 
@@ -67,18 +68,18 @@ def one_layer_call(seqs: int, repeats: int) -> dict[str, Any]:
         def run() -> float:
             metadata.derived.clear()  # a step's plans are built once and serve its 30 layers: timed apart
             with path_context(name):
-                paged_attention(query, cache[0], cache[1], metadata, HEAD_DIM ** -0.5)
+                paged_attention(query, caches, metadata, layer)
                 times = []
                 for _ in range(30):
                     start = time.perf_counter()
-                    paged_attention(query, cache[0], cache[1], metadata, HEAD_DIM ** -0.5)
+                    paged_attention(query, caches, metadata, layer)
                     times.append(time.perf_counter() - start)
             return statistics.median(times) * 1e6
         return run
 
     with path_context("torch_ops"):
-        want = paged_attention(query, cache[0], cache[1], metadata, HEAD_DIM ** -0.5)
-    got = paged_attention(query, cache[0], cache[1], dataclasses.replace(metadata, derived={}), HEAD_DIM ** -0.5)
+        want = paged_attention(query, caches, metadata, layer)
+    got = paged_attention(query, caches, dataclasses.replace(metadata, derived={}), layer)
     figures = alternate({name: timed(name) for name in PATHS}, repeats)
     medians = {name: statistics.median(v) for name, v in figures.items()}
     return {"seqs": seqs, "keys": sum(lens), "max_abs_difference": float((got.float() - want.float()).abs().max()),

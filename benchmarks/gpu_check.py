@@ -326,7 +326,7 @@ def run_sdpa(problem: PagedProblem, expand: bool) -> torch.Tensor:
 
 
 def benchmark_kernels(sizes: Sizes, device: torch.device, peak: float | None) -> dict[str, Any]:
-    from paged_backend.kernels import triton_attention
+    from paged_backend.kernels import LayerAttention, PagedCaches, triton_attention
 
     results: dict[str, Any] = {}
     cases = {"decode": (*sizes.decode, 1), "prefill": (sizes.prefill[0], sizes.prefill[1], sizes.prefill[1])}
@@ -335,7 +335,8 @@ def benchmark_kernels(sizes: Sizes, device: torch.device, peak: float | None) ->
         scale = sizes.head_dim ** -0.5
 
         def kernel(p: PagedProblem = problem, scale: float = scale) -> torch.Tensor:
-            return triton_attention.paged_attention(p.query, p.key_cache, p.value_cache, p.metadata, scale)
+            return triton_attention.paged_attention(p.query, PagedCaches(p.key_cache, p.value_cache), p.metadata,
+                                                    LayerAttention(scale))
 
         results[name] = compare_with_sdpa(problem, kernel, device, sizes.repeats)
         if name == "decode":
@@ -372,7 +373,7 @@ def compare_with_sdpa(problem: PagedProblem, kernel: Callable[[], torch.Tensor],
 
 def benchmark_split(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     """One decode batch, one segment vs the dispatcher's split: does split-KV pay here?"""
-    from paged_backend.kernels import triton_attention
+    from paged_backend.kernels import LayerAttention, PagedCaches, triton_attention
 
     num_seqs, seq_len = sizes.split_decode
     problem = make_problem(sizes, num_seqs, 1, seq_len, device)
@@ -383,8 +384,8 @@ def benchmark_split(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     unsplit = triton_attention.LaunchConfig(chosen.block_m, chosen.tile_n, 1, chosen.num_warps, chosen.num_stages)
 
     def run(config):
-        return lambda: triton_attention.paged_attention(problem.query, problem.key_cache, problem.value_cache,
-                                                        problem.metadata, scale, config=config)
+        return lambda: triton_attention.paged_attention(problem.query, PagedCaches(problem.key_cache, problem.value_cache),
+                                                        problem.metadata, LayerAttention(scale), config=config)
 
     max_err = (run(chosen)().float() - run(unsplit)().float()).abs().max().item()
     split_ms, one_ms = time_ms(run(chosen), device, sizes.repeats), time_ms(run(unsplit), device, sizes.repeats)
@@ -709,8 +710,8 @@ class AttentionRecorder:
 
         custom_ops.write_and_attend = self.original
 
-    def record(self, query: torch.Tensor, new_key, new_value, kv, metadata, *args):
-        out = self.original(query, new_key, new_value, kv, metadata, *args)
+    def record(self, query: torch.Tensor, new_key, new_value, cache, metadata, *args):
+        out = self.original(query, new_key, new_value, cache, metadata, *args)
         decoding = metadata.num_seqs >= 2 and query.shape[0] == metadata.num_seqs
         if decoding and self.step in (None, id(metadata)):
             self.step = id(metadata)

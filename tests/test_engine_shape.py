@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import sys
 from pathlib import Path
 
 from helpers.engine import greedy, mixed_prompts, run_to_completion
@@ -122,6 +123,44 @@ def test_the_kv_manager_and_the_plan_ask_layer_specs_not_kinds() -> None:
         assert not used & fields, name
         if name.startswith("core/"):
             assert "isinstance" not in used, name
+
+
+# A layer's attention options, which its attention record (kernels/layer_attention.py) carries from start-up on.
+LAYER_OPTIONS = {"chunk_size", "sliding_window", "softcap"}
+
+
+def functions_taking(names: set[str]) -> list[str]:
+    """`path:function(parameter)` for every function or lambda of the package and the integrations, outside the
+    kernels package (where the record is unpacked), with a parameter of one of `names`."""
+    package = ENGINE_SOURCE.parent
+    files = {path.resolve() for path in [*package.rglob("*.py"), *(package.parent / "integrations").rglob("*.py")]}
+    found = []
+    for path in sorted(files):
+        if package / "kernels" in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                arguments = node.args
+                every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                         *filter(None, (arguments.vararg, arguments.kwarg))]
+                found += [f"{path.name}:{getattr(node, 'name', 'lambda')}({a.arg})" for a in every if a.arg in names]
+    return found
+
+
+def test_layer_options_travel_as_one_record() -> None:
+    """A layer's chunk, window and soft-cap are read once, into its attention record, and reach the kernels in it:
+    no function outside the kernels package takes one of them as a parameter."""
+    assert functions_taking(LAYER_OPTIONS) == []
+
+
+def test_the_option_finder_finds_a_parameter(tmp_path: Path, monkeypatch) -> None:
+    """Guards the test above: the walk sees a parameter of that name outside the kernels, and none inside."""
+    package = tmp_path / "paged_backend"
+    (package / "kernels").mkdir(parents=True)
+    (package / "engine.py").write_text("def attend(query, *, sliding_window=None):\n    return query\n")
+    (package / "kernels" / "inside.py").write_text("def attend(query, chunk_size):\n    return query\n")
+    monkeypatch.setattr(sys.modules[__name__], "ENGINE_SOURCE", package / "engine.py")
+    assert functions_taking(LAYER_OPTIONS) == ["engine.py:attend(sliding_window)"]
 
 
 def test_formats_have_one_module_each() -> None:

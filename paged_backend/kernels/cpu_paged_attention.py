@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 
 from . import cpu_build
+from .layer_attention import LayerAttention
+from .layer_cache import PagedCaches
 from .metadata import AttentionMetadata
 
 ENV_SWITCH = cpu_build.ENV_SWITCH
@@ -105,29 +107,22 @@ def step_tensors(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tenso
 
 def attend(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    key_scales: torch.Tensor | None,
-    value_scales: torch.Tensor | None,
+    cache: PagedCaches,
     metadata: AttentionMetadata,
     seqs: torch.Tensor,
     out: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk_size: int | None = None,
+    layer: LayerAttention,
     new_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write into `out [T, H, D]` (contiguous, the query's dtype) the attention of the rows of sequences `seqs` of
-    packed `query [T, H, D]` over the paged `key_cache/value_cache [KVH, num_slots, D]` (int8: times their
-    `key_scales/value_scales [KVH, num_slots]`); first, with `new_rows`, store the step's new key and value rows
+    packed `query [T, H, D]` over the paged `cache` (K and V `[KVH, num_slots, D]`, int8: times their scales
+    `[KVH, num_slots]`), with what `layer` asks for; first, with `new_rows`, store the step's new key and value rows
     `[T, KVH, D]` at the step's slot mapping (stores() said so). The caller checked serves()."""
     query = query.contiguous()
     tables, starts, lens = step_tensors(metadata)
+    key_cache, value_cache, key_scales, value_scales = cache
     kv_heads, _, dim = key_cache.shape
-    floats = [None if t is None else t.float().contiguous() for t in (sinks, alibi_slopes)]
+    floats = [None if t is None else t.float().contiguous() for t in (layer.sinks, layer.alibi_slopes)]
     args = Arguments(
         query.data_ptr(), QUERY_DTYPES[query.dtype], key_cache.data_ptr(), value_cache.data_ptr(),
         CACHE_DTYPES[key_cache.dtype], key_cache.stride(0),
@@ -135,7 +130,7 @@ def attend(
         value_scales.data_ptr() if value_scales is not None else None,
         key_scales.stride(0) if key_scales is not None else 0,
         tables.data_ptr(), tables.shape[1], metadata.block_size, starts.data_ptr(), lens.data_ptr(), seqs.data_ptr(),
-        len(seqs), query.shape[1], kv_heads, dim, scale, sliding_window or 0, chunk_size or 0, softcap or 0.0,
+        len(seqs), query.shape[1], kv_heads, dim, layer.scale, layer.window or 0, layer.chunk or 0, layer.softcap or 0.0,
         *(None if t is None else t.data_ptr() for t in floats), out.data_ptr(), torch.get_num_threads())
     if new_rows is not None:
         key, value = new_rows

@@ -17,7 +17,8 @@ from types import ModuleType
 import torch
 
 from . import torch_attention
-from .kv_quant import split_scales
+from .layer_attention import LayerAttention
+from .layer_cache import LayerCache, PagedCaches
 from .metadata import AttentionMetadata
 
 # The Triton kernels' tiles hold a whole head (padded to a power of two) in registers; past 256
@@ -92,95 +93,71 @@ def write_kv_cache(
 
 def paged_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    cache: PagedCaches,
     metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
+    layer: LayerAttention,
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    key_scales: torch.Tensor | None = None,
-    value_scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Attention of packed `query [T, H, D]` over the paged cache; returns `[T, H, D]`.
+    """Attention of packed `query [T, H, D]` over the paged `cache` with what `layer` asks for (its scale, and any
+    window, soft-cap, ALiBi slopes, sinks or chunk: layer_attention.py); returns `[T, H, D]`.
 
     The cache may hold another dtype than the query (a low-precision KV cache): both backends read
     it in the query's dtype, an int8 cache times its `key_scales/value_scales [KVH, num_slots]`.
 
-    `alibi_slopes` `[H]` fp32 (BLOOM, MPT, Falcon-RW, Baichuan-13B) adds `slope * (key position -
-    query position)` to each head's logits, after any soft-capping and before the causal mask.
-
-    `sinks` `[H]` (gpt-oss) is a logit per head that joins each query row's softmax with no value, so it
-    only takes weight from the keys. `chunk_size` (Llama 4's chunked layers) hides every key before the
-    start of the query's chunk, `position - position % chunk_size`.
+    ALiBi slopes (BLOOM, MPT, Falcon-RW, Baichuan-13B) add `slope * (key position - query position)` to each
+    head's logits, after any soft-capping and before the causal mask. Sinks (gpt-oss) are a logit per head that
+    joins each query row's softmax with no value, so they only take weight from the keys. A chunk (Llama 4's
+    chunked layers) hides every key before the start of the query's chunk, `position - position % chunk`.
 
     `new_key`/`new_value` are this step's K/V, already written to the cache: the PyTorch backend
     reads them to skip a gather for sequences with no earlier context; the Triton kernel reads
     everything from the cache in the same launch, so it has no use for them.
     """
     if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
-        return triton_modules()[0].paged_attention(
-            query, key_cache, value_cache, metadata, scale, sliding_window, softcap, alibi_slopes=alibi_slopes,
-            key_scales=key_scales, value_scales=value_scales, sinks=sinks, chunk_size=chunk_size,
-        )
-    return torch_attention.paged_attention(
-        query, key_cache, value_cache, metadata, scale, sliding_window, softcap, new_key, new_value, alibi_slopes,
-        key_scales, value_scales, sinks, chunk_size,
-    )
+        return triton_modules()[0].paged_attention(query, cache, metadata, layer)
+    return torch_attention.paged_attention(query, cache, metadata, layer, new_key, new_value)
 
 
 def write_and_attend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    layer_cache: torch.Tensor,
+    cache: LayerCache,
     metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    layer_scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk_size: int | None = None,
+    layer: LayerAttention,
 ) -> torch.Tensor:
     """What a layer does in a step, as one call: write its new `key/value [T, KVH, D]` into its paged cache
-    `layer_cache [2 (K, V), KVH, num_slots, D]` (an int8 one with `layer_scales [2, KVH, num_slots]`) at
+    (`cache.kv [2 (K, V), KVH, num_slots, D]`, an int8 one with `cache.scales [2, KVH, num_slots]`) at
     `metadata.slot_mapping`, as write_kv_cache() does, then attend `query [T, H, D]` over each sequence's
     context, those keys included, as paged_attention() does; returns `[T, H, D]`."""
     if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
-        key_scales, value_scales = split_scales(layer_scales)
-        write_kv_cache(key, value, layer_cache[0], layer_cache[1], metadata.slot_mapping, key_scales, value_scales)
-        return paged_attention(query, layer_cache[0], layer_cache[1], metadata, scale, sliding_window, softcap,
-                               alibi_slopes=alibi_slopes, key_scales=key_scales, value_scales=value_scales,
-                               sinks=sinks, chunk_size=chunk_size)
-    return torch_attention.write_and_attend(query, key, value, layer_cache, metadata, scale, sliding_window,
-                                            softcap, alibi_slopes, layer_scales, sinks, chunk_size)
+        caches = cache.key_value()
+        write_kv_cache(key, value, caches.key_cache, caches.value_cache, metadata.slot_mapping, caches.key_scales,
+                       caches.value_scales)
+        return paged_attention(query, caches, metadata, layer)
+    return torch_attention.write_and_attend(query, key, value, cache, metadata, layer)
 
 
 def write_and_attend_latent(
     query: torch.Tensor,
     latent: torch.Tensor,
-    layer_cache: torch.Tensor,
+    cache: LayerCache,
     metadata: AttentionMetadata,
-    scale: float,
-    layer_scales: torch.Tensor | None = None,
+    layer: LayerAttention,
 ) -> torch.Tensor:
     """What a layer of multi-head latent attention does in a step (absorbed form): write its new `latent [T, 1, D]`
-    into its paged cache `layer_cache [1, 1, num_slots, D]` (an int8 one with `layer_scales [1, 1, num_slots]`) at
+    into its paged cache (`cache.kv [1, 1, num_slots, D]`, an int8 one with `cache.scales [1, 1, num_slots]`) at
     `metadata.slot_mapping`, then attend `query [T, H, D]` over each sequence's latents as one shared key head
-    whose value is the latent itself; returns `[T, H, D]`. The caller keeps the value columns it needs (the
-    latent's first kv_lora_rank): the others are the rotary key part, attended over at no other cost than their
-    columns of the weighted sum, so the same cache serves as key and value, with no second copy or kernel."""
-    cache = layer_cache[0]
-    scales = None if layer_scales is None else layer_scales[0]
+    whose value is the latent itself, at `layer.scale`; returns `[T, H, D]`. The caller keeps the value columns it
+    needs (the latent's first kv_lora_rank): the others are the rotary key part, attended over at no other cost
+    than their columns of the weighted sum, so the same cache serves as key and value, with no second copy or
+    kernel."""
+    caches = cache.latent()
     if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
         # The cache-write kernel stores a key and a value: given the latent as both, the second store rewrites
         # the same bytes, the price of one kernel for both layouts.
-        triton_modules()[1].write_kv_cache(latent, latent, cache, cache, metadata.slot_mapping, scales, scales)
-        return triton_modules()[0].paged_attention(query, cache, cache, metadata, scale, key_scales=scales,
-                                                   value_scales=scales)
-    return torch_attention.write_and_attend_latent(query, latent, cache, metadata, scale, scales)
+        triton_modules()[1].write_kv_cache(latent, latent, caches.key_cache, caches.value_cache,
+                                           metadata.slot_mapping, caches.key_scales, caches.value_scales)
+        return triton_modules()[0].paged_attention(query, caches, metadata, layer)
+    return torch_attention.write_and_attend_latent(query, latent, caches, metadata, layer)

@@ -40,9 +40,3 @@ def check_scales(key_cache: torch.Tensor, key_scales: torch.Tensor | None,
             raise ValueError(f"an int8 cache needs fp32 scales of shape {want}, contiguous in slots")
     if key_scales.stride() != value_scales.stride():
         raise ValueError("key_scales and value_scales must share one layout")
-
-
-def split_scales(layer_scales: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(key scales, value scales) `[KVH, num_slots]` of one layer's `[2, KVH, num_slots]`, or (None, None)
-    for a float cache."""
-    return (None, None) if layer_scales is None else (layer_scales[0], layer_scales[1])

@@ -13,24 +13,16 @@ measurements).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from . import cpu_paged_attention
-from .kv_quant import dequantize_int8, quantize_int8, split_scales
+from .kv_quant import dequantize_int8, quantize_int8
+from .layer_attention import LayerAttention
+from .layer_cache import LayerCache, PagedCaches
 from .metadata import AttentionMetadata, host_block_tables
 from .torch_buckets import ContextReader, attend_bucket, plan_buckets
-
-
-class PagedCaches(NamedTuple):
-    """A layer's paged K and V caches `[KVH, num_slots, D]`, and their scales `[KVH, num_slots]` when int8."""
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    key_scales: torch.Tensor | None
-    value_scales: torch.Tensor | None
 
 
 def write_kv_cache(
@@ -70,21 +62,16 @@ def write_and_attend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    layer_cache: torch.Tensor,
+    cache: LayerCache,
     metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    layer_scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk_size: int | None = None,
+    layer: LayerAttention,
 ) -> torch.Tensor:
-    """write_kv_cache() of this step's `key/value [T, KVH, D]` into one layer's cache `[2 (K, V), KVH,
-    num_slots, D]` (an int8 one with its `layer_scales [2, KVH, num_slots]`), then paged_attention() of
+    """write_kv_cache() of this step's `key/value [T, KVH, D]` into one layer's cache (`cache.kv [2 (K, V), KVH,
+    num_slots, D]`, an int8 one with its `cache.scales [2, KVH, num_slots]`), then paged_attention() of
     `query [T, H, D]` over the context they joined. Which rows have a slot is found once per step, not per
     layer, and a sequence's K and V are gathered together (one gather and one cast, not two of each)."""
-    caches = PagedCaches(layer_cache[0], layer_cache[1], *split_scales(layer_scales))
+    layer_cache, layer_scales = cache
+    caches = cache.key_value()
     if (cpu_paged_attention.serves(query, caches.key_cache)
             and cpu_paged_attention.stores(key, value, caches.key_cache, metadata.slot_mapping)):
         # The kernel's call stores the rows itself, first: no index_copy per K and V, and one call per layer.
@@ -106,31 +93,30 @@ def write_and_attend(
         context = read_context(joint, joint_scales, slots, dtype)
         return context[:heads], context[heads:]
 
-    return attend_sequences(query, read, heads, metadata, scale, sliding_window, softcap, stored, alibi_slopes,
-                            sinks, chunk_size, caches, new_rows)
+    return attend_sequences(query, read, heads, metadata, layer, stored, caches, new_rows)
 
 
 def write_and_attend_latent(
     query: torch.Tensor,
     latent: torch.Tensor,
-    cache: torch.Tensor,
+    cache: PagedCaches,
     metadata: AttentionMetadata,
-    scale: float,
-    scales: torch.Tensor | None = None,
+    layer: LayerAttention,
 ) -> torch.Tensor:
     """Multi-head latent attention's write and attention (dispatch.write_and_attend_latent): write `latent [T, 1, D]`
-    into `cache [1, num_slots, D]` (int8: with `scales [1, num_slots]`), then attend `query [T, H, D]` over each
-    sequence's latents, read once per sequence and used as both its key and its value."""
+    into the latent `cache` (its key and value caches one `[1, num_slots, D]`, int8: with scales `[1, num_slots]`),
+    then attend `query [T, H, D]` over each sequence's latents, read once per sequence and used as both its key and
+    its value."""
+    latents, scales = cache.key_cache, cache.key_scales
     if "torch_writable_rows" not in metadata.derived:
         metadata.derived["torch_writable_rows"] = writable_rows(metadata.slot_mapping)
-    stored = write_one(latent, cache, scales, metadata.slot_mapping, metadata.derived["torch_writable_rows"])
+    stored = write_one(latent, latents, scales, metadata.slot_mapping, metadata.derived["torch_writable_rows"])
 
     def read(slots: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        context = read_context(cache, scales, slots, dtype)
+        context = read_context(latents, scales, slots, dtype)
         return context, context
 
-    return attend_sequences(query, read, 1, metadata, scale, None, None, (stored, stored), None,
-                            caches=PagedCaches(cache, cache, scales, scales))
+    return attend_sequences(query, read, 1, metadata, layer, (stored, stored), cache)
 
 
 def write_one(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor,
@@ -183,26 +169,17 @@ def sequence_slots(metadata: AttentionMetadata, i: int) -> torch.Tensor | slice:
     return slots
 
 
-def causal_mask(
-    num_queries: int, seq_len: int, sliding_window: int | None, device: torch.device, chunk_size: int | None = None
-) -> torch.Tensor:
-    """Bool `[n, L]`: key position <= context length + query position (and inside the window, and inside the
-    query's chunk of `chunk_size` positions: Llama 4's chunked attention)."""
+def causal_mask(num_queries: int, seq_len: int, layer: LayerAttention, device: torch.device) -> torch.Tensor:
+    """Bool `[n, L]`: key position <= context length + query position (and inside the layer's window, and inside
+    the query's chunk: Llama 4's chunked attention)."""
     q_pos = torch.arange(seq_len - num_queries, seq_len, device=device)[:, None]
     k_pos = torch.arange(seq_len, device=device)[None, :]
     allowed = k_pos <= q_pos
-    if sliding_window is not None:
-        allowed &= k_pos > q_pos - sliding_window
-    if chunk_size is not None:
-        allowed &= k_pos >= q_pos - q_pos % chunk_size
+    if layer.window is not None:
+        allowed &= k_pos > q_pos - layer.window
+    if layer.chunk is not None:
+        allowed &= k_pos >= q_pos - q_pos % layer.chunk
     return allowed
-
-
-def restricts_keys(seq_len: int, sliding_window: int | None, chunk_size: int | None) -> bool:
-    """Whether a window or a chunk hides some earlier key from some query of a sequence of `seq_len`: if not,
-    its attention is plain causal."""
-    return (sliding_window is not None and seq_len > sliding_window) or (
-        chunk_size is not None and seq_len > chunk_size)
 
 
 def alibi_bias(
@@ -220,31 +197,26 @@ def attend_one(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    alibi_slopes: torch.Tensor | None = None,
+    layer: LayerAttention,
     masks: dict | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Attention of `q [H, n, D]` over `k, v [KVH, L, D]` whose last `n` positions are the queries.
-    `masks` memoises a step's masks by shape (and ALiBi slopes), so every layer reuses them. `sinks [H]`
-    (gpt-oss) is a logit per head that joins each row's softmax with no value: it only takes weight away."""
+    """Attention of `q [H, n, D]` over `k, v [KVH, L, D]` whose last `n` positions are the queries, with what
+    `layer` asks for. `masks` memoises a step's masks by shape (and window, chunk and ALiBi slopes), so every
+    layer reuses them."""
     n, seq_len = q.shape[1], k.shape[1]
     masks = {} if masks is None else masks
-    slopes_key = None if alibi_slopes is None else (q.dtype, tuple(alibi_slopes.tolist()))
+    window, chunk, slopes, scale = layer.window, layer.chunk, layer.alibi_slopes, layer.scale
 
     def allowed() -> torch.Tensor:
-        return memo(masks, ("causal", n, seq_len, sliding_window, chunk_size),
-                    lambda: causal_mask(n, seq_len, sliding_window, q.device, chunk_size))
+        return memo(masks, ("causal", n, seq_len, window, chunk), lambda: causal_mask(n, seq_len, layer, q.device))
 
-    if softcap is not None or sinks is not None:  # SDPA has neither
-        return attend_eager(q, k, v, scale, allowed(), softcap, alibi_slopes, sinks)
-    restricted = restricts_keys(seq_len, sliding_window, chunk_size)
-    if alibi_slopes is not None:
-        mask = memo(masks, ("alibi", n, seq_len, sliding_window, chunk_size, slopes_key), lambda: alibi_bias(
-            alibi_slopes.to(q.device), n, seq_len, allowed(), q.dtype))
+    if layer.softcap is not None or layer.sinks is not None:  # SDPA has neither
+        return attend_eager(q, k, v, allowed(), layer)
+    restricted = layer.hides_keys(seq_len)
+    if slopes is not None:
+        slopes_key = (q.dtype, tuple(slopes.tolist()))
+        mask = memo(masks, ("alibi", n, seq_len, window, chunk, slopes_key), lambda: alibi_bias(
+            slopes.to(q.device), n, seq_len, allowed(), q.dtype))
         is_causal = False
     elif n == 1 and not restricted:
         mask, is_causal = None, False
@@ -252,7 +224,7 @@ def attend_one(
         mask, is_causal = None, True
     elif few_rows(q, n):
         group = q.shape[0] // k.shape[0]
-        bias = memo(masks, ("few_rows", n, seq_len, sliding_window, chunk_size, group),
+        bias = memo(masks, ("few_rows", n, seq_len, window, chunk, group),
                     lambda: few_rows_bias(allowed(), group))
         return attend_few_rows(q, k, v, bias, scale)
     else:
@@ -321,62 +293,48 @@ def memo(cache: dict, key: tuple, build) -> torch.Tensor:
     return value
 
 
-def attend_eager(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor, softcap: float | None,
-    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Eager attention in fp32, for what SDPA cannot express: tanh logit soft-capping (Gemma 2) and attention
-    sinks (gpt-oss: a logit per head `sinks [H]` appended to each row's scores, its weight dropped after
-    the softmax)."""
+def attend_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 layer: LayerAttention) -> torch.Tensor:
+    """Eager attention in fp32 under bool `mask [n, L]`, for what SDPA cannot express: tanh logit soft-capping
+    (Gemma 2) and attention sinks (gpt-oss: a logit per head `sinks [H]` appended to each row's scores, its weight
+    dropped after the softmax)."""
     group = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(group, dim=0)
     v = v.repeat_interleave(group, dim=0)
-    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes.to(q.device), q.shape[1], k.shape[1], mask, torch.float32)
+    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * layer.scale
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if layer.alibi_slopes is not None:
+        scores = scores + alibi_bias(layer.alibi_slopes.to(q.device), q.shape[1], k.shape[1], mask, torch.float32)
     scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
+    if layer.sinks is None:
         return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
-    sink = sinks.float().to(q.device)[:, None, None].expand(-1, q.shape[1], 1)
+    sink = layer.sinks.float().to(q.device)[:, None, None].expand(-1, q.shape[1], 1)
     weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(weights, v.float()).to(q.dtype)
 
 
 def paged_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    cache: PagedCaches,
     metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
+    layer: LayerAttention,
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    key_scales: torch.Tensor | None = None,
-    value_scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Attention of packed `query [T, H, D]` over the paged cache; returns `[T, H, D]`.
+    """Attention of packed `query [T, H, D]` over the paged `cache` (int8: with its scales), with what `layer`
+    asks for; returns `[T, H, D]`.
 
     `new_key`/`new_value` `[T, KVH, D]` (optional) are this step's keys as the cache holds them
     (what `write_kv_cache` returned): a sequence with no earlier context reads them directly and
-    skips the gather. `alibi_slopes` `[H]` (optional) adds `slope * (key position - query position)`
-    to each head's logits. `key_scales/value_scales [KVH, num_slots]` are given with an int8 cache.
-    `sinks [H]` (optional) joins each head's softmax as a logit with no value; `chunk_size` (optional) hides
-    the keys before the start of the query's chunk (position - position % chunk_size).
+    skips the gather.
     """
     def read(slots: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return (read_context(key_cache, key_scales, slots, dtype),
-                read_context(value_cache, value_scales, slots, dtype))
+        return (read_context(cache.key_cache, cache.key_scales, slots, dtype),
+                read_context(cache.value_cache, cache.value_scales, slots, dtype))
 
     stored = None if new_key is None else (new_key, new_value)
-    return attend_sequences(query, read, key_cache.shape[0], metadata, scale, sliding_window, softcap, stored,
-                            alibi_slopes, sinks, chunk_size, PagedCaches(key_cache, value_cache, key_scales, value_scales))
-
+    return attend_sequences(query, read, cache.key_cache.shape[0], metadata, layer, stored, cache)
 
 
 def attend_sequences(
@@ -384,13 +342,8 @@ def attend_sequences(
     read: ContextReader,
     kv_heads: int,
     metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
+    layer: LayerAttention,
     stored: tuple[torch.Tensor, torch.Tensor] | None,
-    alibi_slopes: torch.Tensor | None,
-    sinks: torch.Tensor | None = None,
-    chunk_size: int | None = None,
     caches: PagedCaches | None = None,
     new_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -414,16 +367,14 @@ def attend_sequences(
             k, v = stored[0][s:e].transpose(0, 1), stored[1][s:e].transpose(0, 1)
         else:
             k, v = read(sequence_slots(metadata, i), torch.float32 if upcast and e - s == 1 else query.dtype)
-        return attend_one(q, k, v, scale, sliding_window, softcap, alibi_slopes, masks, sinks,
-                          chunk_size).transpose(0, 1)
+        return attend_one(q, k, v, layer, masks).transpose(0, 1)
 
     starts = metadata.query_start_loc_host
     if caches is not None and cpu_paged_attention.serves(query, caches.key_cache):
         few, rest = cpu_paged_attention.kernel_sequences(metadata, most_matmul_rows(query.dtype))
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if len(few) or new_rows is not None:  # with no sequence of its own, the call still stores the rows
-            cpu_paged_attention.attend(query, *caches, metadata, few, out, scale, sliding_window, softcap,
-                                       alibi_slopes, sinks, chunk_size, new_rows)
+            cpu_paged_attention.attend(query, caches, metadata, few, out, layer, new_rows)
         for i in rest:
             out[starts[i]:starts[i + 1]] = attend_sequence(i)
         return out
@@ -431,11 +382,10 @@ def attend_sequences(
         return attend_sequence(0).contiguous()
     out = torch.empty_like(query)
     rest = range(metadata.num_seqs)
-    if softcap is None and alibi_slopes is None and sinks is None and query.device.type == "cpu":
-        plan = plan_buckets(metadata, kv_heads, query.shape[1] // kv_heads, sliding_window,
-                            most_matmul_rows(query.dtype), chunk_size)
+    if layer.masks_only and query.device.type == "cpu":
+        plan = plan_buckets(metadata, kv_heads, query.shape[1] // kv_heads, layer, most_matmul_rows(query.dtype))
         for bucket in plan.buckets:
-            out.index_copy_(0, bucket.out_rows, attend_bucket(query, read, bucket, scale).to(query.dtype))
+            out.index_copy_(0, bucket.out_rows, attend_bucket(query, read, bucket, layer.scale).to(query.dtype))
         rest = plan.rest
     for i in rest:
         out[starts[i]:starts[i + 1]] = attend_sequence(i)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .layer_attention import LayerAttention
 from .metadata import AttentionMetadata, host_block_tables
 
 MIN_BUCKET = 4  # fewer sequences than this attend one by one
@@ -55,25 +56,24 @@ class BucketPlan:
     rest: list[int]  # sequences attended one by one
 
 
-def plan_buckets(metadata: AttentionMetadata, kv_heads: int, group: int, sliding_window: int | None,
-                 most_rows: int, chunk_size: int | None = None) -> BucketPlan:
-    """The step's buckets of sequences with at most `most_rows` query rows over an earlier context, memoised
-    for every layer of the forward with the same shapes, window and chunk (`chunk_size`: a key is seen only
-    from the start of its query's chunk)."""
-    key = ("torch_buckets", kv_heads, group, sliding_window, most_rows, chunk_size)
+def plan_buckets(metadata: AttentionMetadata, kv_heads: int, group: int, layer: LayerAttention,
+                 most_rows: int) -> BucketPlan:
+    """The step's buckets of sequences with at most `most_rows` query rows over an earlier context, masked by
+    `layer`'s window and chunk, memoised for every layer of the forward with the same shapes, window and chunk."""
+    key = ("torch_buckets", kv_heads, group, layer.window, most_rows, layer.chunk)
     plan = metadata.derived.get(key)
     if plan is None:
-        plan = metadata.derived[key] = build_plan(metadata, kv_heads, group, sliding_window, most_rows, chunk_size)
+        plan = metadata.derived[key] = build_plan(metadata, kv_heads, group, layer, most_rows)
     return plan
 
 
-def build_plan(metadata: AttentionMetadata, kv_heads: int, group: int, sliding_window: int | None,
-               most_rows: int, chunk_size: int | None = None) -> BucketPlan:
+def build_plan(metadata: AttentionMetadata, kv_heads: int, group: int, layer: LayerAttention,
+               most_rows: int) -> BucketPlan:
     starts, lens = metadata.query_start_loc_host, metadata.seq_lens_host
     eligible = [i for i, seq_len in enumerate(lens) if starts[i + 1] - starts[i] <= min(most_rows, seq_len - 1)]
     eligible.sort(key=lens.__getitem__)
     runs = [run for run in split_by_length(eligible, lens) if len(run) >= MIN_BUCKET]
-    buckets = [make_bucket(run, metadata, kv_heads, group, sliding_window, chunk_size) for run in runs]
+    buckets = [make_bucket(run, metadata, kv_heads, group, layer) for run in runs]
     bucketed = {i for bucket in buckets for i in bucket.seqs}
     return BucketPlan(buckets, [i for i in range(len(lens)) if i not in bucketed])
 
@@ -97,7 +97,8 @@ def split_by_length(seqs: list[int], lens: list[int]) -> list[list[int]]:
 
 
 def make_bucket(seqs: list[int], metadata: AttentionMetadata, kv_heads: int, group: int,
-                sliding_window: int | None, chunk_size: int | None = None) -> Bucket:
+                layer: LayerAttention) -> Bucket:
+    """The bucket of `seqs`, its mask from `layer`'s window and chunk (its scale is applied when it attends)."""
     starts = np.array([metadata.query_start_loc_host[i] for i in seqs])
     counts = np.array([metadata.query_start_loc_host[i + 1] for i in seqs]) - starts
     lens = np.array([metadata.seq_lens_host[i] for i in seqs])
@@ -110,10 +111,10 @@ def make_bucket(seqs: list[int], metadata: AttentionMetadata, kv_heads: int, gro
     row = np.minimum(np.arange(n), counts[:, None] - 1)  # [seqs, n]: a repeat of the last row past the real ones
     query_positions = (lens - counts)[:, None] + row
     allowed = positions <= query_positions[..., None]  # [seqs, n, length]; padding lies past every query
-    if sliding_window is not None:
-        allowed &= positions > query_positions[..., None] - sliding_window
-    if chunk_size is not None:
-        allowed &= positions >= (query_positions - query_positions % chunk_size)[..., None]
+    if layer.window is not None:
+        allowed &= positions > query_positions[..., None] - layer.window
+    if layer.chunk is not None:
+        allowed &= positions >= (query_positions - query_positions % layer.chunk)[..., None]
     bias = torch.zeros(allowed.shape).masked_fill_(torch.from_numpy(~allowed), float("-inf"))
     # One KV head's matmul holds its group of query heads, each with the sequence's n rows.
     bias = bias[None, :, None].expand(kv_heads, len(seqs), group, n, length).reshape(-1, group * n, length)

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from .layer_attention import LayerAttention
 from .metadata import AttentionMetadata
 
 # A block count of 0 or 1 would be specialised by the compiler (a recompile per case); a step's blocks
@@ -53,42 +54,38 @@ def write_and_attend_single_row(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    layer: int | torch.Tensor,
     step: SingleRowStep,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk_size: int | None = None,
+    index: int | torch.Tensor,
+    layer: LayerAttention,
 ) -> torch.Tensor:
-    """Write the step's `key/value [KVH, D]` into layer `layer` of `step.kv` at `step.slot`, then attend its
-    one `query [H, D]` over the sequence's context there, in fp32; returns `[H, D]`. `sinks [H]` joins each
-    head's softmax as a logit with no value; `chunk_size` hides the keys before the query's chunk."""
+    """Write the step's `key/value [KVH, D]` into layer `index` of `step.kv` at `step.slot`, then attend its
+    one `query [H, D]` over the sequence's context there, in fp32, with what `layer` asks for (its window, chunk,
+    soft-cap and sinks; the paths with ALiBi slopes are adapters', which call the op); returns `[H, D]`."""
     kv_heads, dim = key.shape
     heads = torch.arange(kv_heads, device=key.device)
     # The layer as an index tensor, never a Python int in the graph: a compiled forward gives it as a 0-d tensor
     # input, so every layer traces the same graph (model/layer_regions.py).
-    layer = torch.as_tensor(layer, device=key.device)
+    index = torch.as_tensor(index, device=key.device)
     for half, new in enumerate((key, value)):
-        index = (layer, torch.tensor(half, device=key.device), heads, step.slot)
-        step.kv.index_put_(index, new.to(step.kv.dtype))
+        where = (index, torch.tensor(half, device=key.device), heads, step.slot)
+        step.kv.index_put_(where, new.to(step.kv.dtype))
     slots = (step.blocks[:, None] * step.block_size + torch.arange(step.block_size, device=key.device)).flatten()
     # Two index tensors apart put the gathered positions first: [N, 2, KVH, D] -> [2, KVH, N, D].
-    context = step.kv[layer.view(1), :, :, slots].permute(1, 2, 0, 3)
+    context = step.kv[index.view(1), :, :, slots].permute(1, 2, 0, 3)
     positions = torch.arange(context.shape[2], device=query.device)
     allowed = positions < step.seq_len
-    if sliding_window is not None:
-        allowed &= positions > step.seq_len - 1 - sliding_window
-    if chunk_size is not None:
+    if layer.window is not None:
+        allowed &= positions > step.seq_len - 1 - layer.window
+    if layer.chunk is not None:
         query_position = step.seq_len - 1
-        allowed &= positions >= query_position - query_position % chunk_size
+        allowed &= positions >= query_position - query_position % layer.chunk
     q = query.reshape(kv_heads, -1, dim).float()
-    scores = (q[:, :, None, :] * context[0].float()[:, None]).sum(-1) * scale  # [KVH, group, N]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = (q[:, :, None, :] * context[0].float()[:, None]).sum(-1) * layer.scale  # [KVH, group, N]
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:  # one more logit per head, whose weight is dropped after the softmax
-        sink = sinks.float().view(kv_heads, -1, 1)
+    if layer.sinks is not None:  # one more logit per head, whose weight is dropped after the softmax
+        sink = layer.sinks.float().view(kv_heads, -1, 1)
         weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     else:
         weights = scores.softmax(-1)

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 from .kv_quant import check_scales
+from .layer_attention import LayerAttention
+from .layer_cache import PagedCaches
 from .metadata import AttentionMetadata
 
 
@@ -287,28 +289,24 @@ def decode_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: 
 
 def paged_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    cache: PagedCaches,
     metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
+    layer: LayerAttention,
     config: LaunchConfig | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    key_scales: torch.Tensor | None = None,
-    value_scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Attention of packed `query [T, H, D]` over caches `[KVH, num_slots, D]`; returns `[T, H, D]`.
+    """Attention of packed `query [T, H, D]` over the paged `cache` (K and V `[KVH, num_slots, D]`) with what
+    `layer` asks for; returns `[T, H, D]`.
 
     The caches may be of a lower precision than the query (read and converted tile by tile), or int8
-    with fp32 `key_scales/value_scales [KVH, num_slots]`, one per (head, slot).
-    `alibi_slopes` `[H]` fp32 adds `slope * (key position - query position)` to each head's logits.
-    `sinks` `[H]` joins each head's softmax as a logit with no value (gpt-oss); `chunk_size` hides the keys
+    with fp32 scales `[KVH, num_slots]`, one per (head, slot).
+    ALiBi slopes `[H]` fp32 add `slope * (key position - query position)` to each head's logits.
+    Sinks `[H]` join each head's softmax as a logit with no value (gpt-oss); a chunk hides the keys
     before the start of the query's chunk (Llama 4's chunked layers).
     `config` overrides the tile choice (tests use it to reach every kernel variant on small inputs).
     """
+    key_cache, value_cache, key_scales, value_scales = cache
+    scale, window, softcap, chunk, alibi_slopes, sinks = (layer.scale, layer.window, layer.softcap, layer.chunk,
+                                                          layer.alibi_slopes, layer.sinks)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[0]
     if num_heads % num_kv_heads:
@@ -347,15 +345,15 @@ def paged_attention(
     kernel[grid](
         out, query, key_cache, value_cache,
         metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, *parts, *alibi, key_scales, value_scales,
-        sinks_arg, scale, softcap or 0.0, sliding_window or 0, chunk_size or 1, metadata.num_seqs,
+        sinks_arg, scale, softcap or 0.0, window or 0, chunk or 1, metadata.num_seqs,
         metadata.block_size, num_heads, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), metadata.block_tables.stride(0),
         key_scales.stride(0) if kv_int8 else 0,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=config.block_m, TILE_N=config.tile_n,
         HEAD_PAD=head_pad, NUM_SEGMENTS=segments,
-        USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None, KV_INT8=kv_int8,
-        USE_SINKS=sinks is not None, USE_CHUNK=chunk_size is not None,
+        USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None, KV_INT8=kv_int8,
+        USE_SINKS=sinks is not None, USE_CHUNK=chunk is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if segments > 1:

@@ -14,8 +14,10 @@ whose `config.layer_types` entry is "chunked_attention" sees keys only from the 
 `config.attention_chunk_size` positions; transformers puts that in the mask alone, which the paged path does
 not read, so the chunk is found from the layer's config here).
 
-Called with the engine's start-up probe, it notes that the step reached this layer and attends over the
-probe's own token.
+Those options never change from one call to the next, so they are read once: called with the engine's start-up
+probe, it notes that the step reached this layer, records what the layer's attention computes (its
+LayerAttention, kernels/layer_attention.py) and attends over the probe's own token. Inside an engine step the
+kernels read that record, found by the layer's index (step_context.py), and the keywords go unread.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from paged_backend.kernels.layer_attention import LayerAttention
 from paged_backend.kernels.torch_attention import attend_one
 from paged_backend.kernels.torch_single_row import (
     SingleRowStep,
@@ -45,34 +48,56 @@ def paged_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     paged_cache: PagedCache | ShapeProbe | None = None,
     paged_single_row: SingleRowStep | None = None,
-    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    sinks = s_aux
+    """The layer's attention. What the model passes besides the tensors (`sliding_window=`, `softcap=`, `s_aux=`,
+    in `kwargs`) describes the layer, not the step: the start-up probe records it (layer_attention), and inside an
+    engine step the kernels read that record instead."""
     if paged_cache is None:  # outside the engine: the model's own masks (windows and chunks included) apply
-        if softcap is not None or sinks is not None:
-            return eager_attention(module, query, key, value, attention_mask, scale, softcap, dropout, sinks), None
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, sliding_window=sliding_window, **kwargs)
-    window = sliding_window if sliding_window is not None else mask_window(module)
-    chunk_size = attention_chunk_size(module)
+        return attention_outside_engine(module, query, key, value, attention_mask, scaling, dropout, kwargs), None
     if isinstance(paged_cache, ShapeProbe):
+        layer = layer_attention(module, query.shape[-1], scaling, kwargs)
         paged_cache.reached(module.layer_idx, "adapter" if hasattr(module, "_paged_original_forward") else "interface",
-                            window, chunk_size)
-        out = attend_one(query[0], key[0], value[0], scale, window, softcap, sinks=sinks)
+                            layer)
+        out = attend_one(query[0], key[0], value[0], layer)
         return out.transpose(0, 1).unsqueeze(0), None
     if paged_single_row is not None:  # a compiled one-token step (torch_single_row.py)
-        out = write_and_attend_single_row(query[0, :, 0], key[0, :, 0], value[0, :, 0], traced_layer(module),
-                                          paged_single_row, scale, window, softcap, sinks, chunk_size)
+        layer = step_context.current_step().layer_attention(module.layer_idx)
+        out = write_and_attend_single_row(query[0, :, 0], key[0, :, 0], value[0, :, 0], paged_single_row,
+                                          traced_layer(module), layer)
         return out[None, None], None
     out = custom_ops.paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                     traced_layer(module), scale, window, softcap, None, sinks, chunk_size)
+                                     traced_layer(module))
     return out.unsqueeze(0), None
+
+
+def layer_attention(module: torch.nn.Module, head_dim: int, scaling: float | None, options: dict) -> LayerAttention:
+    """What a layer's attention computes, from what the model passes its attention function (`scaling`, and in
+    `options` its `sliding_window`, `softcap` and sinks as `s_aux`) and from its config where transformers keeps
+    a window or a chunk in the mask alone (mask_window, attention_chunk_size)."""
+    window = options.get("sliding_window")
+    return LayerAttention(
+        scale=scaling if scaling is not None else head_dim ** -0.5,
+        window=window if window is not None else mask_window(module),
+        softcap=options.get("softcap"),
+        chunk=attention_chunk_size(module),
+        sinks=options.get("s_aux"),
+    )
+
+
+def attention_outside_engine(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None, dropout: float,
+                             options: dict) -> torch.Tensor:
+    """transformers' SDPA with the model's own masks, or its eager attention for a layer that soft-caps logits or
+    has attention sinks (SDPA has neither); `[B, T, H, D]`."""
+    if options.get("softcap") is None and options.get("s_aux") is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **options)[0]
+    layer = LayerAttention(scaling if scaling is not None else query.shape[-1] ** -0.5,
+                           softcap=options.get("softcap"), sinks=options.get("s_aux"))
+    return eager_attention(module, query, key, value, attention_mask, layer, dropout)
 
 
 def mask_window(module: torch.nn.Module) -> int | None:
@@ -107,19 +132,17 @@ def eager_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scale: float,
-    softcap: float | None,
+    layer: LayerAttention,
     dropout: float,
-    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """transformers' eager attention with tanh soft-capping (Gemma 2's form) and/or attention sinks (gpt-oss's:
-    a logit per head `sinks [H]` joins each row's softmax, its weight dropped), for `[B, H, T, D]` inputs and a
-    bool or additive mask (None: causal over the keys' last T positions); `[B, T, H, D]`."""
+    """transformers' eager attention at `layer.scale` with tanh soft-capping (Gemma 2's form) and/or attention sinks
+    (gpt-oss's: a logit per head `sinks [H]` joins each row's softmax, its weight dropped), for `[B, H, T, D]` inputs
+    and a bool or additive mask (None: causal over the keys' last T positions); `[B, T, H, D]`."""
     key = repeat_kv(key, query.shape[1] // key.shape[1])
     value = repeat_kv(value, query.shape[1] // value.shape[1])
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = torch.matmul(query, key.transpose(2, 3)) * layer.scale
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
     if attention_mask is None:
         q_len, kv_len = query.shape[2], key.shape[2]
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
@@ -128,8 +151,8 @@ def eager_attention(
         scores = scores.masked_fill(~attention_mask[..., : key.shape[2]], torch.finfo(scores.dtype).min)
     else:
         scores = scores + attention_mask[..., : key.shape[2]]
-    if sinks is not None:
-        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    if layer.sinks is not None:
+        sink = layer.sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
         weights = weights.to(query.dtype)
     else:

@@ -15,6 +15,7 @@ as it came (attention implementation, adapters) and refused with `UnsupportedArc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator
 
@@ -29,7 +30,7 @@ from paged_backend.model.adapters import install_adapters, uninstall_adapters
 from paged_backend.model.attention import ATTENTION_NAME, register
 from paged_backend.model.model_runner import ModelRunner
 from paged_backend.model.step_inputs import StepInputs
-from paged_backend.model.paged_cache import KVShape, PagedCache, probe_kv_shape
+from paged_backend.model.paged_cache import KVShape, PagedCache, probe_kv_shape, probe_model
 from paged_backend.model.rope import has_dynamic_rope
 from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep, state_layout
 
@@ -144,7 +145,7 @@ def logits_difference(model: PreTrainedModel, shape: KVShape,
     generator = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, vocab, (n,), generator=generator).to(param.device) for n in CHECK_LENGTHS]
     with torch.inference_mode(), chunks_crossed(model), windows_crossed(model):
-        paged = paged_logits(model, shape, seqs, param.dtype, param.device, positions)
+        paged = paged_logits(model, crossed_shape(model, shape), seqs, param.dtype, param.device, positions)
         dense = dense_logits(model, seqs, positions)
     worst = (paged.float() - dense.float()).abs().max().item()
     precision = computing_dtype(model, param.dtype)
@@ -163,6 +164,14 @@ def far_positions(context: int) -> tuple[list[int], ...]:
     first = CHECK_STEPS[0][0][1]
     a, b = CHECK_LENGTHS
     return list(range(first)) + list(range(context - (a - first), context)), list(range(context - b, context))
+
+
+def crossed_shape(model: PreTrainedModel, shape: KVShape) -> KVShape:
+    """`shape` with each layer's attention record as the model describes it now, inside windows_crossed and
+    chunks_crossed: the start-up records hold the model's real window and chunk, which the check's short
+    sequences would not cross. Recorded by a probe, as at start-up, so the paged steps attend with whatever the
+    model's layers say under the shrunk settings, and the dense forward masks with the same."""
+    return dataclasses.replace(shape, attention=probe_model(model).layer_attention(shape.num_layers))
 
 
 @contextlib.contextmanager
@@ -193,7 +202,8 @@ def windows_crossed(model: PreTrainedModel) -> Iterator[None]:
 def chunks_crossed(model: PreTrainedModel) -> Iterator[None]:
     """Inside the block, a chunked-attention model (a "chunked_attention" entry in its layer types) has chunks
     of CHECK_CHUNK positions, so the self-check's short sequences cross chunk boundaries; both the model's own
-    masks and the paged attention read the chunk from the config when they run. Restored on exit."""
+    masks and the probe that records the check's attention records (crossed_shape) read the chunk from the config.
+    Restored on exit."""
     config = model.config.get_text_config()
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk is None or "chunked_attention" not in (getattr(config, "layer_types", None) or ()):

@@ -120,10 +120,11 @@ class ModelRunner:
     def _context(self, metadata: AttentionMetadata, group_metadata: tuple[AttentionMetadata, ...] | None = None,
                  lora_step: LoRAStep | None = None, recurrent_step: RecurrentStep | None = None) -> StepContext:
         """What the step's layers read (step_context.py): its metadata over this runner's cache (with each layer
-        group's, when given), its adapters, its recurrent state, whether projections run fused."""
+        group's, when given), its adapters, its recurrent state, whether projections run fused, and each layer's
+        attention record (the cache's KVShape holds the probe's)."""
         groups = self.cache.groups if group_metadata is not None else None
         return StepContext(metadata, self.cache.kv, self.cache.kv_scales, group_metadata, groups, lora_step,
-                           self.recurrent, recurrent_step, self.fused)
+                           self.recurrent, recurrent_step, self.fused, self.cache.shape.attention)
 
     @property
     def compiled(self) -> bool:

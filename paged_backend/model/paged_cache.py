@@ -28,6 +28,7 @@ from paged_backend.core.layer_specs import (
 )
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels.kv_quant import SCALE_DTYPE
+from paged_backend.kernels.layer_attention import LayerAttention
 from paged_backend.model.recurrent_state import state_layout
 
 
@@ -42,6 +43,10 @@ class KVShape:
     head_dim: int
     layers: tuple[LayerSpec, ...]
     parallel: tuple[LayerSpec, ...] = ()
+    # Each layer's attention as the probe recorded it (its scale, window, soft-cap, sinks, ...: the record every
+    # step's kernels read, step_context.py); None for a layer without one (a hybrid's recurrent layer); () when
+    # not probed.
+    attention: tuple[LayerAttention | None, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -163,21 +168,24 @@ class ShapeProbe(PackedStepCache):
         super().__init__()
         self.seen: dict[int, tuple[int, int, torch.dtype]] = {}
         self.routes: dict[int, str] = {}  # layer -> "interface", "adapter" or "recurrent" (a hybrid's mixer)
-        self.windows: dict[int, int | None] = {}  # layer -> the sliding window its attention was given
-        self.chunks: dict[int, int | None] = {}  # layer -> the chunk its attention sees keys from
+        self.attention: dict[int, LayerAttention] = {}  # layer -> what its attention computes, as it said
         self.latent_value_dims: dict[int, int] = {}  # layer -> its latent's value width, for a latent cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.seen[layer_idx] = (key_states.shape[1], key_states.shape[3], key_states.dtype)
         return key_states, value_states
 
-    def reached(self, layer_idx: int, route: str, sliding_window: int | None = None,
-                chunk_size: int | None = None) -> None:
-        """Called by the paged attention function or an adapter when the probe's step got to them, with the
-        sliding window or chunk the layer attends with (the ones the engine's attention will mask with)."""
+    def reached(self, layer_idx: int, route: str, attention: LayerAttention | None = None) -> None:
+        """Called by the paged attention function or an adapter when the probe's step got to them, with what the
+        layer's attention computes (None: a recurrent mixer's layer): the record the engine's steps attend with,
+        whose window or chunk its cache group is planned by."""
         self.routes[layer_idx] = route
-        self.windows[layer_idx] = sliding_window
-        self.chunks[layer_idx] = chunk_size
+        if attention is not None:
+            self.attention[layer_idx] = attention
+
+    def layer_attention(self, num_layers: int) -> tuple[LayerAttention | None, ...]:
+        """The attention record of each of `num_layers` layers (None where the probe met no attention)."""
+        return tuple(self.attention.get(layer) for layer in range(num_layers))
 
     def stores_latent(self, layer_idx: int, value_dim: int) -> None:
         """Called by a latent-attention adapter: the layer caches one latent row per token (what it handed
@@ -224,21 +232,23 @@ def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
             f"{sorted(probe.latent_value_dims)} of {num_layers} cache a latent (value widths {sorted(latent)})")
     states = state_layout(model.config.get_text_config()) or {}
     return KVShape(heads, head_dim, tuple(layer_spec(probe, layer, states.get(layer, ())) for layer in range(num_layers)),
-                   parallel=tuple(RecurrentStateSpec(states[layer]) for layer in sorted(states) if layer in probe.seen))
+                   parallel=tuple(RecurrentStateSpec(states[layer]) for layer in sorted(states) if layer in probe.seen),
+                   attention=probe.layer_attention(num_layers))
 
 
 def layer_spec(probe: ShapeProbe, layer: int, states: tuple[StateSpec, ...]) -> LayerSpec:
     """The spec of what `layer` keeps, from what the probe saw it do: no rows (a recurrent layer, checked by
     check_every_layer_driven, whose state tensors are `states`), a latent, or K and V under a window, a chunk or
-    neither."""
+    neither (as its attention record says)."""
     if layer not in probe.seen:
         return RecurrentStateSpec(states)
     if layer in probe.latent_value_dims:
         return LatentAttentionSpec(probe.latent_value_dims[layer])
-    if probe.windows.get(layer) is not None:
-        return SlidingWindowSpec(probe.windows[layer])
-    if probe.chunks.get(layer) is not None:
-        return ChunkedAttentionSpec(probe.chunks[layer])
+    attention = probe.attention.get(layer)
+    if attention is not None and attention.window is not None:
+        return SlidingWindowSpec(attention.window)
+    if attention is not None and attention.chunk is not None:
+        return ChunkedAttentionSpec(attention.chunk)
     return FullAttentionSpec()
 
 

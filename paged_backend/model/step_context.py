@@ -4,7 +4,10 @@ runner's steps, its compile warm-up and its CUDA graph capture).
 transformers calls the layers with its own arguments only, so what belongs to the step reaches them here: the
 attention metadata (and each layer group's, with the groups), the paged cache and an int8 cache's scales, the
 adapter each token runs with (`LoRAStep`), a hybrid model's recurrent state with each sequence's place in it, and
-whether fused projections compute their group at once. The attention ops read it when they run (custom_ops.py),
+whether fused projections compute their group at once. It also carries each layer's attention record
+(LayerAttention, given once at start-up), so that an op, which can take a layer's index but not its record,
+finds the record by that index, as vLLM's forward context finds a layer by its name. The attention ops read it
+when they run (custom_ops.py),
 never as graph inputs, so one compiled graph serves every step; the LoRA hooks and fused projections read it
 as the graph is traced (their mask becomes a graph input, the flag a constant of the graph).
 """
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_backend.core.kv_cache_groups import CacheGroups
-from paged_backend.kernels import AttentionMetadata
+from paged_backend.kernels import AttentionMetadata, LayerAttention, LayerCache
 from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep
 
 
@@ -45,14 +48,26 @@ class StepContext:
     recurrent: RecurrentState | None = None  # a hybrid model's recurrent-layer state
     recurrent_step: RecurrentStep | None = None  # each sequence's rows, progress and state slot in it
     fused: bool = False  # fused projections compute their group at once (fused_projections.py)
+    # Each layer's attention record by layer index (KVShape.attention, from the start-up probe); None for a layer
+    # with no attention.
+    attention: tuple[LayerAttention | None, ...] = ()
 
-    def layer_step(self, layer: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor | None]:
-        """The metadata, cache and scales `layer` reads and writes."""
+    def layer_step(self, layer: int) -> tuple[AttentionMetadata, LayerCache, LayerAttention]:
+        """The metadata and cache `layer` reads and writes, and what its attention computes."""
         if self.groups is None:
-            return self.metadata, self.kv[layer], None if self.kv_scales is None else self.kv_scales[layer]
-        position = self.groups.layer_position[layer]
-        return (self.group_metadata[self.groups.layer_group[layer]], self.kv[position],
-                None if self.kv_scales is None else self.kv_scales[position])
+            metadata, position = self.metadata, layer
+        else:
+            metadata, position = self.group_metadata[self.groups.layer_group[layer]], self.groups.layer_position[layer]
+        scales = None if self.kv_scales is None else self.kv_scales[position]
+        return metadata, LayerCache(self.kv[position], scales), self.layer_attention(layer)
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """Layer `layer`'s attention record."""
+        record = self.attention[layer] if layer < len(self.attention) else None
+        if record is None:
+            raise RuntimeError(f"layer {layer} attended inside an engine step without an attention record: the "
+                               "start-up probe (paged_cache.probe_kv_shape) records one for every layer it reaches")
+        return record
 
     def recurrent_state(self) -> tuple[RecurrentState, RecurrentStep]:
         """A hybrid model's state and this step's place in it, which its recurrent mixers read."""

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from paged_backend.kernels import (
     AttentionMetadata,
+    LayerAttention,
+    PagedCaches,
     cpu_paged_attention,
     torch_attention,
     triton_attention,
@@ -33,6 +35,10 @@ class Batch:
     key_cache: torch.Tensor  # [KVH, slots, D], context written, everything else NaN
     value_cache: torch.Tensor
     metadata: AttentionMetadata
+
+    @property
+    def caches(self) -> PagedCaches:
+        return PagedCaches(self.key_cache, self.value_cache)
 
 
 def make_batch(
@@ -92,7 +98,7 @@ def make_batch(
                  metadata)
 
 
-def oracle(batch: Batch, scale: float, sliding_window: int | None = None, softcap: float | None = None):
+def oracle(batch: Batch, scale: float, window: int | None = None, softcap: float | None = None):
     """The PyTorch backend in fp32 on CPU, fed the same rounded inputs as the kernel."""
     meta = batch.metadata
     cpu_meta = AttentionMetadata(
@@ -101,15 +107,15 @@ def oracle(batch: Batch, scale: float, sliding_window: int | None = None, softca
     )
     with cpu_paged_attention.switched_off():  # PyTorch ops: an oracle that shares no code with a kernel
         return torch_attention.paged_attention(
-            batch.query.float().cpu(), batch.key_cache.float().cpu(), batch.value_cache.float().cpu(), cpu_meta,
-            scale, sliding_window, softcap,
+            batch.query.float().cpu(), PagedCaches(batch.key_cache.float().cpu(), batch.value_cache.float().cpu()),
+            cpu_meta, LayerAttention(scale, window, softcap),
         )
 
 
 def check_attention(batch: Batch, config: LaunchConfig | None = None, **options) -> None:
     scale = batch.query.shape[-1] ** -0.5
-    got = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata,
-                                           scale, config=config, **options)
+    got = triton_attention.paged_attention(batch.query, batch.caches, batch.metadata, LayerAttention(scale, **options),
+                                           config=config)
     want = oracle(batch, scale, **options)
     assert got.dtype == batch.query.dtype and got.shape == batch.query.shape
     assert torch.isfinite(got).all()

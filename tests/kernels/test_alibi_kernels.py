@@ -14,6 +14,8 @@ from helpers.kernels import DEVICE, DTYPES, Batch, make_batch
 from helpers.tolerances import tolerance
 from paged_backend.kernels import (
     AttentionMetadata,
+    LayerAttention,
+    PagedCaches,
     dispatch,
     torch_attention,
     triton_attention,
@@ -38,8 +40,8 @@ def cpu_metadata(meta: AttentionMetadata) -> AttentionMetadata:
 
 def oracle(batch: Batch, scale: float, slopes: torch.Tensor, **options) -> torch.Tensor:
     return torch_attention.paged_attention(
-        batch.query.float().cpu(), batch.key_cache.float().cpu(), batch.value_cache.float().cpu(),
-        cpu_metadata(batch.metadata), scale, alibi_slopes=slopes, **options,
+        batch.query.float().cpu(), PagedCaches(batch.key_cache.float().cpu(), batch.value_cache.float().cpu()),
+        cpu_metadata(batch.metadata), LayerAttention(scale, alibi_slopes=slopes, **options),
     )
 
 
@@ -73,8 +75,8 @@ def dense_reference(batch: Batch, scale: float, slopes: torch.Tensor, softcap: f
 
 def check_triton(batch: Batch, slopes: torch.Tensor, config: LaunchConfig | None = None, **options) -> None:
     scale = batch.query.shape[-1] ** -0.5
-    got = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale,
-                                           config=config, alibi_slopes=slopes.to(DEVICE), **options)
+    got = triton_attention.paged_attention(batch.query, batch.caches, batch.metadata,
+                                           LayerAttention(scale, alibi_slopes=slopes.to(DEVICE), **options), config=config)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float().cpu(), oracle(batch, scale, slopes, **options),
                                **tolerance(batch.query.dtype, "kernel"))
@@ -98,7 +100,7 @@ def test_torch_backend_matches_dense_reference(heads: int, kv_heads: int) -> Non
 def test_torch_backend_alibi_with_window_and_softcap() -> None:
     batch = make_batch([1, 6], [20, 9], num_kv_heads=2, group=2, head_dim=16, block_size=4, seed=5)
     slopes = bloom_slopes(4)
-    got = oracle(batch, 0.25, slopes, sliding_window=5, softcap=3.0)
+    got = oracle(batch, 0.25, slopes, window=5, softcap=3.0)
     torch.testing.assert_close(got, dense_reference(batch, 0.25, slopes, softcap=3.0, window=5),
                                **tolerance(torch.float32, "kernel"))
 
@@ -107,9 +109,10 @@ def test_torch_backend_fresh_prefill_fast_path_has_alibi() -> None:
     """A sequence with no context reads this step's K/V directly (no gather): the bias still applies."""
     batch = make_batch([9], [9], num_kv_heads=2, group=2, head_dim=16, block_size=4, seed=2)
     slopes = bloom_slopes(4)
-    got = torch_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.25,
-                                          new_key=batch.new_key, new_value=batch.new_value, alibi_slopes=slopes)
-    plain = torch_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.25,
+    got = torch_attention.paged_attention(batch.query, batch.caches, batch.metadata,
+                                          LayerAttention(0.25, alibi_slopes=slopes), new_key=batch.new_key,
+                                          new_value=batch.new_value)
+    plain = torch_attention.paged_attention(batch.query, batch.caches, batch.metadata, LayerAttention(0.25),
                                             new_key=batch.new_key, new_value=batch.new_value)
     torch.testing.assert_close(got, dense_reference(batch, 0.25, slopes), **tolerance(torch.float32, "kernel"))
     assert not torch.allclose(got, plain, atol=1e-3)  # the slopes are big enough to matter
@@ -126,14 +129,14 @@ def test_triton_alibi_matches_oracle(group: int, dtype: torch.dtype) -> None:
 def test_triton_alibi_split_kv_and_window() -> None:
     batch = make_batch([1, 1], [70, 12], group=2, head_dim=32, block_size=16, dtype=torch.float32)
     check_triton(batch, bloom_slopes(2), LaunchConfig(block_m=16, tile_n=16, num_segments=4))
-    check_triton(batch, bloom_slopes(2), LaunchConfig(block_m=16, tile_n=16), sliding_window=20)
+    check_triton(batch, bloom_slopes(2), LaunchConfig(block_m=16, tile_n=16), window=20)
 
 
 def test_triton_rejects_wrong_slopes() -> None:
     batch = make_batch([1], [3], group=2, head_dim=16, block_size=4)
     with pytest.raises(ValueError, match="alibi_slopes"):
-        triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.25,
-                                         alibi_slopes=torch.ones(3, device=DEVICE))
+        triton_attention.paged_attention(batch.query, batch.caches, batch.metadata,
+                                         LayerAttention(0.25, alibi_slopes=torch.ones(3, device=DEVICE)))
 
 
 def test_dispatcher_passes_slopes_to_both_backends() -> None:
@@ -142,8 +145,9 @@ def test_dispatcher_passes_slopes_to_both_backends() -> None:
     want = dense_reference(batch, 0.25, slopes.cpu())
     for backend in dispatch.BACKENDS:
         with dispatch.use_backend(backend):
-            got = dispatch.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.25,
-                                           new_key=batch.new_key, new_value=batch.new_value, alibi_slopes=slopes)
+            got = dispatch.paged_attention(batch.query, batch.caches, batch.metadata,
+                                           LayerAttention(0.25, alibi_slopes=slopes), new_key=batch.new_key,
+                                           new_value=batch.new_value)
         torch.testing.assert_close(got.float().cpu(), want, **tolerance(torch.float32, "kernel"))
 
 

@@ -13,7 +13,14 @@ import pytest
 import torch
 from helpers.kernels import make_batch
 from helpers.tolerances import tolerance
-from paged_backend.kernels import cpu_paged_attention, paged_attention, torch_attention
+from paged_backend.kernels import (
+    LayerAttention,
+    LayerCache,
+    PagedCaches,
+    cpu_paged_attention,
+    paged_attention,
+    torch_attention,
+)
 from paged_backend.kernels.kv_quant import quantize_int8
 
 # Decode rows over short and long contexts, rows verifying proposals, a chunk of exactly MOST_ROWS rows after
@@ -24,16 +31,24 @@ SEQ_LENS = [1, 30, 77, 400, 34, 36, 60, 5, 61, 40]
 pytestmark = pytest.mark.skipif(cpu_paged_attention.library() is None, reason="no C compiler on this machine")
 
 
-def by_torch_ops(batch, *args, **kwargs) -> torch.Tensor:
+def caches(batch, key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None) -> PagedCaches:
+    return PagedCaches(batch.key_cache, batch.value_cache, key_scales, value_scales)
+
+
+def by_torch_ops(batch, scale: float, key_scales: torch.Tensor | None = None,
+                 value_scales: torch.Tensor | None = None, **options) -> torch.Tensor:
     """paged_attention() in PyTorch ops, with a fresh step memo."""
     fresh = dataclasses.replace(batch.metadata, derived={})
     with cpu_paged_attention.switched_off():
-        return paged_attention(batch.query, batch.key_cache, batch.value_cache, fresh, *args, **kwargs)
+        return paged_attention(batch.query, caches(batch, key_scales, value_scales), fresh,
+                               LayerAttention(scale, **options))
 
 
-def by_kernel(batch, *args, **kwargs) -> torch.Tensor:
+def by_kernel(batch, scale: float, key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
+              **options) -> torch.Tensor:
     metadata = dataclasses.replace(batch.metadata, derived={})
-    out = paged_attention(batch.query, batch.key_cache, batch.value_cache, metadata, *args, **kwargs)
+    out = paged_attention(batch.query, caches(batch, key_scales, value_scales), metadata,
+                          LayerAttention(scale, **options))
     few, many = metadata.derived["cpu_kernel_sequences"]  # the kernel took the step (bf16: its decode rows)
     most = cpu_paged_attention.MOST_ROWS if batch.query.dtype == torch.float32 else 1
     assert few.tolist() == [i for i, n in enumerate(QUERY_LENS) if n <= most]
@@ -42,8 +57,8 @@ def by_kernel(batch, *args, **kwargs) -> torch.Tensor:
 
 OPTIONS = {
     "plain": {},
-    "window": {"sliding_window": 7},
-    "chunk": {"chunk_size": 24},
+    "window": {"window": 7},
+    "chunk": {"chunk": 24},
     "softcap": {"softcap": 5.0},
     "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625])},
     "sinks": {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0, 9.0, -3.0])},
@@ -66,7 +81,7 @@ def test_kernel_takes_any_head_size_block_size_and_group(head_dim: int, block_si
     keys, multi-query groups and a latent attention's 576-wide rows."""
     batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=1, group=group, head_dim=head_dim, block_size=block_size)
     scale = head_dim ** -0.5
-    torch.testing.assert_close(by_kernel(batch, scale, sliding_window=50), by_torch_ops(batch, scale, sliding_window=50),
+    torch.testing.assert_close(by_kernel(batch, scale, window=50), by_torch_ops(batch, scale, window=50),
                                **tolerance(torch.float32, "kernel"))
 
 
@@ -80,7 +95,7 @@ def test_bf16_decode_rows_over_a_bf16_cache(head_dim: int, block_size: int, grou
                        dtype=torch.bfloat16)
     scale = head_dim ** -0.5
     metadata = dataclasses.replace(batch.metadata, derived={})
-    got = paged_attention(batch.query, batch.key_cache, batch.value_cache, metadata, scale)
+    got = paged_attention(batch.query, caches(batch), metadata, LayerAttention(scale))
     assert len(metadata.derived["cpu_kernel_sequences"][0]) == len(lens)  # every sequence in the kernel
     torch.testing.assert_close(got, by_torch_ops(batch, scale), **tolerance(torch.bfloat16, "kernel"))
 
@@ -100,7 +115,8 @@ def test_the_kernels_call_stores_the_steps_rows_before_it_reads(dtype: torch.dty
 
     def write_and_attend(layer_cache: torch.Tensor) -> torch.Tensor:
         metadata = dataclasses.replace(batch.metadata, derived={})
-        return torch_attention.write_and_attend(batch.query, key, value, layer_cache, metadata, 0.125)
+        return torch_attention.write_and_attend(batch.query, key, value, LayerCache(layer_cache), metadata,
+                                                LayerAttention(0.125))
 
     by_kernel_cache, by_torch_cache = forgotten.clone(), forgotten.clone()
     got = write_and_attend(by_kernel_cache)
@@ -123,7 +139,7 @@ def test_the_kernels_call_skips_a_padding_row() -> None:
     memory = torch.full((64 + cache.numel(),), float("nan"), dtype=cache.dtype)  # a guard row, then the cache
     layer_cache = memory[64:].view(cache.shape)
     layer_cache.copy_(cache)
-    got = torch_attention.write_and_attend(query, key, value, layer_cache, metadata, 0.125)
+    got = torch_attention.write_and_attend(query, key, value, LayerCache(layer_cache), metadata, LayerAttention(0.125))
     assert "cpu_kernel_step" in metadata.derived  # the kernel took the step
     assert torch.isnan(memory[:64]).all()
     torch.testing.assert_close(layer_cache, cache, atol=0, rtol=0, equal_nan=True)
@@ -150,7 +166,7 @@ def test_a_bf16_query_over_an_fp32_cache() -> None:
 
 def test_fp16_stays_on_torch_ops() -> None:
     batch = make_batch([1, 1], [10, 20], head_dim=64, dtype=torch.float16)
-    paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.125)
+    paged_attention(batch.query, caches(batch), batch.metadata, LayerAttention(0.125))
     assert "cpu_kernel_sequences" not in batch.metadata.derived
 
 
@@ -194,7 +210,7 @@ def test_without_a_compiler_attention_runs_in_torch_ops(fresh_library: Path, mon
         assert cpu_paged_attention.library() is None
     assert "could not be built" in caplog.text and "PyTorch ops" in caplog.text
     batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=2, group=3, head_dim=64)
-    got = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.125)
+    got = paged_attention(batch.query, caches(batch), batch.metadata, LayerAttention(0.125))
     assert "cpu_kernel_sequences" not in batch.metadata.derived and torch.isfinite(got).all()
 
 

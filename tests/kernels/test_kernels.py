@@ -21,6 +21,7 @@ import torch
 from helpers.kernels import DEVICE, DTYPES, Batch, check_attention, make_batch, oracle
 from helpers.tolerances import tolerance
 from paged_backend.kernels import (
+    LayerAttention,
     dispatch,
     torch_attention,
     triton_attention,
@@ -59,14 +60,14 @@ def test_prefill_tiles_with_several_query_blocks() -> None:
 def test_sliding_window(dtype: torch.dtype) -> None:
     """Windows shorter than the context skip whole tiles and mask inside them."""
     batch = make_batch([1, 6, 4], [40, 30, 4], group=2, block_size=8, dtype=dtype)
-    check_attention(batch, LaunchConfig(block_m=16, tile_n=16), sliding_window=7)
+    check_attention(batch, LaunchConfig(block_m=16, tile_n=16), window=7)
 
 
 def test_window_hides_whole_tiles_from_some_rows() -> None:
     """In a 32-token query block with a 4-token window, late rows see nothing in the block's first
     tiles: their running max stays -inf there, which must not turn into NaN."""
     batch = make_batch([40], [40], group=2, block_size=16, dtype=torch.float32)
-    check_attention(batch, LaunchConfig(block_m=64, tile_n=16), sliding_window=4)
+    check_attention(batch, LaunchConfig(block_m=64, tile_n=16), window=4)
 
 
 def test_softcap() -> None:
@@ -94,7 +95,7 @@ def test_fixed_segment_count_of_a_captured_step() -> None:
 
 def test_split_kv_with_window() -> None:
     batch = make_batch([1, 1], [70, 12], group=2, block_size=16, dtype=torch.float32)
-    check_attention(batch, LaunchConfig(block_m=16, tile_n=16, num_segments=4), sliding_window=20)
+    check_attention(batch, LaunchConfig(block_m=16, tile_n=16, num_segments=4), window=20)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,7 +136,7 @@ def test_dispatcher_routes_by_device() -> None:
 def test_dispatcher_cpu_path_is_the_oracle() -> None:
     batch = make_batch(MIXED_QUERY_LENS, MIXED_SEQ_LENS, num_kv_heads=2, group=2, dtype=torch.float32)
     scale = 0.125
-    got = dispatch.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale,
+    got = dispatch.paged_attention(batch.query, batch.caches, batch.metadata, LayerAttention(scale),
                                    new_key=batch.new_key, new_value=batch.new_value)
     torch.testing.assert_close(got, oracle(batch, scale), **tolerance(batch.query.dtype, "kernel"))
 

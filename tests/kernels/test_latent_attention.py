@@ -21,7 +21,7 @@ from helpers.models import build
 from helpers.tolerances import tolerance
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.kernels import dispatch
+from paged_backend.kernels import LayerAttention, LayerCache, dispatch
 
 # A decode row, a chunk after a cached context, a fresh prompt; 4 query heads over a latent of 32 + 16.
 QUERY_LENS, SEQ_LENS = [1, 3, 5], [9, 7, 5]
@@ -46,8 +46,8 @@ def latent_step(dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
 def run(backend: str, query, latent, cache, scales, metadata) -> tuple[torch.Tensor, torch.Tensor]:
     cache = cache.clone()
     with dispatch.use_backend(backend):
-        out = dispatch.write_and_attend_latent(query, latent, cache, metadata, SCALE,
-                                               None if scales is None else scales.clone())
+        out = dispatch.write_and_attend_latent(query, latent, LayerCache(cache, None if scales is None else scales.clone()),
+                                               metadata, LayerAttention(SCALE))
     return out, cache
 
 

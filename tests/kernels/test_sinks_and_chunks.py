@@ -11,7 +11,16 @@ import pytest
 import torch
 from helpers.kernels import DEVICE, DTYPES, Batch, make_batch
 from helpers.tolerances import tolerance
-from paged_backend.kernels import AttentionMetadata, dispatch, torch_attention, torch_buckets, triton_attention
+from paged_backend.kernels import (
+    AttentionMetadata,
+    LayerAttention,
+    LayerCache,
+    PagedCaches,
+    dispatch,
+    torch_attention,
+    torch_buckets,
+    triton_attention,
+)
 from paged_backend.kernels.torch_single_row import single_row_step, write_and_attend_single_row
 from paged_backend.kernels.triton_attention import LaunchConfig
 
@@ -34,7 +43,7 @@ def gpt_oss_sinks(heads: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2.0
 
 
-def dense_reference(batch: Batch, scale: float, sinks: torch.Tensor | None = None, chunk_size: int | None = None,
+def dense_reference(batch: Batch, scale: float, sinks: torch.Tensor | None = None, chunk: int | None = None,
                     window: int | None = None) -> torch.Tensor:
     """Per sequence, its whole K/V read back through the block table; eager softmax with the sink appended
     as one more logit and dropped after (transformers' gpt-oss eager attention), keys before the query's
@@ -56,8 +65,8 @@ def dense_reference(batch: Batch, scale: float, sinks: torch.Tensor | None = Non
         allowed = k_pos <= q_pos
         if window:
             allowed &= k_pos > q_pos - window
-        if chunk_size:
-            allowed &= k_pos >= (q_pos // chunk_size) * chunk_size
+        if chunk:
+            allowed &= k_pos >= (q_pos // chunk) * chunk
         scores = scores.masked_fill(~allowed, float("-inf"))
         if sinks is not None:
             sink = sinks.float().cpu()[:, None, None].expand(-1, e - s, 1)
@@ -70,9 +79,9 @@ def dense_reference(batch: Batch, scale: float, sinks: torch.Tensor | None = Non
 
 def torch_backend(batch: Batch, **options) -> torch.Tensor:
     return torch_attention.paged_attention(
-        batch.query.float().cpu(), batch.key_cache.float().cpu(), batch.value_cache.float().cpu(),
-        cpu_metadata(batch.metadata), SCALE, new_key=batch.new_key.float().cpu(),
-        new_value=batch.new_value.float().cpu(), **options)
+        batch.query.float().cpu(), PagedCaches(batch.key_cache.float().cpu(), batch.value_cache.float().cpu()),
+        cpu_metadata(batch.metadata), LayerAttention(SCALE, **options), new_key=batch.new_key.float().cpu(),
+        new_value=batch.new_value.float().cpu())
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +90,13 @@ def batch() -> Batch:
 
 
 @pytest.mark.parametrize("options", [
-    {"sinks": True}, {"chunk_size": 8}, {"chunk_size": 5, "sliding_window": 3}, {"sinks": True, "chunk_size": 8},
-    {"sinks": True, "sliding_window": 7},
+    {"sinks": True}, {"chunk": 8}, {"chunk": 5, "window": 3}, {"sinks": True, "chunk": 8},
+    {"sinks": True, "window": 7},
 ], ids=["sinks", "chunk", "chunk-window", "sinks-chunk", "sinks-window"])
 def test_torch_backend_matches_dense_reference(batch: Batch, options: dict) -> None:
     options = {**options, "sinks": gpt_oss_sinks(KV_HEADS * GROUP) if options.get("sinks") else None}
     got = torch_backend(batch, **options)
-    want = dense_reference(batch, SCALE, options["sinks"], options.get("chunk_size"), options.get("sliding_window"))
+    want = dense_reference(batch, SCALE, options["sinks"], options.get("chunk"), options.get("window"))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     plain = dense_reference(batch, SCALE)
     assert not torch.allclose(got, plain, atol=1e-3)  # the sinks and chunks change the answer
@@ -96,7 +105,8 @@ def test_torch_backend_matches_dense_reference(batch: Batch, options: dict) -> N
 def test_chunked_decode_rows_still_share_buckets(batch: Batch) -> None:
     """The chunk joins the bucket's mask: decode rows of a chunked layer attend together; a layer with sinks
     attends one by one (its softmax has one more term than the bucket's matmul)."""
-    plan = torch_buckets.plan_buckets(batch.metadata, KV_HEADS, GROUP, None, torch_attention.FEW_ROWS[1], 8)
+    plan = torch_buckets.plan_buckets(batch.metadata, KV_HEADS, GROUP, LayerAttention(SCALE, chunk=8),
+                                      torch_attention.FEW_ROWS[1])
     assert [b.seqs for b in plan.buckets] == [[6, 0, 2, 3, 1, 4]]
     metadata = cpu_metadata(batch.metadata)
     torch_backend(with_metadata(batch, metadata), sinks=gpt_oss_sinks(KV_HEADS * GROUP))
@@ -108,8 +118,8 @@ def with_metadata(batch: Batch, metadata: AttentionMetadata) -> Batch:
 
 
 @pytest.mark.parametrize("length", [1, 7, 8, 9, 23])
-@pytest.mark.parametrize("options", [{"sinks": True}, {"chunk_size": 8},
-                                     {"sinks": True, "chunk_size": 8, "sliding_window": 5}],
+@pytest.mark.parametrize("options", [{"sinks": True}, {"chunk": 8},
+                                     {"sinks": True, "chunk": 8, "window": 5}],
                          ids=["sinks", "chunk", "all"])
 def test_single_row_matches_dense_reference(length: int, options: dict) -> None:
     """The compiled one-token path's plain ops (torch_single_row.py) honour sinks and chunks as well."""
@@ -117,19 +127,20 @@ def test_single_row_matches_dense_reference(length: int, options: dict) -> None:
     sinks = gpt_oss_sinks(KV_HEADS * GROUP) if options.get("sinks") else None
     kv = torch.stack([batch.key_cache, batch.value_cache])[None].cpu()  # one layer [1, 2, KVH, slots, D]
     step = single_row_step(cpu_metadata(batch.metadata), kv)
-    out = write_and_attend_single_row(batch.query[0].cpu(), batch.new_key[0].cpu(), batch.new_value[0].cpu(), 0, step,
-                                      SCALE, options.get("sliding_window"), None, sinks, options.get("chunk_size"))
-    want = dense_reference(batch, SCALE, sinks, options.get("chunk_size"), options.get("sliding_window"))[0]
+    layer = LayerAttention(SCALE, options.get("window"), chunk=options.get("chunk"), sinks=sinks)
+    out = write_and_attend_single_row(batch.query[0].cpu(), batch.new_key[0].cpu(), batch.new_value[0].cpu(), step, 0,
+                                      layer)
+    want = dense_reference(batch, SCALE, sinks, options.get("chunk"), options.get("window"))[0]
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def check_triton(batch: Batch, config: LaunchConfig | None = None, **options) -> None:
-    got = triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, SCALE,
-                                           config=config, **options)
+    got = triton_attention.paged_attention(batch.query, batch.caches, batch.metadata, LayerAttention(SCALE, **options),
+                                           config=config)
     cpu_options = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in options.items()}
-    want = torch_attention.paged_attention(batch.query.float().cpu(), batch.key_cache.float().cpu(),
-                                           batch.value_cache.float().cpu(), cpu_metadata(batch.metadata), SCALE,
-                                           **cpu_options)
+    want = torch_attention.paged_attention(batch.query.float().cpu(),
+                                           PagedCaches(batch.key_cache.float().cpu(), batch.value_cache.float().cpu()),
+                                           cpu_metadata(batch.metadata), LayerAttention(SCALE, **cpu_options))
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float().cpu(), want, **tolerance(batch.query.dtype, "kernel"))
 
@@ -145,7 +156,7 @@ def test_triton_sinks_match_oracle(dtype: torch.dtype) -> None:
                        dtype=dtype)
     check_triton(batch, sinks=gpt_oss_sinks(4).to(DEVICE, dtype))
     check_triton(batch, LaunchConfig(block_m=16, tile_n=16), sinks=gpt_oss_sinks(4).to(DEVICE, dtype),
-                 sliding_window=6)
+                 window=6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -153,8 +164,8 @@ def test_triton_chunks_match_oracle(dtype: torch.dtype) -> None:
     """Chunks of 8 and 16 with 16-key tiles: whole tiles before the chunk are skipped, the rest masked."""
     batch = make_batch(TRITON_QUERY_LENS, TRITON_SEQ_LENS, num_kv_heads=2, group=2, head_dim=32, block_size=5,
                        dtype=dtype, seed=1)
-    check_triton(batch, LaunchConfig(block_m=16, tile_n=16), chunk_size=8)
-    check_triton(batch, LaunchConfig(block_m=16, tile_n=16), chunk_size=16)
+    check_triton(batch, LaunchConfig(block_m=16, tile_n=16), chunk=8)
+    check_triton(batch, LaunchConfig(block_m=16, tile_n=16), chunk=16)
 
 
 def test_triton_split_kv_counts_the_sink_once() -> None:
@@ -162,25 +173,25 @@ def test_triton_split_kv_counts_the_sink_once() -> None:
     batch = make_batch([1, 1], [70, 12], group=2, head_dim=32, block_size=16, dtype=torch.float32)
     sinks = gpt_oss_sinks(2).to(DEVICE)
     check_triton(batch, LaunchConfig(block_m=16, tile_n=16, num_segments=4), sinks=sinks)
-    check_triton(batch, LaunchConfig(block_m=16, tile_n=16, num_segments=4), sinks=sinks, chunk_size=32)
+    check_triton(batch, LaunchConfig(block_m=16, tile_n=16, num_segments=4), sinks=sinks, chunk=32)
 
 
 def test_triton_rejects_wrong_sinks() -> None:
     batch = make_batch([1], [3], group=2, head_dim=16, block_size=4)
     with pytest.raises(ValueError, match="sinks"):
-        triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, SCALE,
-                                         sinks=torch.ones(3, device=DEVICE))
+        triton_attention.paged_attention(batch.query, batch.caches, batch.metadata,
+                                         LayerAttention(SCALE, sinks=torch.ones(3, device=DEVICE)))
 
 
 def test_dispatcher_passes_sinks_and_chunks_to_both_backends() -> None:
     batch = make_batch([1, 6], [19, 6], num_kv_heads=2, group=2, head_dim=16, block_size=4, seed=7)
     sinks = gpt_oss_sinks(4)
-    want = dense_reference(batch, SCALE, sinks, chunk_size=8)
+    want = dense_reference(batch, SCALE, sinks, chunk=8)
     layer_cache = torch.stack([batch.key_cache, batch.value_cache])
     for backend in dispatch.BACKENDS:
         with dispatch.use_backend(backend):
-            got = dispatch.write_and_attend(batch.query, batch.new_key, batch.new_value, layer_cache.clone(),
-                                            batch.metadata, SCALE, sinks=sinks.to(DEVICE), chunk_size=8)
+            got = dispatch.write_and_attend(batch.query, batch.new_key, batch.new_value, LayerCache(layer_cache.clone()),
+                                            batch.metadata, LayerAttention(SCALE, chunk=8, sinks=sinks.to(DEVICE)))
         torch.testing.assert_close(got.float().cpu(), want, atol=2e-5, rtol=2e-5)
 
 

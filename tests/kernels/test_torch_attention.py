@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from paged_backend.kernels import (
     AttentionMetadata,
+    LayerAttention,
+    PagedCaches,
     cpu_paged_attention,
     paged_attention,
     torch_attention,
@@ -75,8 +77,8 @@ def test_mixed_batch_matches_dense(window, softcap, heads, kv_heads, consecutive
                                  torch.tensor(lens, dtype=torch.int32), block_size, starts, lens,
                                  max(n for _, n in shapes), max(lens))
     with contextlib.nullcontext() if kernel else cpu_paged_attention.switched_off():
-        out = paged_attention(torch.cat(queries), key_cache, value_cache, metadata, 0.25, window, softcap,
-                              new_key=new_k, new_value=new_v)
+        out = paged_attention(torch.cat(queries), PagedCaches(key_cache, value_cache), metadata,
+                              LayerAttention(0.25, window, softcap), new_key=new_k, new_value=new_v)
     assert ("cpu_kernel_sequences" in metadata.derived) == (kernel and cpu_paged_attention.library() is not None)
     read_as_views = [isinstance(torch_attention.sequence_slots(metadata, i), slice) for i in range(len(shapes))]
     assert read_as_views == [all(b == a + 1 for a, b in itertools.pairwise(t)) for t in tables]
@@ -98,12 +100,12 @@ def test_low_precision_decode_rows_attend_in_fp32(dtype: torch.dtype) -> None:
     low-precision kernel path); several rows keep the model's dtype."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*shape, generator=g).to(dtype) for shape in ((4, 1, 16), (2, 40, 16), (2, 40, 16)))
-    out = torch_attention.attend_one(q, k, v, 0.25, None, None)
+    out = torch_attention.attend_one(q, k, v, LayerAttention(0.25))
     expected = F.scaled_dot_product_attention(q.float()[None], k.float()[None], v.float()[None], scale=0.25,
                                               enable_gqa=True)[0].to(dtype)
     assert out.dtype == dtype and torch.equal(out, expected)
     rows = torch.randn(4, 3, 16, generator=g).to(dtype)
-    several = torch_attention.attend_one(rows, k, v, 0.25, None, None)
-    mask = torch_attention.causal_mask(3, 40, None, q.device)
+    several = torch_attention.attend_one(rows, k, v, LayerAttention(0.25))
+    mask = torch_attention.causal_mask(3, 40, LayerAttention(0.25), q.device)
     assert torch.equal(several, F.scaled_dot_product_attention(rows[None], k[None], v[None], attn_mask=mask, scale=0.25,
                                                                enable_gqa=True)[0])

@@ -9,7 +9,14 @@ import pytest
 import torch
 from helpers.kernels import make_batch
 from helpers.tolerances import tolerance
-from paged_backend.kernels import cpu_paged_attention, paged_attention, torch_attention, torch_buckets
+from paged_backend.kernels import (
+    LayerAttention,
+    PagedCaches,
+    cpu_paged_attention,
+    paged_attention,
+    torch_attention,
+    torch_buckets,
+)
 from paged_backend.kernels.kv_quant import quantize_int8
 
 # Decode rows over contexts of similar and of very different lengths, three sequences verifying 2-5 rows,
@@ -26,12 +33,12 @@ def torch_ops() -> Iterator[None]:
         yield
 
 
-def one_by_one(monkeypatch: pytest.MonkeyPatch, query, key_cache, value_cache, metadata, *args, **kwargs):
+def one_by_one(monkeypatch: pytest.MonkeyPatch, query, cache, metadata, layer):
     """paged_attention() with every sequence attended alone (a fresh step memo: the plan is kept there)."""
     with monkeypatch.context() as patch:
         patch.setattr(torch_buckets, "MIN_BUCKET", 10**9)
         fresh = dataclasses.replace(metadata, derived={})
-        out = paged_attention(query, key_cache, value_cache, fresh, *args, **kwargs)
+        out = paged_attention(query, cache, fresh, layer)
     assert not any(plan.buckets for key, plan in fresh.derived.items() if key[0] == "torch_buckets")
     return out
 
@@ -39,9 +46,9 @@ def one_by_one(monkeypatch: pytest.MonkeyPatch, query, key_cache, value_cache, m
 @pytest.mark.parametrize("window", [None, 7])
 def test_buckets_match_attending_one_by_one(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
     batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=KV_HEADS, group=GROUP, head_dim=16, block_size=4)
-    args = (batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.25, window)
+    args = (batch.query, batch.caches, batch.metadata, LayerAttention(0.25, window))
     got = paged_attention(*args)
-    plan = torch_buckets.plan_buckets(batch.metadata, KV_HEADS, GROUP, window, torch_attention.FEW_ROWS[1])
+    plan = torch_buckets.plan_buckets(batch.metadata, KV_HEADS, GROUP, args[-1], torch_attention.FEW_ROWS[1])
     # The 30-36 key rows are one bucket, decode and verification rows alike (padded to 5 rows each); the 90
     # and 95 key rows are too few for one (and would pad the others past 15 % of their keys); the 400-key
     # row, the chunk and the fresh prompt attend alone.
@@ -60,9 +67,9 @@ def test_low_precision_buckets_take_decode_rows_only(monkeypatch: pytest.MonkeyP
     rows keep SDPA in bf16, one by one."""
     batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=KV_HEADS, group=GROUP, head_dim=16, block_size=4,
                        dtype=torch.bfloat16)
-    args = (batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.25)
+    args = (batch.query, batch.caches, batch.metadata, LayerAttention(0.25))
     got = paged_attention(*args)
-    plan = torch_buckets.plan_buckets(batch.metadata, KV_HEADS, GROUP, None, 1)
+    plan = torch_buckets.plan_buckets(batch.metadata, KV_HEADS, GROUP, args[-1], 1)
     assert [(b.rows_per_seq, b.seqs, b.kept) for b in plan.buckets] == [(1, [0, 2, 1, 3], None)]
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, one_by_one(monkeypatch, *args), **tolerance(torch.bfloat16, "kernel"))
@@ -72,16 +79,16 @@ def test_int8_cache_buckets_dequantize_like_one_by_one(monkeypatch: pytest.Monke
     batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=KV_HEADS, group=GROUP, head_dim=16, block_size=4)
     finite = [torch.nan_to_num(c) for c in (batch.key_cache, batch.value_cache)]
     (key_codes, key_scales), (value_codes, value_scales) = (quantize_int8(c) for c in finite)
-    args = (batch.query, key_codes, value_codes, batch.metadata, 0.25)
-    scales = {"key_scales": key_scales, "value_scales": value_scales}
-    got = paged_attention(*args, **scales)
-    assert torch_buckets.plan_buckets(batch.metadata, KV_HEADS, GROUP, None, torch_attention.FEW_ROWS[1]).buckets
-    torch.testing.assert_close(got, one_by_one(monkeypatch, *args, **scales), **tolerance(torch.float32, "kernel"))
+    args = (batch.query, PagedCaches(key_codes, value_codes, key_scales, value_scales), batch.metadata,
+            LayerAttention(0.25))
+    got = paged_attention(*args)
+    assert torch_buckets.plan_buckets(batch.metadata, KV_HEADS, GROUP, args[-1], torch_attention.FEW_ROWS[1]).buckets
+    torch.testing.assert_close(got, one_by_one(monkeypatch, *args), **tolerance(torch.float32, "kernel"))
 
 
 def test_soft_capped_layers_attend_one_by_one() -> None:
     batch = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=KV_HEADS, group=GROUP, head_dim=16, block_size=4)
-    paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.25, softcap=20.0)
+    paged_attention(batch.query, batch.caches, batch.metadata, LayerAttention(0.25, softcap=20.0))
     assert not any(key[0] == "torch_buckets" for key in batch.metadata.derived if isinstance(key, tuple))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_backend.kernels import AttentionMetadata
+from paged_backend.kernels import AttentionMetadata, LayerAttention
 from paged_backend.kernels.torch_attention import attend_one
 from paged_backend.kernels.torch_single_row import (
     MIN_BLOCKS,
@@ -42,8 +42,9 @@ def test_one_row_matches_dense(length, window, softcap, cache_dtype):
     query = torch.randn(HEADS, DIM)
     step = single_row_step(one_token_step(length, blocks), kv)
     assert step.blocks.shape[0] >= MIN_BLOCKS
-    out = write_and_attend_single_row(query, k[-1], v[-1], layer, step, 0.25, window, softcap)
-    expected = attend_one(query[:, None], k.transpose(0, 1), v.transpose(0, 1), 0.25, window, softcap)[:, 0]
+    attention = LayerAttention(0.25, window, softcap)
+    out = write_and_attend_single_row(query, k[-1], v[-1], step, layer, attention)
+    expected = attend_one(query[:, None], k.transpose(0, 1), v.transpose(0, 1), attention)[:, 0]
     torch.testing.assert_close(out, expected, **tolerance(torch.float32, "kernel"))
     # The new token landed in its slot, in that layer only.
     assert torch.equal(kv[layer, :, :, slots[-1]].float(), torch.stack([k[-1], v[-1]]))

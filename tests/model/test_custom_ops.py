@@ -4,10 +4,12 @@ reads."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from paged_backend.model.step_context import StepContext, step_context
-from paged_backend.kernels import AttentionMetadata, paged_attention, write_kv_cache
+from paged_backend.kernels import AttentionMetadata, LayerAttention, PagedCaches, paged_attention, write_kv_cache
 
 from paged_backend.model import custom_ops
 
@@ -37,13 +39,14 @@ def test_opcheck_and_the_op_writes_then_attends():
     # The oracle: the kernels' separate write, then attention over what it wrote.
     expected_kv = kv.clone()
     write_kv_cache(key, value, expected_kv[1, 0], expected_kv[1, 1], metadata.slot_mapping)
-    expected = paged_attention(query, expected_kv[1, 0], expected_kv[1, 1], metadata, 0.35)
-    with step_context(StepContext(metadata, kv)):
-        out = custom_ops.paged_attention(query, key, value, 1, 0.35)
+    attention = LayerAttention(0.35)
+    expected = paged_attention(query, PagedCaches(expected_kv[1, 0], expected_kv[1, 1]), metadata, attention)
+    with step_context(StepContext(metadata, kv, attention=(LayerAttention(1.0), attention))):
+        out = custom_ops.paged_attention(query, key, value, 1)
         layer = torch.tensor(1)  # the op takes the layer as a graph gives it (custom_ops.layer_operand)
-        torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, layer, 0.35))
-        torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, layer, 0.35),
-                              {"sliding_window": 2, "softcap": 5.0})
+        torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, layer))
+    with step_context(StepContext(metadata, kv.clone(), attention=(None, LayerAttention(0.35, 2, 5.0)))):
+        torch.library.opcheck(custom_ops.paged_attention_op, (query, key, value, layer))
     torch.testing.assert_close(out, expected)
     # The write reached layer 1 of the step's cache, at the slot mapping, and nothing else.
     assert torch.equal(kv[1, 0, :, metadata.slot_mapping].transpose(0, 1), key)
@@ -51,9 +54,32 @@ def test_opcheck_and_the_op_writes_then_attends():
     assert torch.equal(kv, expected_kv)
 
 
+def test_the_op_attends_with_the_record_the_step_holds_for_its_layer():
+    """The op takes the layer's index alone; its window and scale come from the step context's record."""
+    torch.manual_seed(1)
+    kv = torch.randn(1, 2, 2, 16 * 4, 8)
+    metadata = step_metadata([7, 6], [1, 6])
+    key, value, query = torch.randn(7, 2, 8), torch.randn(7, 2, 8), torch.randn(7, 4, 8)
+    outputs = []
+    for attention in (LayerAttention(0.35), LayerAttention(0.35, window=2)):
+        written = kv.clone()
+        with step_context(StepContext(dataclasses.replace(metadata, derived={}), written, attention=(attention,))):
+            outputs.append(custom_ops.paged_attention(query, key, value, 0))
+        expected = paged_attention(query, PagedCaches(written[0, 0], written[0, 1]), metadata, attention)
+        torch.testing.assert_close(outputs[-1], expected)
+    assert not torch.allclose(*outputs)  # the window in the record changed the answer
+
+
+def test_a_layer_without_a_record_is_refused_by_name():
+    kv = torch.zeros(2, 2, 1, 16, 8)
+    with step_context(StepContext(step_metadata([1], [1]), kv, attention=(LayerAttention(1.0),))):
+        with pytest.raises(RuntimeError, match="layer 1 attended .* without an attention record"):
+            custom_ops.paged_attention(torch.zeros(1, 2, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), 1)
+
+
 def test_the_op_refuses_to_run_outside_a_step():
     with pytest.raises(RuntimeError, match="outside an engine step"):
-        custom_ops.paged_attention(torch.zeros(1, 2, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), 0, 1.0)
+        custom_ops.paged_attention(torch.zeros(1, 2, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), 0)
 
 
 def test_an_eager_forward_calls_the_implementations_without_the_dispatcher(monkeypatch):

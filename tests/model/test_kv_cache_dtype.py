@@ -18,7 +18,7 @@ from helpers.engine import (
 from helpers.kernels import DEVICE, Batch, make_batch, oracle
 from helpers.models import build
 from helpers.tolerances import tolerance
-from paged_backend.kernels import torch_attention, triton_attention, triton_cache_write
+from paged_backend.kernels import LayerAttention, PagedCaches, torch_attention, triton_attention, triton_cache_write
 from paged_backend.kernels.kv_quant import dequantize_int8, quantize_int8
 
 from paged_backend import Engine, EngineConfig
@@ -59,8 +59,8 @@ def dequantized(batch: Batch, caches) -> Batch:
 def test_torch_backend_reads_an_int8_cache() -> None:
     batch = make_batch([1, 5], [13, 9], num_kv_heads=2, group=2, block_size=4, seed=1)
     caches = int8_caches(batch)
-    got = torch_attention.paged_attention(batch.query.cpu(), caches[0], caches[1], oracle_metadata(batch), 0.125,
-                                          key_scales=caches[2], value_scales=caches[3])
+    got = torch_attention.paged_attention(batch.query.cpu(), PagedCaches(*caches), oracle_metadata(batch),
+                                          LayerAttention(0.125))
     torch.testing.assert_close(got, oracle(dequantized(batch, caches), 0.125), **tolerance(torch.float32, "kernel"))
     assert (got - oracle(batch, 0.125)).abs().max() < 0.05  # and int8 stays close to the unquantized cache
 
@@ -75,7 +75,7 @@ def oracle_metadata(batch: Batch):
 def test_triton_kernel_reads_an_int8_cache() -> None:
     batch = make_batch([1, 5], [13, 9], num_kv_heads=2, group=2, block_size=4, seed=1)
     k, v, ks, vs = (t.to(DEVICE) for t in int8_caches(batch))
-    got = triton_attention.paged_attention(batch.query, k, v, batch.metadata, 0.125, key_scales=ks, value_scales=vs)
+    got = triton_attention.paged_attention(batch.query, PagedCaches(k, v, ks, vs), batch.metadata, LayerAttention(0.125))
     want = oracle(dequantized(batch, (k.cpu(), v.cpu(), ks.cpu(), vs.cpu())), 0.125)
     torch.testing.assert_close(got.cpu(), want, **tolerance(torch.float32, "kernel"))
 
@@ -83,7 +83,7 @@ def test_triton_kernel_reads_an_int8_cache() -> None:
 def test_triton_kernel_reads_a_half_cache_under_fp32_queries() -> None:
     batch = make_batch([1, 5], [13, 9], num_kv_heads=2, group=2, block_size=4, seed=2)
     k, v = batch.key_cache.half(), batch.value_cache.half()
-    got = triton_attention.paged_attention(batch.query, k, v, batch.metadata, 0.125)
+    got = triton_attention.paged_attention(batch.query, PagedCaches(k, v), batch.metadata, LayerAttention(0.125))
     assert got.dtype == torch.float32
     want = oracle(Batch(batch.query, batch.new_key, batch.new_value, k.float(), v.float(), batch.metadata), 0.125)
     torch.testing.assert_close(got.cpu(), want, **tolerance(torch.float32, "kernel"))

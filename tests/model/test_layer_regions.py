@@ -21,7 +21,7 @@ CONFIG = {"num_kv_blocks": 16, "block_size": 4, "max_num_batched_tokens": 16}
 MAX_NEW = 10
 
 # Stacks deep enough for layers to share a region (the first is traced apart): Gemma 2 alternates sliding-window
-# and full layers, two kinds of layer, each its own region.
+# and full layers, two kinds of layer, each its own region where the attention is traced into the graph.
 DEEP = {
     "llama": lambda: tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                     num_attention_heads=4, num_key_value_heads=2),
@@ -81,15 +81,29 @@ def test_equal_layers_trace_one_region(tokens: int):
 
 
 @pytest.mark.slow  # traces a step with dynamo: the slow tier
-def test_each_kind_of_layer_is_a_region_of_its_own():
-    """Gemma 2's sliding-window and full layers trace two graphs: two regions, each run by layers of one kind."""
+def test_layers_that_differ_in_their_attention_record_alone_share_a_region():
+    """Gemma 2's sliding-window and full layers differ only in their attention records (the window), which the
+    opaque op finds by the layer's index at run time: in a step through the op, layers of both kinds share regions."""
     model = build_from_config(DEEP["gemma2"], seed=1)
     engine = Engine(model, None, EngineConfig(compile=False, **CONFIG))
     layer_regions.index_layers(model)
     layers = region_layers(traced_step(engine, 5))
     kinds = [{model.config.layer_types[layer] for layer in members} for members in layers.values()]
-    assert sorted(kind.pop() for kind in kinds if len(kind) == 1) == ["full_attention", "sliding_attention"]
-    assert all(len(members) > 1 for members in layers.values())
+    assert kinds and all(kind == {"full_attention", "sliding_attention"} for kind in kinds)
+
+
+def test_no_region_mixes_kinds_of_layer_where_the_attention_is_traced(monkeypatch):
+    """A one-token step attending inside the graph (torch_single_row.py) traces each layer's record (its window) into
+    the graph, read from the step context as the graph is traced, with no graph break (`fullgraph`): Gemma 2's
+    sliding-window and full layers trace different graphs, so no region is called by layers of both kinds."""
+    model = build_from_config(DEEP["gemma2"], seed=1)
+    # Every block kept: the single-row path reads one block table (model_runner.single_row).
+    engine = Engine(model, None, EngineConfig(compile=False, free_window_blocks=False, **CONFIG))
+    monkeypatch.setattr(type(engine.runner), "single_row", property(lambda runner: True))
+    layer_regions.index_layers(model)
+    layers = region_layers(traced_step(engine, 1))
+    kinds = [{model.config.layer_types[layer] for layer in members} for members in layers.values()]
+    assert kinds and all(len(kind) == 1 for kind in kinds)
 
 
 @pytest.mark.slow  # traces a step with dynamo: the slow tier

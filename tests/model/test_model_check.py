@@ -4,6 +4,8 @@ where a configured context goes there (dynamic rope, learned positions)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.models import CONFIGS, build, build_from_config
@@ -21,9 +23,10 @@ def with_window(name: str, window: int):
 
 def drop_windows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the paged attention attend over the whole context, as a path that missed every window would."""
-    op = custom_ops.paged_attention
+    kernel = custom_ops.write_and_attend
     monkeypatch.setattr(attention, "mask_window", lambda module: None)
-    monkeypatch.setattr(custom_ops, "paged_attention", lambda *args: op(*args[:5], None, *args[6:]))
+    monkeypatch.setattr(custom_ops, "write_and_attend", lambda *args: kernel(
+        *args[:-1], dataclasses.replace(args[-1], window=None)))
 
 
 # Qwen2-MoE keeps its window only in the mask (attention.mask_window); Gemma 2 passes it to the attention call.

@@ -8,6 +8,7 @@ tens of seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -524,8 +525,9 @@ def _paged_path_without(monkeypatch: pytest.MonkeyPatch, feature: str) -> None:
     if feature == "chunks":
         monkeypatch.setattr(attention, "attention_chunk_size", lambda module: None)
     else:
-        op = custom_ops.paged_attention
-        monkeypatch.setattr(custom_ops, "paged_attention", lambda *args: op(*args[:8]))
+        kernel = custom_ops.write_and_attend
+        monkeypatch.setattr(custom_ops, "write_and_attend", lambda *args: kernel(
+            *args[:-1], dataclasses.replace(args[-1], sinks=None)))
 
 
 @pytest.mark.parametrize(("name", "feature"), [("gpt_oss", "sinks"), ("llama4_text", "chunks"),

@@ -32,6 +32,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from paged_backend.errors import UnsupportedArchitectureError
+from paged_backend.kernels.layer_attention import LayerAttention
 from paged_backend.kernels.torch_attention import attend_one
 from paged_backend.model.adapters.registry import Adapter, register_adapter
 from paged_backend.model.latent_cache import latent_attention
@@ -108,16 +109,16 @@ def attend_latent(module: DeepseekV3Attention, cache: PackedStepCache, query: to
                   latent: torch.Tensor) -> torch.Tensor:
     """Write the step's `latent [T, 1, D]` and attend `query [T, H, D]` over each sequence's latents; `[T, H, D]`."""
     if isinstance(cache, PagedCache):
-        return latent_attention(query, latent, traced_layer(module), module.scaling)
+        return latent_attention(query, latent, traced_layer(module))
     if not isinstance(cache, ShapeProbe):
         raise TypeError(f"deepseek_v3's paged attention got a {type(cache).__name__}, not the engine's cache")
     # The engine's start-up probe: it learns the latent's width and that this layer caches a latent.
     row = latent.transpose(0, 1)[None]
     cache.update(row, row, module.layer_idx)
-    cache.reached(module.layer_idx, "adapter")
+    layer = LayerAttention(module.scaling)
+    cache.reached(module.layer_idx, "adapter", layer)
     cache.stores_latent(module.layer_idx, module.kv_lora_rank)
-    out = attend_one(query.transpose(0, 1), latent.transpose(0, 1), latent.transpose(0, 1), module.scaling, None,
-                     None)
+    out = attend_one(query.transpose(0, 1), latent.transpose(0, 1), latent.transpose(0, 1), layer)
     return out.transpose(0, 1)
 
 

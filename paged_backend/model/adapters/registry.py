@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paged_backend.kernels.layer_attention import LayerAttention
 from paged_backend.kernels.torch_attention import attend_one
 from paged_backend.model import custom_ops
 from paged_backend.model.layer_regions import traced_layer
@@ -105,16 +106,17 @@ def attend(
     alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's `key/value [T, KVH, D]` through the cache and attend `query [T, H, D]` over
-    each sequence's context; returns `[T, H, D]`."""
+    each sequence's context; returns `[T, H, D]`. `scale` and `alibi_slopes` describe the layer: the start-up
+    probe records them as its attention record, which the steps' kernels read (step_context.py)."""
     key, value = cache.update(key.transpose(0, 1)[None], value.transpose(0, 1)[None], module.layer_idx)
     key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    if isinstance(cache, ShapeProbe):
-        cache.reached(module.layer_idx, "adapter")
     if isinstance(cache, PagedCache):
-        return custom_ops.paged_attention(query, key, value, traced_layer(module), scale, alibi_slopes=alibi_slopes)
+        return custom_ops.paged_attention(query, key, value, traced_layer(module))
     # The engine's start-up shape probe: one causal sequence, no paged cache yet.
-    out = attend_one(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), scale, None, None,
-                     alibi_slopes)
+    layer = LayerAttention(scale, alibi_slopes=alibi_slopes)
+    if isinstance(cache, ShapeProbe):
+        cache.reached(module.layer_idx, "adapter", layer)
+    out = attend_one(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), layer)
     return out.transpose(0, 1)
 
 
