@@ -7,9 +7,9 @@ adapter each token runs with (`LoRAStep`), a hybrid model's recurrent state with
 whether fused projections compute their group at once. It also carries each layer's attention record
 (LayerAttention, given once at start-up), so that an op, which can take a layer's index but not its record,
 finds the record by that index, as vLLM's forward context finds a layer by its name. The attention ops read it
-when they run (custom_ops.py),
-never as graph inputs, so one compiled graph serves every step; the LoRA hooks and fused projections read it
-as the graph is traced (their mask becomes a graph input, the flag a constant of the graph).
+when they run (custom_ops.py), never as graph inputs, so one compiled graph serves every step; the LoRA hooks,
+fused projections and the one-token attention traced into a CPU graph read it as the graph is traced (their mask
+becomes a graph input; the flag and a layer's record, constants of the graph).
 """
 
 from __future__ import annotations
