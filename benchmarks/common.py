@@ -36,7 +36,7 @@ MiB = 2**20
 
 def precision_name(model) -> str:
     """The engine's weights and activations, as the results name them."""
-    from paged_backend.model.int4_linear import has_int4_layers
+    from paged_backend.model.quantized.int4_linear import has_int4_layers
 
     dtype = str(model.dtype).removeprefix("torch.")
     return f"int4 weights, {dtype} activations" if has_int4_layers(model) else dtype
@@ -222,7 +222,7 @@ def workload_runs(contexts: dict[str, Callable[[], AbstractContextManager]]
     from throughput import FULL_WORKLOAD, default_workload
 
     from paged_backend import LLM, SamplingParams
-    from paged_backend.model.default_model import default_model_path
+    from paged_backend.model.loading.default_model import default_model_path
 
     llm = LLM(None)
     workload = default_workload(**FULL_WORKLOAD, model_source=str(default_model_path()))

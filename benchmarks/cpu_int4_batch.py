@@ -40,7 +40,7 @@ PATHS = ("kernel", "torch")
 
 def projections() -> list[dict[str, Any]]:
     """Random int4 weights of the default model's projection shapes, each way the step could multiply them."""
-    from paged_backend.model.int4_linear import dequantize
+    from paged_backend.model.quantized.int4_linear import dequantize
 
     g = torch.Generator().manual_seed(0)
     weights = []
@@ -92,7 +92,7 @@ def engines(repeats: int, tokens: int) -> dict[str, Any]:
     from throughput import FULL_WORKLOAD, default_workload
 
     from paged_backend import LLM, SamplingParams
-    from paged_backend.model.default_model import default_model_path
+    from paged_backend.model.loading.default_model import default_model_path
 
     llms = {"kernel": LLM(None)}
     with cpu_int4_matmul.switched_off():

@@ -43,7 +43,7 @@ def path_context(name: str) -> contextlib.AbstractContextManager:
 
 def one_call(repeats: int) -> dict[str, Any]:
     """Microseconds per call of the head at one row, both ways, its codes read from memory."""
-    from paged_backend.model.int8_linear import int8_matmul
+    from paged_backend.model.quantized.int8_linear import int8_matmul
 
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(-127, 128, (VOCAB, HIDDEN), generator=g, dtype=torch.int8)

@@ -177,7 +177,7 @@ def make_engine_server(peers: Path, threads: int, log: Path) -> Server | str:
 
 
 def make_vllm_server(peers: Path, threads: int, log: Path) -> Server | str:
-    from paged_backend.model.default_model import default_model_path
+    from paged_backend.model.loading.default_model import default_model_path
 
     python = peers / "vllm" / "bin" / "python"
     if not python.is_file():
@@ -200,7 +200,7 @@ def make_vllm_server(peers: Path, threads: int, log: Path) -> Server | str:
 
 
 def make_llama_server(peers: Path, threads: int, log: Path) -> Server | str:
-    from paged_backend.model.default_model import gguf_file_path
+    from paged_backend.model.loading.default_model import gguf_file_path
 
     binary = peers / "llama.cpp" / "bin" / "llama-server"
     if not binary.is_file() or not (binary.parent / "llama-bench").is_file():
@@ -308,7 +308,7 @@ def render_prompts(num_chats: int) -> list[str]:
     """The first `num_chats` MT-bench first turns, each a one-turn chat rendered with the model's template."""
     from transformers import AutoTokenizer
 
-    from paged_backend.model.default_model import default_model_path
+    from paged_backend.model.loading.default_model import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
@@ -344,7 +344,7 @@ def measure_one_stream(server: Server, prompt: str, tokens: int) -> dict[str, An
 
 def measure_llama_bench(peers: Path, threads: int, tokens: int) -> dict[str, Any]:
     """llama-bench's decode-only tg`tokens` (no prompt), one repetition after its own warm-up."""
-    from paged_backend.model.default_model import gguf_file_path
+    from paged_backend.model.loading.default_model import gguf_file_path
 
     load = load_average()
     command = [str(peers / "llama.cpp" / "bin" / "llama-bench"), "-m", str(gguf_file_path()), "-t", str(threads),
@@ -509,7 +509,7 @@ def measure_agreement(texts: dict[str, str]) -> dict[str, dict[str, int]]:
     greedy one-stream answers agree."""
     from transformers import AutoTokenizer
 
-    from paged_backend.model.default_model import default_model_path
+    from paged_backend.model.loading.default_model import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     ids = {name: tokenizer.encode(text, add_special_tokens=False) for name, text in texts.items()}

@@ -114,7 +114,7 @@ class EngineRunner:
         from throughput import FULL_WORKLOAD, default_workload
 
         from paged_backend import SamplingParams
-        from paged_backend.model.default_model import default_model_path
+        from paged_backend.model.loading.default_model import default_model_path
 
         workload = default_workload(**FULL_WORKLOAD, model_source=str(default_model_path()))
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         return None
     import torch
 
-    from paged_backend.model.default_model import gguf_file_path
+    from paged_backend.model.loading.default_model import gguf_file_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     ratios = {"one_stream": medians["engine_one_stream"] / llama_one}
     if "engine_throughput" in medians:
         ratios["throughput_over_llamacpp_one_stream"] = medians["engine_throughput"] / llama_one
-    from paged_backend.model.int4_linear import has_int4_layers
+    from paged_backend.model.quantized.int4_linear import has_int4_layers
 
     result = {"engine_options": options, "engine_dtype": str(engine.llm.model.dtype),
               "engine_int4_weights": has_int4_layers(engine.llm.model), "engine_load_s": engine_load_s,

@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p.error(f"--modes: unknown {sorted(unknown)}; choose from {sorted(MODES)}")
     import torch
 
-    from paged_backend.model.int4_linear import has_int4_layers
+    from paged_backend.model.quantized.int4_linear import has_int4_layers
 
     if args.threads:
         torch.set_num_threads(args.threads)

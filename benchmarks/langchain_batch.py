@@ -25,7 +25,7 @@ from langchain_core.messages import HumanMessage
 from paged_backend.integrations.langchain import ChatPaged
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-from paged_backend.model.default_model import default_model_path
+from paged_backend.model.loading.default_model import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `charts` sit beside this script
 import charts

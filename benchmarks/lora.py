@@ -132,7 +132,7 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
 
     from paged_backend import LLM
-    from paged_backend.model.default_model import default_model_path
+    from paged_backend.model.loading.default_model import default_model_path
 
     torch.set_num_threads(args.threads)
     print(f"load before: {uptime()}")

@@ -27,7 +27,7 @@ import charts
 from common import load_mt_bench_prompts, machine_info, write_results
 from paged_backend.integrations.pipeline import PagedTextGenerationPipeline
 
-from paged_backend.model.model_loader import load_model
+from paged_backend.model.loading.model_loader import load_model
 
 STOCK_BATCH_SIZE = 8
 TARGET_RATIO = 2.0

@@ -138,7 +138,7 @@ def run_quality(model: str | None, prompts: list[list[int]], variants: Sequence[
 
 
 def chat_prompts(model: str | None, num_prompts: int) -> list[list[int]]:
-    from paged_backend.model.model_loader import load_model
+    from paged_backend.model.loading.model_loader import load_model
 
     _, tokenizer = load_model(model, device="cpu", dtype="float32")
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,

@@ -119,7 +119,7 @@ def resolve_model(name: str, scratch: Path) -> tuple[str, int]:
     if name == "small":
         path = build_small_llama(scratch)
     elif name == "default":
-        from paged_backend.model.default_model import default_model_path
+        from paged_backend.model.loading.default_model import default_model_path
 
         path = str(default_model_path())
     else:

@@ -17,8 +17,9 @@ import torch
 from common import uptime, write_results
 
 from paged_backend import LLM, Engine, EngineConfig
-from paged_backend.model import fast_path_check, model_check
-from paged_backend.model.model_loader import load_model
+from paged_backend.model.compiled import fast_path_check
+from paged_backend.model.loading import model_check
+from paged_backend.model.loading.model_loader import load_model
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ def start_once(compile_: bool, env: dict[str, str]) -> dict[str, Any]:
 def cache_with_model(folder: Path) -> dict[str, str]:
     """An environment whose project cache is `folder`, holding a link to the converted default model (made
     now, in this process, if it was not converted yet), and no inductor folder of the user's."""
-    from paged_backend.model import default_model
+    from paged_backend.model.loading import default_model
 
     source = default_model.default_model_path()
     (folder / source.name).symlink_to(source, target_is_directory=True)

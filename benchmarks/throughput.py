@@ -268,7 +268,7 @@ def run_engine_compiled(source: str, workload: Workload, options: Options) -> di
 
 def make_engine(source: str, block_size: int | None = None, compile: bool | None = None):
     from paged_backend import Engine, EngineConfig
-    from paged_backend.model.model_loader import load_model
+    from paged_backend.model.loading.model_loader import load_model
 
     model, tokenizer = load_model(source, dtype=torch.float32)
     # A small throwaway engine takes the warm-up request, so the measured one starts with clean stats.
@@ -525,7 +525,7 @@ def default_workload(num_prompts: int, low: int, high: int, model_source: str) -
 
 
 def default_model_source() -> str:
-    from paged_backend.model.default_model import default_model_path
+    from paged_backend.model.loading.default_model import default_model_path
 
     return str(default_model_path())
 

@@ -7,7 +7,7 @@ import torch
 from paged_backend.integrations.transformers_generate import enable
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
-from paged_backend.model.default_model import default_model_path
+from paged_backend import default_model_path
 
 enable()  # route generate(cache_implementation="paged") to the engine
 

@@ -8,7 +8,7 @@ from paged_backend.integrations.pipeline import PagedTextGenerationPipeline
 from paged_backend.integrations.pipeline import pipeline as paged_pipeline
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-from paged_backend.model.default_model import default_model_path
+from paged_backend import default_model_path
 
 path = default_model_path()  # SmolLM2-135M-Instruct; any causal LM id or folder works the same way
 tokenizer = AutoTokenizer.from_pretrained(path)

@@ -15,7 +15,7 @@ from paged_backend.integrations.options.flags import (
     sampling_options,
 )
 from paged_backend.integrations.options.vocabularies import CLI
-from paged_backend.model.default_model import CacheNotWritableError
+from paged_backend.model.loading.default_model import CacheNotWritableError
 from paged_backend.sampling.sampling_params import SamplingParams
 
 

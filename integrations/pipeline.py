@@ -128,7 +128,7 @@ def pipeline(task: str = TASK, model: Any = None, tokenizer: Any = None, **kwarg
     if task != TASK:
         raise ValueError(f"paged_backend.pipeline supports the {TASK!r} task only, got {task!r}")
     if model is None:
-        from paged_backend.model.model_loader import load_model
+        from paged_backend.model.loading.model_loader import load_model
 
         model, tokenizer = load_model(None, tokenizer)
     return transformers.pipeline(task, model=model, tokenizer=tokenizer, pipeline_class=PagedTextGenerationPipeline,

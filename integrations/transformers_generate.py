@@ -49,7 +49,7 @@ from paged_backend.config import EngineConfig
 from paged_backend.core.outputs import RequestOutput
 from paged_backend.engine import Engine
 from paged_backend.model.adapters import adapter_for
-from paged_backend.model.attention import ATTENTION_NAME
+from paged_backend.model.paged.attention import ATTENTION_NAME
 from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 from paged_backend.speculative.speculative_config import SpeculativeConfig

@@ -18,10 +18,10 @@ from paged_backend.entrypoints.beam_search import (
 from paged_backend.entrypoints.llm import LLM
 from paged_backend.integrations.pipeline import PagedTextGenerationPipeline, pipeline
 from paged_backend.integrations.transformers_generate import disable, enable
-from paged_backend.model.default_model import DEFAULT_MODEL
+from paged_backend.model.loading.default_model import DEFAULT_MODEL, default_model_path
 from paged_backend.model.lora import LoRARequest
 from paged_backend.errors import ContextLengthError
-from paged_backend.model.model_loader import UnsupportedArchitectureError
+from paged_backend.model.loading.model_loader import UnsupportedArchitectureError
 from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
@@ -47,6 +47,7 @@ __all__ = [
     "StructuredOutputsParams",
     "UnsupportedArchitectureError",
     "ContextLengthError",
+    "default_model_path",
     "disable",
     "enable",
     "pipeline",

@@ -28,14 +28,14 @@ from paged_backend.core.scheduler import Scheduler
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.step_result import RequestUpdate, StepResult
 from paged_backend.input_processor import InputProcessor, Prompt
-from paged_backend.model import fused_projections
+from paged_backend.model.quantized import fused_projections
 from paged_backend.model.lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec
-from paged_backend.model.model_check import prepare_model, temperature_tuning_limit
-from paged_backend.model.model_loader import check_architecture, model_object
+from paged_backend.model.loading.model_check import prepare_model, temperature_tuning_limit
+from paged_backend.model.loading.model_loader import check_architecture, model_object
 from paged_backend.model.model_runner import ModelRunner
-from paged_backend.model.model_state import ModelStates
-from paged_backend.model.paged_cache import KVShape, PagedCache
-from paged_backend.model.recurrent_state import hybrid_state
+from paged_backend.model.loading.model_state import ModelStates
+from paged_backend.model.paged.paged_cache import KVShape, PagedCache
+from paged_backend.model.paged.recurrent_state import hybrid_state
 from paged_backend.model.runner_start import start_runner
 from paged_backend.model.step_inputs import StepInputs
 from paged_backend.output_processor import OutputProcessor

@@ -25,10 +25,10 @@ import torch
 
 from paged_backend.config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
 from paged_backend.core.kv_cache_groups import CacheGroups, plan_groups
-from paged_backend.model import compilation, cuda_graphs
-from paged_backend.model.model_check import temperature_tuning_limit, usable_context
-from paged_backend.model.model_loader import eager_type_reason
-from paged_backend.model.paged_cache import KVShape
+from paged_backend.model.compiled import compilation, cuda_graphs
+from paged_backend.model.loading.model_check import temperature_tuning_limit, usable_context
+from paged_backend.model.loading.model_loader import eager_type_reason
+from paged_backend.model.paged.paged_cache import KVShape
 from paged_backend.parallel.step_protocol import agree_on_blocks
 
 

@@ -31,7 +31,7 @@ def fp32_default_on_cpu():
     would pick bf16) runs the same tests as one without. test_precision.py tests the choice itself by
     patching it back."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("paged_backend.model.precision.cpu_has_native_bf16", lambda: False)
+        patch.setattr("paged_backend.model.loading.precision.cpu_has_native_bf16", lambda: False)
         yield
 
 

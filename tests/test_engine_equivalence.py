@@ -19,7 +19,7 @@ from helpers.models import CONFIGS, build
 from helpers.tolerances import tolerance
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model.model_loader import SUPPORTED
+from paged_backend.model.loading.model_loader import SUPPORTED
 
 # Each of these runs the three scenarios below apart; every other type runs them together, in one test.
 CORE = ("gemma", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3")

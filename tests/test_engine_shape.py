@@ -63,7 +63,7 @@ def test_a_packed_step_is_described_one_way() -> None:
     """The runner, the start-up self-check, the compile warm-up and the draft model pack steps through
     `pack_sequences`; only the decode padding (its persistent buffers) and a tensor-parallel worker (the tensors it
     received) build metadata of their own."""
-    assert metadata_builders() == {"kernels/metadata.py", "model/decode_padding.py", "parallel/step_protocol.py"}
+    assert metadata_builders() == {"kernels/metadata.py", "model/compiled/decode_padding.py", "parallel/step_protocol.py"}
 
 
 def module_globals_set_per_step() -> set[str]:
@@ -79,7 +79,7 @@ def module_globals_set_per_step() -> set[str]:
 def test_one_step_context_holds_what_a_steps_layers_read() -> None:
     """Attention metadata and cache, LoRA, recurrent state and the fused flag reach the layers through one
     context, set once per forward."""
-    assert module_globals_set_per_step() == {"model/step_context.py"}
+    assert module_globals_set_per_step() == {"model/paged/step_context.py"}
 
 
 def kind_names() -> tuple[set[str], set[str]]:

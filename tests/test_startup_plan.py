@@ -9,9 +9,9 @@ from helpers.models import build
 
 from paged_backend import Engine, EngineConfig
 from paged_backend.config import DEFAULT_CPU_KV_BYTES
-from paged_backend.model import compilation, cuda_graphs
+from paged_backend.model.compiled import compilation, cuda_graphs
 from paged_backend.core.layer_specs import FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec, StateSpec
-from paged_backend.model.paged_cache import KVShape, uniform_shape
+from paged_backend.model.paged.paged_cache import KVShape, uniform_shape
 from paged_backend.startup_plan import ModelFacts, plan_startup
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -104,8 +104,8 @@ def supported_models_table() -> str:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from paged_backend.model.adapters import ADAPTERS
-    from paged_backend.model.model_loader import SUPPORTED
-    from paged_backend.model.recurrent_state import STATE_LAYOUTS
+    from paged_backend.model.loading.model_loader import SUPPORTED
+    from paged_backend.model.paged.recurrent_state import STATE_LAYOUTS
 
     tested = tested_configurations()
     rows = ["| `model_type` | transformers class | attention reaches the paged cache through | tiny test models |",
@@ -127,7 +127,7 @@ def supported_models_table() -> str:
 
 
 def unsupported_table() -> str:
-    from paged_backend.model.model_loader import UNSUPPORTED_REASONS
+    from paged_backend.model.loading.model_loader import UNSUPPORTED_REASONS
 
     rows = ["| `model_type` | why it is refused |", "|---|---|"]
     rows += [f"| `{name}` | {cell(reason)} |" for name, reason in sorted(UNSUPPORTED_REASONS.items())]

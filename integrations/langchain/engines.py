@@ -13,7 +13,7 @@ from typing import Any
 from paged_backend.engine import Engine
 from paged_backend.entrypoints.async_engine import AsyncEngine
 from paged_backend.entrypoints.llm import LLM
-from paged_backend.model.default_model import DEFAULT_MODEL
+from paged_backend.model.loading.default_model import DEFAULT_MODEL
 
 _lock = threading.Lock()
 # key -> AsyncEngine. One AsyncEngine per Engine: two stepping threads would corrupt it.

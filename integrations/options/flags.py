@@ -46,7 +46,7 @@ def add_engine_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
 
 def add_quantization_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """`--quantization auto|none|int8|int4`, LLM's `quantization=` ("none" is None)."""
-    from paged_backend.model.quantization import AUTO, METHODS
+    from paged_backend.model.quantized.quantization import AUTO, METHODS
 
     parser.add_argument("--quantization", default=AUTO, type=lambda text: None if text == "none" else text,
                         choices=[AUTO, None, *METHODS], metavar="{auto,none,int8,int4}",

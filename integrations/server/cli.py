@@ -126,7 +126,7 @@ def load_then_serve(args: argparse.Namespace, lifecycle: Lifecycle, server: Drai
     built goes into `loaded`, for the caller to free."""
     from paged_backend.entrypoints.async_engine import AsyncEngine
     from paged_backend.entrypoints.llm import LLM
-    from paged_backend.model.default_model import DEFAULT_MODEL
+    from paged_backend.model.loading.default_model import DEFAULT_MODEL
 
     from .app import create_app
     from .lifecycle import TrackedClient

@@ -171,7 +171,7 @@ class ChunkedAttentionSpec(LayerSpec):
 @dataclass(frozen=True, slots=True)
 class LatentAttentionSpec(LayerSpec):
     """Multi-head latent attention (DeepSeek-V3): one latent row per token, shared by every head, whose first
-    `value_dim` entries are also its value (model/latent_cache.py)."""
+    `value_dim` entries are also its value (model/paged/latent_cache.py)."""
 
     planes: ClassVar[int] = 1
     value_dim: int
@@ -184,7 +184,7 @@ class LatentAttentionSpec(LayerSpec):
 @dataclass(frozen=True, slots=True)
 class RecurrentStateSpec(LayerSpec):
     """A hybrid model's recurrent layer (Mamba-2, a short convolution, gated delta-net): no rows in the pages, a
-    state per sequence in a state slot (model/recurrent_state.py). A state after a prefix cannot be rebuilt from
+    state per sequence in a state slot (model/paged/recurrent_state.py). A state after a prefix cannot be rebuilt from
     that prefix's cached K/V, so a model with one shares no prefix."""
 
     planes: ClassVar[int] = 0

@@ -21,10 +21,10 @@ from paged_backend.entrypoints.beam_search import (
 from paged_backend.entrypoints.chat import render_chat
 from paged_backend.entrypoints.chat_turn import ChatTurn, NeedsReasoningModel, build_chat_turn
 from paged_backend.entrypoints.reasoning import resolve_reasoning_parser
-from paged_backend.model.attention import ATTENTION_NAME, register
+from paged_backend.model.paged.attention import ATTENTION_NAME, register
 from paged_backend.model.lora import LoRARequest, LoRASpec
-from paged_backend.model.model_loader import gguf_file_of, is_default_model, load_model
-from paged_backend.model.quantization import (
+from paged_backend.model.loading.model_loader import gguf_file_of, is_default_model, load_model
+from paged_backend.model.quantized.quantization import (
     AUTO,
     check_method,
     quantize_weights,

@@ -1,6 +1,6 @@
 """A compiled CPU kernel for a few rows times an int8 weight: the LM head of a one-stream int4 model.
 
-One stream's decode step multiplies one row by the int8 head (model/int8_linear.py: 49,152 x 576 for the default
+One stream's decode step multiplies one row by the int8 head (model/quantized/int8_linear.py: 49,152 x 576 for the default
 model, 28 MB of codes), a pass over memory that torch's `_weight_int8pack_mm` made well below what the machine's
 memory gives (docs/benchmarks.md). The kernel in cpu_int8_matmul.c streams each output row's codes once, in order,
 widens them in registers and multiplies them with the (at most MOST_ROWS) input rows kept in fp32, the output rows

@@ -64,7 +64,7 @@ def write_and_attend_single_row(
     kv_heads, dim = key.shape
     heads = torch.arange(kv_heads, device=key.device)
     # The layer as an index tensor, never a Python int in the graph: a compiled forward gives it as a 0-d tensor
-    # input, so every layer traces the same graph (model/layer_regions.py).
+    # input, so every layer traces the same graph (model/compiled/layer_regions.py).
     index = torch.as_tensor(index, device=key.device)
     for half, new in enumerate((key, value)):
         where = (index, torch.tensor(half, device=key.device), heads, step.slot)

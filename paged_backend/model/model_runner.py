@@ -20,13 +20,15 @@ from paged_backend.core.request import Request
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.kernels import AttentionMetadata, pack_sequences, to_device
 from paged_backend.kernels.torch_single_row import single_row_step
-from paged_backend.model import compilation, fused_projections, layer_regions, lora
-from paged_backend.model.cuda_graphs import DecodeGraphs
-from paged_backend.model.decode_padding import DecodePadding
-from paged_backend.model.paged_cache import PagedCache
-from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep
-from paged_backend.model.small_step_linear import small_step_linear
-from paged_backend.model.step_context import LoRAStep, StepContext, step_context
+from paged_backend.model import lora
+from paged_backend.model.compiled import compilation, layer_regions
+from paged_backend.model.quantized import fused_projections
+from paged_backend.model.compiled.cuda_graphs import DecodeGraphs
+from paged_backend.model.compiled.decode_padding import DecodePadding
+from paged_backend.model.paged.paged_cache import PagedCache
+from paged_backend.model.paged.recurrent_state import RecurrentState, RecurrentStep
+from paged_backend.model.quantized.small_step_linear import small_step_linear
+from paged_backend.model.paged.step_context import LoRAStep, StepContext, step_context
 from paged_backend.model.step_inputs import StepInputs
 from paged_backend.sampling.prompt_logprobs import PromptSpan, wanted_targets
 

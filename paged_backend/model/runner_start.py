@@ -9,9 +9,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from paged_backend.model import cuda_graphs
-from paged_backend.model.decode_padding import DecodePadding
-from paged_backend.model.fast_path_check import FastPathCheck, check_compiled
+from paged_backend.model.compiled import cuda_graphs
+from paged_backend.model.compiled.decode_padding import DecodePadding
+from paged_backend.model.compiled.fast_path_check import FastPathCheck, check_compiled
 from paged_backend.model.model_runner import ModelRunner
 
 if TYPE_CHECKING:  # the plan's module sits above model/ (it reads the model to plan)

@@ -10,8 +10,8 @@ import torch
 from paged_backend.core.pooling import PoolingRows
 from paged_backend.core.request import Request
 from paged_backend.kernels import AttentionMetadata
-from paged_backend.model.recurrent_state import RecurrentStep
-from paged_backend.model.step_context import LoRAStep
+from paged_backend.model.paged.recurrent_state import RecurrentStep
+from paged_backend.model.paged.step_context import LoRAStep
 from paged_backend.sampling.prompt_logprobs import PromptSpan
 
 

@@ -37,12 +37,12 @@ from transformers import PreTrainedModel
 
 from paged_backend.kernels import pack_sequences
 from paged_backend.core.request import Request
-from paged_backend.model.attention import ATTENTION_NAME
-from paged_backend.model.model_check import prepare_model
-from paged_backend.model.model_loader import load_model
+from paged_backend.model.paged.attention import ATTENTION_NAME
+from paged_backend.model.loading.model_check import prepare_model
+from paged_backend.model.loading.model_loader import load_model
 from paged_backend.model.model_runner import ModelRunner
 from paged_backend.model.step_inputs import StepInputs
-from paged_backend.model.paged_cache import KVShape, PagedCache
+from paged_backend.model.paged.paged_cache import KVShape, PagedCache
 from paged_backend.sampling.sampler import filter_logits
 
 

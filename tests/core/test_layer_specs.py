@@ -19,7 +19,7 @@ from paged_backend.core.layer_specs import (
 )
 from paged_backend.core.outputs import RequestMetrics
 from paged_backend.core.request import Request
-from paged_backend.model.paged_cache import KVShape
+from paged_backend.model.paged.paged_cache import KVShape
 from paged_backend.sampling.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -80,7 +80,7 @@ def test_reference_names_every_field_and_flag() -> None:
 
 
 def test_models_page_lists_every_supported_type() -> None:
-    from paged_backend.model.model_loader import SUPPORTED
+    from paged_backend.model.loading.model_loader import SUPPORTED
 
     page = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
     assert all(f"| `{model_type}` |" in page for model_type in SUPPORTED)

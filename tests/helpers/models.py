@@ -334,7 +334,7 @@ def int4_llama() -> tf.PreTrainedModel:
         return tf.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
-    from paged_backend.model.quantization import quantize_int4
+    from paged_backend.model.quantized.quantization import quantize_int4
 
     model = build_from_config(config)
     quantize_int4(model)

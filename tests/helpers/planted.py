@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from paged_backend.model.compilation import CompiledForward
+from paged_backend.model.compiled.compilation import CompiledForward
 
 
 def scale_in_compiled_steps(monkeypatch: pytest.MonkeyPatch, layer: int, projection: str, factor: float) -> None:

@@ -26,7 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
 from paged_backend import EngineConfig
-from paged_backend.model.default_model import default_model_path
+from paged_backend.model.loading.default_model import default_model_path
 
 ARCHS = ("llama", "gpt2", "qwen3", "gpt_neox")
 PAGED = {"cache_implementation": "paged"}

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.pipelines.pt_utils import KeyDataset
 
 from paged_backend import EngineConfig
-from paged_backend.model.default_model import default_model_path
+from paged_backend.model.loading.default_model import default_model_path
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "Hello"]
 CHATS = [[{"role": "user", "content": "What is 2+2?"}],

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from paged_backend.kernels import cpu_int4_matmul
-from paged_backend.model import int4_linear
-from paged_backend.model.int4_linear import Int4Linear, dequantize
+from paged_backend.model.quantized import int4_linear
+from paged_backend.model.quantized.int4_linear import Int4Linear, dequantize
 
 pytestmark = pytest.mark.skipif(cpu_int4_matmul.library() is None,
                                 reason="the int4 kernel needs AVX512-BF16 and a C compiler")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from paged_backend.kernels import cpu_int8_matmul
-from paged_backend.model.int8_linear import Int8Linear
+from paged_backend.model.quantized.int8_linear import Int8Linear
 
 pytestmark = pytest.mark.skipif(cpu_int8_matmul.library() is None, reason="no C compiler on this machine")
 
@@ -91,7 +91,7 @@ def test_the_tiled_layout_puts_an_output_rows_pair_of_codes_side_by_side() -> No
 
 @tiled_kernel
 def test_an_int8_layer_takes_the_tiled_kernel_for_bf16_rows_up_to_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from paged_backend.model import int8_linear
+    from paged_backend.model.quantized import int8_linear
 
     torch.manual_seed(0)
     head = Int8Linear.from_float(torch.nn.Linear(64, 48, bias=False).bfloat16())

@@ -28,7 +28,7 @@ from helpers.engine import (
 from helpers.models import build_from_config
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model import custom_ops
+from paged_backend.model.paged import custom_ops
 from paged_backend.model.adapters import ADAPTERS, install_adapters
 
 ALIBI = {"bloom", "mpt", "falcon-rw"}
@@ -106,8 +106,8 @@ def test_probe_records_how_each_layer_is_driven(name, route):
     function or the layer's adapter (StableLM's hands the step on to the interface function)."""
     from helpers.models import CONFIGS
 
-    from paged_backend.model.model_check import prepare_model
-    from paged_backend.model.paged_cache import probe_model
+    from paged_backend.model.loading.model_check import prepare_model
+    from paged_backend.model.paged.paged_cache import probe_model
 
     model = build_from_config(CONFIGS.get(name) or ADAPTED_CONFIGS[name])
     prepare_model(model, 2, self_check=False)
@@ -119,7 +119,7 @@ def test_probe_records_how_each_layer_is_driven(name, route):
 def test_refused_adapted_model_gets_its_own_forward_back(monkeypatch):
     """A refusal after the adapters went in (here a failing self-check) takes them out again."""
     from paged_backend import UnsupportedArchitectureError
-    from paged_backend.model import model_check
+    from paged_backend.model.loading import model_check
 
     model = build_adapted("bloom")
     x = torch.tensor([mixed_prompts(1)[0]])
@@ -226,7 +226,7 @@ BAICHUAN_RUNS = [dict(num_kv_blocks=64, device="cpu"),
 
 
 def test_baichuan_7b_form_is_a_llama_with_split_qkv(tmp_path):
-    from paged_backend.model.model_loader import load_model
+    from paged_backend.model.loading.model_loader import load_model
 
     state = random_baichuan_weights()
     folder = write_baichuan(tmp_path / "baichuan-7b", "7b", state)
@@ -241,7 +241,7 @@ def test_baichuan_7b_form_is_a_llama_with_split_qkv(tmp_path):
 
 def test_baichuan_13b_form_runs_alibi_through_its_adapter(tmp_path):
     from paged_backend.model.adapters.baichuan import BaichuanAlibiForCausalLM
-    from paged_backend.model.model_loader import load_model
+    from paged_backend.model.loading.model_loader import load_model
 
     state = random_baichuan_weights(seed=1)
     folder = write_baichuan(tmp_path / "baichuan-13b", "13b", state)
@@ -289,7 +289,7 @@ def test_baichuan2_head_rows_are_normalised_once():
 def test_baichuan_remote_tokenizer_gets_a_clear_error(tmp_path):
     import json
 
-    from paged_backend.model.model_loader import load_model
+    from paged_backend.model.loading.model_loader import load_model
 
     folder = write_baichuan(tmp_path / "baichuan-7b", "7b", random_baichuan_weights())
     (folder / "tokenizer_config.json").write_text(json.dumps(

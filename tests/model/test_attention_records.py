@@ -7,8 +7,8 @@ import torch
 from helpers.adapters import build_adapted
 from helpers.models import build
 
-from paged_backend.model import model_check
-from paged_backend.model.model_check import prepare_model
+from paged_backend.model.loading import model_check
+from paged_backend.model.loading.model_check import prepare_model
 
 
 def records(model: torch.nn.Module):

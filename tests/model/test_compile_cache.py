@@ -19,7 +19,7 @@ from helpers.models import build
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model import compilation, compile_cache
+from paged_backend.model.compiled import compilation, compile_cache
 
 # Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def test_a_file_that_does_not_load_is_compiled_again(cache_folder, model, caplog
     broken = graph_files(cache_folder)[0]
     broken.write_bytes(broken.read_bytes()[:100])  # what a process killed mid-write by another tool leaves
     compilation._graphs.clear()
-    with caplog.at_level(logging.WARNING, logger="paged_backend.model.compile_cache"):
+    with caplog.at_level(logging.WARNING, logger="paged_backend.model.compiled.compile_cache"):
         engine = Engine(model, None, EngineConfig(**CONFIG))
     assert "does not load" in caplog.text
     assert engine.runner.forward_model.new_graphs == len(compilation.warm_up_shapes(model))
@@ -88,7 +88,7 @@ def test_a_folder_that_cannot_be_written_compiles_without_keeping(tmp_path, monk
     monkeypatch.setenv("PAGED_BACKEND_CACHE", str(blocker / "cache"))  # under a file: no folder can be made
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # kernels somewhere writable
     monkeypatch.setattr(compilation, "_graphs", {})
-    with caplog.at_level(logging.WARNING, logger="paged_backend.model.compile_cache"):
+    with caplog.at_level(logging.WARNING, logger="paged_backend.model.compiled.compile_cache"):
         engine = Engine(model, None, EngineConfig(**CONFIG))
     assert engine.runner.compiled and "cannot be written" in caplog.text
     assert tokens(engine) == tokens(Engine(model, None, EngineConfig(**{**CONFIG, "compile": False})))

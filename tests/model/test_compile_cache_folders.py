@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
-from paged_backend.model import compile_cache
+from paged_backend.model.compiled import compile_cache
 
 
 def test_torchs_default_folder_is_not_taken_for_the_users_choice(tmp_path, monkeypatch) -> None:
@@ -38,7 +38,7 @@ def test_a_folder_the_user_names_is_kept(tmp_path, monkeypatch) -> None:
 
 FRESH = textwrap.dedent("""
     import paged_backend
-    from paged_backend.model import compile_cache
+    from paged_backend.model.compiled import compile_cache
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     with compile_cache.inductor_folder():
         print(cache_dir())
@@ -66,7 +66,7 @@ def test_a_process_waiting_for_anothers_compile_says_so(tmp_path, caplog) -> Non
     with open(tmp_path / ".lock", "a+") as other:  # another process compiling (flock: per open file)
         fcntl.flock(other, fcntl.LOCK_EX)
         threading.Timer(0.3, fcntl.flock, (other, fcntl.LOCK_UN)).start()
-        with caplog.at_level(logging.INFO, logger="paged_backend.model.compile_cache"):
+        with caplog.at_level(logging.INFO, logger="paged_backend.model.compiled.compile_cache"):
             with compile_cache.compile_lock(tmp_path) as writable:
                 assert writable
     assert "another process is compiling into" in caplog.text and str(tmp_path) in caplog.text

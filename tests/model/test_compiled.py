@@ -19,7 +19,7 @@ from helpers.models import CONFIGS, build, build_from_config
 from torch._dynamo.utils import counters
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model import compilation
+from paged_backend.model.compiled import compilation
 
 # Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ def build_baichuan_13b(name: str):
     import tempfile
     from pathlib import Path
 
-    from paged_backend.model.model_loader import load_model
+    from paged_backend.model.loading.model_loader import load_model
 
     with tempfile.TemporaryDirectory() as tmp:  # the weights are read into memory
         model, _ = load_model(write_baichuan(Path(tmp) / name, "13b", random_baichuan_weights()), device="cpu")
@@ -199,7 +199,7 @@ def test_one_token_steps_attend_inside_the_graph(arch, monkeypatch):
     """A lone stream's steps of one token write and attend in the compiled graph (torch_single_row.py),
     never through the opaque op, and give HF's tokens. Freed blocks rejoin the pool tail first, so from the
     second request on a stream's blocks are not in order."""
-    from paged_backend.model import custom_ops
+    from paged_backend.model.paged import custom_ops
 
     model = build(arch, seed=5)
     _, _, prompts, refs = hf_case(arch, model, MAX_NEW)

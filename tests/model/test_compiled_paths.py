@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 from paged_backend import BeamSearchParams, Engine, EngineConfig, SamplingParams
 from paged_backend.entrypoints.beam_search import beam_search
-from paged_backend.model.compilation import CompiledForward
+from paged_backend.model.compiled.compilation import CompiledForward
 
 # Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from helpers.engine import assert_all_blocks_free, greedy, hf_case, run_to_compl
 from helpers.models import build
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model import custom_ops
+from paged_backend.model.paged import custom_ops
 
 # Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
 pytestmark = pytest.mark.slow

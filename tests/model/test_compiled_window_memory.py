@@ -20,7 +20,7 @@ from helpers.windows import (
 )
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model.compilation import CompiledForward
+from paged_backend.model.compiled.compilation import CompiledForward
 
 # Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
 pytestmark = pytest.mark.slow

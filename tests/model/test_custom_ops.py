@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 import torch
-from paged_backend.model.step_context import StepContext, step_context
+from paged_backend.model.paged.step_context import StepContext, step_context
 from paged_backend.kernels import AttentionMetadata, LayerAttention, PagedCaches, paged_attention, write_kv_cache
 
-from paged_backend.model import custom_ops
+from paged_backend.model.paged import custom_ops
 
 
 def step_metadata(seq_lens: list[int], new_tokens: list[int], block_size: int = 4) -> AttentionMetadata:

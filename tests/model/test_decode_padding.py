@@ -17,7 +17,7 @@ from helpers.models import build
 from helpers.tolerances import approx
 
 from paged_backend import Engine, EngineConfig, SamplingParams
-from paged_backend.model import cuda_graphs
+from paged_backend.model.compiled import cuda_graphs
 
 SMALL = dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=24)  # chunked prefill and preemption
 PADDED = dict(pad_decode=True, cuda_graph_sizes=[1, 2, 4, 8])

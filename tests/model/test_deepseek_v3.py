@@ -32,14 +32,14 @@ from paged_backend.core.layer_specs import LatentAttentionSpec
 from paged_backend.entrypoints.beam_search import beam_search
 from paged_backend.kernels import dispatch
 from paged_backend.model.adapters import deepseek_v3
-from paged_backend.model.int4_linear import Int4Linear
-from paged_backend.model.model_check import (
+from paged_backend.model.quantized.int4_linear import Int4Linear
+from paged_backend.model.loading.model_check import (
     CHECK_LENGTHS,
     dense_logits,
     paged_logits,
     prepare_model,
 )
-from paged_backend.model.paged_cache import ShapeProbe
+from paged_backend.model.paged.paged_cache import ShapeProbe
 
 # The tiny config's latent: kv_lora_rank 32 + qk_rope_head_dim 16 values per token and layer.
 LATENT, RANK = 48, 32

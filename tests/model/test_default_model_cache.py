@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from paged_backend.integrations import cli
 
-from paged_backend.model import default_model
-from paged_backend.model.default_model import CacheNotWritableError, default_model_path
+from paged_backend.model.loading import default_model
+from paged_backend.model.loading.default_model import CacheNotWritableError, default_model_path
 
 
 def under_a_file(tmp_path: Path) -> Path:

@@ -13,7 +13,7 @@ from helpers.models import build, int4_llama
 from helpers.planted import lose_cache_writes, scale_in_compiled_steps
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model import fast_path_check
+from paged_backend.model.compiled import fast_path_check
 
 # Slow tier: compiles models or runs a whole client suite; `-m "not slow"` leaves it out (CI runs it).
 pytestmark = pytest.mark.slow

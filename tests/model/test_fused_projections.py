@@ -22,14 +22,14 @@ from helpers.lora import peft_with_adapters
 from helpers.models import build, int4_llama
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model import fused_projections
-from paged_backend.model.fused_projections import (
+from paged_backend.model.quantized import fused_projections
+from paged_backend.model.quantized.fused_projections import (
     DenseStack,
     fuse_projections,
     groups_of,
 )
-from paged_backend.model.int4_linear import Int4Linear
-from paged_backend.model.quantization import quantize_int4
+from paged_backend.model.quantized.int4_linear import Int4Linear
+from paged_backend.model.quantized.quantization import quantize_int4
 
 __all__ = ["one_thread"]
 
@@ -129,7 +129,7 @@ def test_a_replaced_weight_unfuses_until_fused_again():
 
 def test_fusion_can_be_turned_off(caplog):
     model = build("llama")
-    with caplog.at_level(logging.INFO, logger="paged_backend.model.fused_projections"):
+    with caplog.at_level(logging.INFO, logger="paged_backend.model.quantized.fused_projections"):
         engine = Engine(model, None, EngineConfig(fuse_projections=False, **CONFIG))
     assert "off (EngineConfig.fuse_projections=False)" in caplog.text
     assert not engine.runner.fused and groups_of(model) == []
@@ -219,6 +219,6 @@ def test_tensor_parallel_engines_leave_projections_unfused(monkeypatch, caplog):
     model = build("llama")
     monkeypatch.setattr(fused_projections.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(fused_projections.dist, "get_world_size", lambda: 2)
-    with caplog.at_level(logging.INFO, logger="paged_backend.model.fused_projections"):
+    with caplog.at_level(logging.INFO, logger="paged_backend.model.quantized.fused_projections"):
         assert not fused_projections.fuse_for_engine(model, True)
     assert "not under tensor parallelism" in caplog.text and groups_of(model) == []

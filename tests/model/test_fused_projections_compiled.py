@@ -18,11 +18,11 @@ from helpers.engine import (
 from helpers.models import build, int4_llama
 from torch._dynamo.utils import counters
 
-from paged_backend.model.step_context import StepContext, step_context
+from paged_backend.model.paged.step_context import StepContext, step_context
 from paged_backend import Engine, EngineConfig
 from paged_backend.kernels import cpu_int4_matmul
-from paged_backend.model.compilation import CompiledForward
-from paged_backend.model.fused_projections import fuse_projections, groups_of
+from paged_backend.model.compiled.compilation import CompiledForward
+from paged_backend.model.quantized.fused_projections import fuse_projections, groups_of
 
 __all__ = ["one_thread"]
 

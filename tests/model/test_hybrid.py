@@ -26,9 +26,9 @@ from paged_backend.core.state_slots import StateSlots
 from paged_backend.entrypoints.beam_search import beam_search
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.model.adapters import lfm2
-from paged_backend.model.paged_cache import KVShape
-from paged_backend.model.recurrent_state import SlotView
-from paged_backend.model.step_context import current_step
+from paged_backend.model.paged.paged_cache import KVShape
+from paged_backend.model.paged.recurrent_state import SlotView
+from paged_backend.model.paged.step_context import current_step
 
 
 @pytest.fixture(scope="module")

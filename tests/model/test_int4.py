@@ -13,16 +13,16 @@ from helpers.models import build
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.kernels import cpu_int4_matmul
-from paged_backend.model import int4_linear, int8_linear
-from paged_backend.model.int4_linear import (
+from paged_backend.model.quantized import int4_linear, int8_linear
+from paged_backend.model.quantized.int4_linear import (
     DENSE_ROWS,
     GROUP_SIZE,
     KERNEL_DENSE_ROWS,
     Int4Linear,
     has_int4_layers,
 )
-from paged_backend.model.int8_linear import Int8Linear
-from paged_backend.model.quantization import quantize_weights, resolve_method
+from paged_backend.model.quantized.int8_linear import Int8Linear
+from paged_backend.model.quantized.quantization import quantize_weights, resolve_method
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -246,8 +246,8 @@ def test_int4_is_refused_off_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_default_model_q4_1_tensors_load_as_transformers_dequantizes_them() -> None:
     from transformers import AutoModelForCausalLM
 
-    from paged_backend.model.default_model import default_model_path, gguf_file_path
-    from paged_backend.model.gguf_int4 import read_q4_1_linears
+    from paged_backend.model.loading.default_model import default_model_path, gguf_file_path
+    from paged_backend.model.quantized.gguf_int4 import read_q4_1_linears
 
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
     captured = {}
@@ -313,8 +313,8 @@ def test_default_model_on_a_cpu_without_native_bf16_runs_int4_over_fp32_by_defau
 def test_the_tensor_index_reads_what_gguf_reader_reads() -> None:
     from gguf import GGUFReader
 
-    from paged_backend.model.default_model import gguf_file_path
-    from paged_backend.model.gguf_int4 import tensor_index
+    from paged_backend.model.loading.default_model import gguf_file_path
+    from paged_backend.model.quantized.gguf_int4 import tensor_index
 
     expected = {t.name: (tuple(int(x) for x in t.shape), int(t.tensor_type), int(t.data_offset))
                 for t in GGUFReader(str(gguf_file_path())).tensors}
@@ -323,8 +323,8 @@ def test_the_tensor_index_reads_what_gguf_reader_reads() -> None:
 
 @pytest.mark.slow
 def test_the_gguf_a_model_argument_loads_from(tmp_path) -> None:
-    from paged_backend.model.default_model import DEFAULT_MODEL, gguf_file_path
-    from paged_backend.model.model_loader import gguf_file_of, is_default_model
+    from paged_backend.model.loading.default_model import DEFAULT_MODEL, gguf_file_path
+    from paged_backend.model.loading.model_loader import gguf_file_of, is_default_model
 
     assert is_default_model(None) and is_default_model(DEFAULT_MODEL) and not is_default_model("gpt2")
     assert gguf_file_of(None) == gguf_file_of(DEFAULT_MODEL) == gguf_file_path()

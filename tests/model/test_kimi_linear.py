@@ -11,7 +11,7 @@ from helpers.models import build
 
 from paged_backend import Engine, EngineConfig, UnsupportedArchitectureError
 from paged_backend.core.layer_specs import LatentAttentionSpec
-from paged_backend.model.recurrent_state import SlotView
+from paged_backend.model.paged.recurrent_state import SlotView
 
 
 def test_kda_chunked_prefill_crosses_the_delta_rule_chunks():

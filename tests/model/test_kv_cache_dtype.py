@@ -22,7 +22,7 @@ from paged_backend.kernels import LayerAttention, PagedCaches, torch_attention, 
 from paged_backend.kernels.kv_quant import dequantize_int8, quantize_int8
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model.model_check import (
+from paged_backend.model.loading.model_check import (
     CHECK_LENGTHS,
     dense_logits,
     paged_logits,

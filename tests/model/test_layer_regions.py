@@ -15,7 +15,7 @@ from helpers.engine import check_against_hf, hf_case
 from helpers.models import build, build_from_config
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model import compilation, layer_regions
+from paged_backend.model.compiled import compilation, layer_regions
 
 CONFIG = {"num_kv_blocks": 16, "block_size": 4, "max_num_batched_tokens": 16}
 MAX_NEW = 10

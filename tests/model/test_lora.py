@@ -30,7 +30,7 @@ from paged_backend import (
     SamplingParams,
 )
 from paged_backend.entrypoints.beam_search import beam_search
-from paged_backend.model.compilation import CompiledForward
+from paged_backend.model.compiled.compilation import CompiledForward
 from paged_backend.model.lora import LoRAWeights, portable_source, read_lora_layers
 
 MAX_NEW = 8
@@ -385,8 +385,8 @@ def with_adapter_added_by_hand(model, peft_model, adapter: str | None):
 def test_adapters_over_an_int4_base_add_their_deltas_to_its_layers(case):
     """quantization="int4" with adapters: every request equals generate on the same int4 model with its
     adapter's delta added by hand, in a mixed, chunked batch; and the adapters change the answers."""
-    from paged_backend.model.int4_linear import Int4Linear
-    from paged_backend.model.quantization import quantize_weights
+    from paged_backend.model.quantized.int4_linear import Int4Linear
+    from paged_backend.model.quantized.quantization import quantize_weights
 
     peft_model, _, prompts, names, _ = case
     reference = build("llama")

@@ -12,7 +12,8 @@ from helpers.models import CONFIGS, build, build_from_config
 
 from paged_backend import Engine, EngineConfig
 from paged_backend.errors import UnsupportedArchitectureError
-from paged_backend.model import attention, custom_ops, model_check
+from paged_backend.model.loading import model_check
+from paged_backend.model.paged import attention, custom_ops
 
 
 def with_window(name: str, window: int):
@@ -127,7 +128,7 @@ def test_a_minimax_m3_with_sparse_layers_is_refused_with_the_reason() -> None:
 
 def test_a_forward_that_fails_on_the_probe_is_refused_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever a layer's code raises on the engine's one-token probe becomes a refusal that names it."""
-    from paged_backend.model import model_loader
+    from paged_backend.model.loading import model_loader
 
     monkeypatch.setattr(model_loader, "UNSUPPORTED_LAYER_TYPES", {})
     base = CONFIGS["minimax_m3_vl_text"]

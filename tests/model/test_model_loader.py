@@ -1,4 +1,4 @@
-"""Tests for paged_backend.model.model_loader and paged_backend.model.default_model.
+"""Tests for paged_backend.model.loading.model_loader and paged_backend.model.loading.default_model.
 
 Fast tests use tiny random models built in-process. Tests marked ``slow`` use
 the real default model; they share one conversion per session (in
@@ -30,14 +30,14 @@ from transformers import (
     T5Config,
 )
 
-from paged_backend.model import default_model
-from paged_backend.model.default_model import (
+from paged_backend.model.loading import default_model
+from paged_backend.model.loading.default_model import (
     DEFAULT_MODEL,
     cache_dir,
     default_model_path,
     gguf_file_path,
 )
-from paged_backend.model.model_loader import (
+from paged_backend.model.loading.model_loader import (
     SUPPORTED,
     UNSUPPORTED_REASONS,
     UnsupportedArchitectureError,
@@ -465,7 +465,7 @@ def test_probe_refuses_a_layer_that_bypasses_the_step_and_restores_the_model(mon
 def test_self_check_refuses_wrong_paged_logits_and_can_be_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the probe's layer check switched off, the self-check is what catches the bypass."""
     from paged_backend import Engine, EngineConfig
-    from paged_backend.model import paged_cache
+    from paged_backend.model.paged import paged_cache
 
     model = _stablelm_without_its_adapter(monkeypatch)
     monkeypatch.setattr(paged_cache, "check_every_layer_driven", lambda *args: None)
@@ -478,7 +478,7 @@ def test_self_check_refuses_wrong_paged_logits_and_can_be_skipped(monkeypatch: p
 
 def test_self_check_runs_once_per_model(monkeypatch: pytest.MonkeyPatch, tiny_llama: LlamaForCausalLM) -> None:
     from paged_backend import Engine, EngineConfig
-    from paged_backend.model import model_check
+    from paged_backend.model.loading import model_check
 
     calls = []
     dense = model_check.dense_logits
@@ -520,7 +520,7 @@ def test_missing_path_and_folder_without_config_are_refused(tmp_path: Path) -> N
 
 def _paged_path_without(monkeypatch: pytest.MonkeyPatch, feature: str) -> None:
     """Make the paged attention drop attention sinks or chunks, as a kernel that ignored them would."""
-    from paged_backend.model import attention, custom_ops
+    from paged_backend.model.paged import attention, custom_ops
 
     if feature == "chunks":
         monkeypatch.setattr(attention, "attention_chunk_size", lambda module: None)

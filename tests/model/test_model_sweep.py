@@ -19,7 +19,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from paged_backend import Engine, EngineConfig
 from paged_backend.errors import UnsupportedArchitectureError
-from paged_backend.model.model_loader import SUPPORTED, check_architecture
+from paged_backend.model.loading.model_loader import SUPPORTED, check_architecture
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers.models import build
 
-from paged_backend.model import precision
-from paged_backend.model.model_loader import load_model
+from paged_backend.model.loading import precision
+from paged_backend.model.loading.model_loader import load_model
 
 ORIGINAL_CHECK = precision.cpu_has_native_bf16  # conftest pins it to False for the rest of the suite
 

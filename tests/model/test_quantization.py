@@ -12,7 +12,7 @@ from helpers.engine import hf_greedy, mixed_prompts
 from helpers.models import build
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.model.compilation import CompiledForward, CompileReport
+from paged_backend.model.compiled.compilation import CompiledForward, CompileReport
 from paged_backend.model.model_runner import ModelRunner
 
 pytest.importorskip("torchao")

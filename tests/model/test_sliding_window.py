@@ -13,9 +13,9 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
-from paged_backend.model.step_context import StepContext, step_context
+from paged_backend.model.paged.step_context import StepContext, step_context
 from paged_backend import EngineConfig
-from paged_backend.model import attention
+from paged_backend.model.paged import attention
 
 WINDOW = 8
 MAX_NEW = 12

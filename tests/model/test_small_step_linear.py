@@ -1,4 +1,4 @@
-"""Small CPU steps run their linears as `weight @ x^T` (model/small_step_linear.py): the same values as
+"""Small CPU steps run their linears as `weight @ x^T` (model/quantized/small_step_linear.py): the same values as
 F.linear, only for fp32 steps of 2-5 tokens, and the engine's greedy tokens still equal HF's."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from helpers.models import build
 from helpers.tolerances import tolerance
 
 from paged_backend import Engine, EngineConfig
-from paged_backend.model import small_step_linear as ssl
+from paged_backend.model.quantized import small_step_linear as ssl
 
 
 @pytest.mark.parametrize("shape", [(3, 48), (1, 4, 48), (2, 2, 48)])

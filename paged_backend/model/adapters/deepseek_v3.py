@@ -35,9 +35,9 @@ from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels.layer_attention import LayerAttention
 from paged_backend.kernels.torch_attention import attend_one
 from paged_backend.model.adapters.registry import Adapter, register_adapter
-from paged_backend.model.latent_cache import latent_attention
-from paged_backend.model.layer_regions import traced_layer
-from paged_backend.model.paged_cache import PackedStepCache, PagedCache, ShapeProbe
+from paged_backend.model.paged.latent_cache import latent_attention
+from paged_backend.model.compiled.layer_regions import traced_layer
+from paged_backend.model.paged.paged_cache import PackedStepCache, PagedCache, ShapeProbe
 
 
 def prepare(module: DeepseekV3Attention, config) -> None:

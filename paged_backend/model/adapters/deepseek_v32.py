@@ -25,7 +25,7 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
 
 from paged_backend.model.adapters import deepseek_v3
 from paged_backend.model.adapters.registry import Adapter, register_adapter
-from paged_backend.model.paged_cache import PackedStepCache
+from paged_backend.model.paged.paged_cache import PackedStepCache
 
 
 def rotate(module: DeepseekV32Attention, q_rope: torch.Tensor, k_rope: torch.Tensor,

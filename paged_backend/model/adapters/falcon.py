@@ -18,7 +18,7 @@ from paged_backend.model.adapters.registry import (
     register_adapter,
     set_alibi_slopes,
 )
-from paged_backend.model.paged_cache import PackedStepCache
+from paged_backend.model.paged.paged_cache import PackedStepCache
 
 
 def prepare(module: FalconAttention, config) -> None:

@@ -8,7 +8,7 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import Grani
 from paged_backend.model.adapters.mamba2 import mamba2_layout, paged_forward
 from paged_backend.model.adapters.registry import Adapter, register_adapter
 from paged_backend.core.layer_specs import StateSpec
-from paged_backend.model.recurrent_state import register_state_layout
+from paged_backend.model.paged.recurrent_state import register_state_layout
 
 
 def state_layout(config) -> dict[int, tuple[StateSpec, ...]]:

@@ -24,9 +24,9 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAtten
 
 from paged_backend.model.adapters import deepseek_v3, mamba2
 from paged_backend.model.adapters.registry import Adapter, register_adapter
-from paged_backend.model.paged_cache import PackedStepCache
+from paged_backend.model.paged.paged_cache import PackedStepCache
 from paged_backend.core.layer_specs import StateSpec
-from paged_backend.model.recurrent_state import register_state_layout
+from paged_backend.model.paged.recurrent_state import register_state_layout
 
 
 def kda_layout(config) -> dict[int, tuple[StateSpec, ...]]:

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 
 from paged_backend.model.adapters.registry import Adapter, register_adapter
-from paged_backend.model.paged_cache import PackedStepCache, ShapeProbe
+from paged_backend.model.paged.paged_cache import PackedStepCache, ShapeProbe
 from paged_backend.core.layer_specs import StateSpec
-from paged_backend.model.recurrent_state import register_state_layout
-from paged_backend.model.step_context import current_step
+from paged_backend.model.paged.recurrent_state import register_state_layout
+from paged_backend.model.paged.step_context import current_step
 
 
 def state_layout(config) -> dict[int, tuple[StateSpec, ...]]:

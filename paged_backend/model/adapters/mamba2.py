@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paged_backend.model.paged_cache import PackedStepCache, ShapeProbe
+from paged_backend.model.paged.paged_cache import PackedStepCache, ShapeProbe
 from paged_backend.core.layer_specs import StateSpec
-from paged_backend.model.recurrent_state import SlotView
-from paged_backend.model.step_context import current_step
+from paged_backend.model.paged.recurrent_state import SlotView
+from paged_backend.model.paged.step_context import current_step
 
 
 def mamba2_layout(config, layers: list[int], inner: int) -> dict[int, tuple[StateSpec, ...]]:

@@ -13,7 +13,7 @@ from paged_backend.model.adapters.registry import (
     register_adapter,
     set_alibi_slopes,
 )
-from paged_backend.model.paged_cache import PackedStepCache
+from paged_backend.model.paged.paged_cache import PackedStepCache
 
 # transformers' MptModel builds its ALiBi tensor with this default, whatever attn_config says.
 HF_ALIBI_BIAS_MAX = 8

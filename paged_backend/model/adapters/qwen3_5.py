@@ -17,7 +17,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGated
 
 from paged_backend.model.adapters.qwen3_next import gated_delta_net_layout, paged_forward
 from paged_backend.model.adapters.registry import Adapter, register_adapter
-from paged_backend.model.recurrent_state import register_state_layout
+from paged_backend.model.paged.recurrent_state import register_state_layout
 
 # The checkpoint's multimodal type (which a folder's config.json names) and the text type its causal LM carries.
 for model_type, mixer in (("qwen3_5", Qwen3_5GatedDeltaNet), ("qwen3_5_text", Qwen3_5GatedDeltaNet),

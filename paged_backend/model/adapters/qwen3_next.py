@@ -20,9 +20,9 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 
 from paged_backend.model.adapters import mamba2
 from paged_backend.model.adapters.registry import Adapter, register_adapter
-from paged_backend.model.paged_cache import PackedStepCache
+from paged_backend.model.paged.paged_cache import PackedStepCache
 from paged_backend.core.layer_specs import StateSpec
-from paged_backend.model.recurrent_state import register_state_layout
+from paged_backend.model.paged.recurrent_state import register_state_layout
 
 
 def gated_delta_net_layout(config) -> dict[int, tuple[StateSpec, ...]]:

@@ -20,10 +20,10 @@ from torch import nn
 
 from paged_backend.kernels.layer_attention import LayerAttention
 from paged_backend.kernels.torch_attention import attend_one
-from paged_backend.model import custom_ops
-from paged_backend.model.layer_regions import traced_layer
-from paged_backend.model.paged_cache import PackedStepCache, PagedCache, ShapeProbe
-from paged_backend.model.recurrent_state import is_all_attention_hybrid
+from paged_backend.model.paged import custom_ops
+from paged_backend.model.compiled.layer_regions import traced_layer
+from paged_backend.model.paged.paged_cache import PackedStepCache, PagedCache, ShapeProbe
+from paged_backend.model.paged.recurrent_state import is_all_attention_hybrid
 
 PagedForward = Callable[..., tuple[torch.Tensor, None]]
 

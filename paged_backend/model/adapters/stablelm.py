@@ -8,7 +8,7 @@ from __future__ import annotations
 from transformers.models.stablelm.modeling_stablelm import StableLmAttention
 
 from paged_backend.model.adapters.registry import Adapter, register_adapter
-from paged_backend.model.paged_cache import PackedStepCache
+from paged_backend.model.paged.paged_cache import PackedStepCache
 
 
 def paged_forward(module: StableLmAttention, cache: PackedStepCache, *args, **kwargs):

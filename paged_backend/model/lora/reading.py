@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged_backend.model.quantized_linear import QuantizedLinear
+from paged_backend.model.quantized.quantized_linear import QuantizedLinear
 from paged_backend.model.lora.adapter import LoRAAdapter, LoRAWeights
 
 _ids = itertools.count(1)  # adapter ids, unique in the process (they key prefix-cache blocks)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from paged_backend.model.step_context import LoRAStep, current
+from paged_backend.model.paged.step_context import LoRAStep, current
 from paged_backend.model.lora.adapter import LoRAAdapter
 from paged_backend.model.lora.reading import adaptable_linears, base_linear, weight_of
 

@@ -23,7 +23,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from paged_backend.model.int4_linear import GROUP_SIZE, Int4Linear
+from paged_backend.model.quantized.int4_linear import GROUP_SIZE, Int4Linear
 
 Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of codes
 # GGUF tensor name (llama architecture) -> the HF module path inside model.model.layers[i]

@@ -33,9 +33,9 @@ from paged_backend.kernels.torch_single_row import (
     SingleRowStep,
     write_and_attend_single_row,
 )
-from paged_backend.model import custom_ops, step_context
-from paged_backend.model.layer_regions import traced_layer
-from paged_backend.model.paged_cache import PagedCache, ShapeProbe
+from paged_backend.model.paged import custom_ops, step_context
+from paged_backend.model.compiled.layer_regions import traced_layer
+from paged_backend.model.paged.paged_cache import PagedCache, ShapeProbe
 
 ATTENTION_NAME = "paged_backend"
 

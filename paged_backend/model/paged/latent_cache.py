@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels.dispatch import write_and_attend_latent
-from paged_backend.model.custom_ops import layer_operand
-from paged_backend.model.step_context import current_step
+from paged_backend.model.paged.custom_ops import layer_operand
+from paged_backend.model.paged.step_context import current_step
 
 
 def latent_attention_impl(query: torch.Tensor, latent: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:

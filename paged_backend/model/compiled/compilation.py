@@ -46,12 +46,13 @@ import torch.fx.experimental._config as fx_config
 from tqdm.auto import tqdm
 
 from paged_backend.kernels import pack_sequences
-from paged_backend.model import compile_cache, int4_linear, layer_regions
-from paged_backend.model.model_state import tuner_layers
-from paged_backend.model.rope import has_dynamic_rope
+from paged_backend.model.compiled import compile_cache, layer_regions
+from paged_backend.model.quantized import int4_linear
+from paged_backend.model.loading.model_state import tuner_layers
+from paged_backend.model.loading.rope import has_dynamic_rope
 
 if TYPE_CHECKING:
-    from paged_backend.model.paged_cache import PagedCache
+    from paged_backend.model.paged.paged_cache import PagedCache
 
 logger = logging.getLogger(__name__)
 

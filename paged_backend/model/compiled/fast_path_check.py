@@ -23,8 +23,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from paged_backend.model import compilation, int4_linear
-from paged_backend.model.model_check import computing_dtype, step_inputs
+from paged_backend.model.compiled import compilation
+
+from paged_backend.model.quantized import int4_linear
+from paged_backend.model.loading.model_check import computing_dtype, step_inputs
 from paged_backend.model.model_runner import ModelRunner
 from paged_backend.model.step_inputs import StepInputs
 

@@ -40,9 +40,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paged_backend.model.step_context import current
+from paged_backend.model.paged.step_context import current
 from paged_backend.kernels.cpu_int4_matmul import TILE, TiledWeight
-from paged_backend.model.int4_linear import Int4Linear, packed_rows_stack
+from paged_backend.model.quantized.int4_linear import Int4Linear, packed_rows_stack
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from paged_backend.kernels.dispatch import select_backend, triton_modules
-from paged_backend.model.decode_padding import DecodePadding
+from paged_backend.model.compiled.decode_padding import DecodePadding
 from paged_backend.model.step_inputs import StepInputs
 
 

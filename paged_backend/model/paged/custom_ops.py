@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import write_and_attend
-from paged_backend.model.step_context import current_step
+from paged_backend.model.paged.step_context import current_step
 
 
 def paged_attention_impl(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, layer: torch.Tensor

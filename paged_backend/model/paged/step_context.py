@@ -22,7 +22,7 @@ import torch
 
 from paged_backend.core.kv_cache_groups import CacheGroups
 from paged_backend.kernels import AttentionMetadata, LayerAttention, LayerCache
-from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep
+from paged_backend.model.paged.recurrent_state import RecurrentState, RecurrentStep
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ import torch
 
 from paged_backend.kernels import cpu_int4_matmul
 from paged_backend.kernels.cpu_int4_matmul import TILE, TiledWeight
-from paged_backend.model.quantized_linear import COMPUTE_DTYPE, QuantizedLinear, cast_to
+from paged_backend.model.quantized.quantized_linear import COMPUTE_DTYPE, QuantizedLinear, cast_to
 
 GROUP_SIZE = 32  # weights per (scale, offset) pair along the input dimension, as in GGUF's Q4_1
 # Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers: docs/precision.md).

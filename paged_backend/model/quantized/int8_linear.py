@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import cpu_int8_matmul
-from paged_backend.model.quantized_linear import (
+from paged_backend.model.quantized.quantized_linear import (
     COMPUTE_DTYPE,
     QuantizedLinear,
     cast_to,

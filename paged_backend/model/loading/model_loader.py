@@ -32,14 +32,14 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.model.adapters import ADAPTERS
 from paged_backend.model.adapters.baichuan import is_baichuan, load_baichuan
-from paged_backend.model.attention import ATTENTION_NAME
-from paged_backend.model.default_model import (
+from paged_backend.model.paged.attention import ATTENTION_NAME
+from paged_backend.model.loading.default_model import (
     DEFAULT_MODEL,
     default_model_path,
     gguf_file_path,
 )
-from paged_backend.model.precision import preferred_dtype
-from paged_backend.model.recurrent_state import is_all_attention_hybrid
+from paged_backend.model.loading.precision import preferred_dtype
+from paged_backend.model.paged.recurrent_state import is_all_attention_hybrid
 
 # Each of these has a decoder-only *ForCausalLM whose attention module calls
 # ALL_ATTENTION_FUNCTIONS.get_interface (checked in transformers 5.24's and 5.25's

@@ -25,14 +25,14 @@ from transformers import PreTrainedModel
 
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels import pack_sequences
-from paged_backend.model import quantized_linear
+from paged_backend.model.quantized import quantized_linear
 from paged_backend.model.adapters import install_adapters, uninstall_adapters
-from paged_backend.model.attention import ATTENTION_NAME, register
+from paged_backend.model.paged.attention import ATTENTION_NAME, register
 from paged_backend.model.model_runner import ModelRunner
 from paged_backend.model.step_inputs import StepInputs
-from paged_backend.model.paged_cache import KVShape, PagedCache, probe_kv_shape, probe_model
-from paged_backend.model.rope import has_dynamic_rope
-from paged_backend.model.recurrent_state import RecurrentState, RecurrentStep, state_layout
+from paged_backend.model.paged.paged_cache import KVShape, PagedCache, probe_kv_shape, probe_model
+from paged_backend.model.loading.rope import has_dynamic_rope
+from paged_backend.model.paged.recurrent_state import RecurrentState, RecurrentStep, state_layout
 
 # Largest |paged - dense| logit difference accepted, relative to the largest |dense logit| (at least
 # 1): fp32 differs only by summation order; half precisions round every layer's activations.

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from paged_backend.model.int4_linear import Int4Linear, can_quantize
-from paged_backend.model.int8_linear import Int8Linear
-from paged_backend.model.quantized_linear import has_quantized_layers
+from paged_backend.model.quantized.int4_linear import Int4Linear, can_quantize
+from paged_backend.model.quantized.int8_linear import Int8Linear
+from paged_backend.model.quantized.quantized_linear import has_quantized_layers
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,6 @@ def replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -
 
 
 def read_gguf_layers(gguf: Path, model: torch.nn.Module) -> dict[str, Int4Linear]:
-    from paged_backend.model.gguf_int4 import read_q4_1_linears
+    from paged_backend.model.quantized.gguf_int4 import read_q4_1_linears
 
     return read_q4_1_linears(gguf, model)

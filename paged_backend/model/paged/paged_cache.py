@@ -29,7 +29,7 @@ from paged_backend.core.layer_specs import (
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels.kv_quant import SCALE_DTYPE
 from paged_backend.kernels.layer_attention import LayerAttention
-from paged_backend.model.recurrent_state import state_layout
+from paged_backend.model.paged.recurrent_state import state_layout
 
 
 @dataclass(frozen=True, slots=True)
