@@ -125,6 +125,14 @@ def test_the_kv_manager_and_the_plan_ask_layer_specs_not_kinds() -> None:
             assert "isinstance" not in used, name
 
 
+def test_a_layer_s_kind_is_decided_in_the_spec_module() -> None:
+    """The start-up probe reports what a layer did (rows or none, a latent, its record's window or chunk) and
+    `layer_specs.spec_of` picks the kind: the probe names no kind but the full-attention default of a uniform shape."""
+    classes, _ = kind_names()
+    used = names_in_file(ENGINE_SOURCE.parent / "model" / "paged" / "paged_cache.py")
+    assert not used & (classes - {"FullAttentionSpec"}) and "spec_of" in used
+
+
 # A layer's attention options, which its attention record (kernels/layer_attention.py) carries from start-up on.
 LAYER_OPTIONS = {"chunk_size", "sliding_window", "softcap"}
 

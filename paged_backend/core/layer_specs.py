@@ -202,3 +202,20 @@ class RecurrentStateSpec(LayerSpec):
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         """Its state tensors' memory, those without a dtype of their own in the model's `dtype`."""
         return sum(math.prod(state.shape) * (state.dtype or dtype).itemsize for state in self.states)
+
+
+def spec_of(*, keeps_rows: bool, latent_value_dim: int | None = None, window: int | None = None,
+            chunk: int | None = None, states: tuple[StateSpec, ...] = ()) -> LayerSpec:
+    """The spec of a layer from what the start-up probe saw it do: no rows (a recurrent layer, whose state tensors
+    are `states`), a latent row of which the first `latent_value_dim` entries are the value, or K and V under a
+    sliding `window`, a `chunk` or neither. The one place a layer's kind is decided: a new kind is a class above and
+    a branch here."""
+    if not keeps_rows:
+        return RecurrentStateSpec(states)
+    if latent_value_dim is not None:
+        return LatentAttentionSpec(latent_value_dim)
+    if window is not None:
+        return SlidingWindowSpec(window)
+    if chunk is not None:
+        return ChunkedAttentionSpec(chunk)
+    return FullAttentionSpec()

@@ -16,6 +16,7 @@ from paged_backend.core.layer_specs import (
     RecurrentStateSpec,
     SlidingWindowSpec,
     StateSpec,
+    spec_of,
 )
 from paged_backend.core.outputs import RequestMetrics
 from paged_backend.core.request import Request
@@ -112,3 +113,14 @@ def test_a_chunked_group_frees_the_chunks_behind_its_requests() -> None:
     second = Request("b", None, prompt[:21] + [99], SamplingParams(max_tokens=1), 1, frozenset(), RequestMetrics(0.0))
     assert kv.acquire_cached_prefix(second) == 20
     assert second.block_tables[1][:4] == [kv.null_block] * 4
+
+
+@pytest.mark.parametrize(("seen", "spec"), [
+    ({"keeps_rows": False, "states": (StateSpec((3, 4)),)}, RecurrentStateSpec((StateSpec((3, 4)),))),
+    ({"keeps_rows": True, "latent_value_dim": 32}, LatentAttentionSpec(32)),
+    ({"keeps_rows": True, "window": 8}, SlidingWindowSpec(8)),
+    ({"keeps_rows": True, "chunk": 16}, ChunkedAttentionSpec(16)),
+    ({"keeps_rows": True}, FullAttentionSpec()),
+])
+def test_what_the_probe_saw_picks_the_kind(seen: dict, spec) -> None:
+    assert spec_of(**seen) == spec

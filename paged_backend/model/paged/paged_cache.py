@@ -17,15 +17,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from paged_backend.core.kv_cache_groups import CacheGroups, one_group
-from paged_backend.core.layer_specs import (
-    ChunkedAttentionSpec,
-    FullAttentionSpec,
-    LatentAttentionSpec,
-    LayerSpec,
-    RecurrentStateSpec,
-    SlidingWindowSpec,
-    StateSpec,
-)
+from paged_backend.core.layer_specs import FullAttentionSpec, LayerSpec, StateSpec, spec_of
 from paged_backend.errors import UnsupportedArchitectureError
 from paged_backend.kernels.kv_quant import SCALE_DTYPE
 from paged_backend.kernels.layer_attention import LayerAttention
@@ -232,24 +224,18 @@ def probe_kv_shape(model: torch.nn.Module, num_layers: int) -> KVShape:
             f"{sorted(probe.latent_value_dims)} of {num_layers} cache a latent (value widths {sorted(latent)})")
     states = state_layout(model.config.get_text_config()) or {}
     return KVShape(heads, head_dim, tuple(layer_spec(probe, layer, states.get(layer, ())) for layer in range(num_layers)),
-                   parallel=tuple(RecurrentStateSpec(states[layer]) for layer in sorted(states) if layer in probe.seen),
+                   parallel=tuple(spec_of(keeps_rows=False, states=states[layer]) for layer in sorted(states) if layer in probe.seen),
                    attention=probe.layer_attention(num_layers))
 
 
 def layer_spec(probe: ShapeProbe, layer: int, states: tuple[StateSpec, ...]) -> LayerSpec:
-    """The spec of what `layer` keeps, from what the probe saw it do: no rows (a recurrent layer, checked by
-    check_every_layer_driven, whose state tensors are `states`), a latent, or K and V under a window, a chunk or
-    neither (as its attention record says)."""
-    if layer not in probe.seen:
-        return RecurrentStateSpec(states)
-    if layer in probe.latent_value_dims:
-        return LatentAttentionSpec(probe.latent_value_dims[layer])
+    """The spec of what `layer` keeps, from what the probe saw it do (core/layer_specs.spec_of): whether it wrote
+    rows (a recurrent layer, checked by check_every_layer_driven, writes none), a latent, and the window or chunk
+    its attention record holds."""
     attention = probe.attention.get(layer)
-    if attention is not None and attention.window is not None:
-        return SlidingWindowSpec(attention.window)
-    if attention is not None and attention.chunk is not None:
-        return ChunkedAttentionSpec(attention.chunk)
-    return FullAttentionSpec()
+    return spec_of(keeps_rows=layer in probe.seen, latent_value_dim=probe.latent_value_dims.get(layer),
+                   window=attention.window if attention is not None else None,
+                   chunk=attention.chunk if attention is not None else None, states=states)
 
 
 def check_every_layer_driven(model: torch.nn.Module, probe: ShapeProbe, num_layers: int) -> None:
