@@ -6,27 +6,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .tool_call_tags import BLOCK, CLOSE, OPEN, partial_open
-from .base import ParsedAnswer, PartialCall, ToolParser, Tools
+from .base import ParsedCall, PartialCall, Tools
+from .tool_call_tags import BLOCK, CLOSE, OPEN, TaggedCallParser
 from .grammar import arguments_grammar
 from .json_calls import Piece, parse_object, partial_object
 
 
-class HermesParser(ToolParser):
+class HermesParser(TaggedCallParser):
     name = "hermes"
-    markers = (OPEN, CLOSE)
 
-    def calls_start(self, text: str) -> int | None:
-        at = text.find(OPEN)
-        return None if at < 0 else at
-
-    def held_back(self, text: str) -> int:
-        return partial_open(text)
-
-    def parse(self, text: str, tools: Tools | None = None) -> ParsedAnswer:
-        if OPEN not in text:
-            return ParsedAnswer(text)
-        return ParsedAnswer(BLOCK.sub("", text).strip(), [parse_object(body) for body in BLOCK.findall(text)])
+    def read_block(self, body: str, tools: Tools | None) -> ParsedCall:
+        return parse_object(body)
 
     def partial(self, region: str, tools: Tools | None = None) -> list[PartialCall]:
         calls = []

@@ -20,29 +20,18 @@ import json
 import re
 from typing import Any
 
-from .tool_call_tags import CLOSE, OPEN, partial_open
-from .base import ParsedAnswer, ParsedCall, PartialCall, ToolParser, Tools
+from .base import ParsedCall, PartialCall, Tools
+from .tool_call_tags import BLOCK, CLOSE, OPEN, TaggedCallParser
 
-BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(</function>|\Z)", re.DOTALL)
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL)
 
 
-class Qwen3CoderParser(ToolParser):
+class Qwen3CoderParser(TaggedCallParser):
     name = "qwen3_coder"
-    markers = (OPEN, CLOSE)
 
-    def calls_start(self, text: str) -> int | None:
-        at = text.find(OPEN)
-        return None if at < 0 else at
-
-    def held_back(self, text: str) -> int:
-        return partial_open(text)
-
-    def parse(self, text: str, tools: Tools | None = None) -> ParsedAnswer:
-        if OPEN not in text:
-            return ParsedAnswer(text)
-        return ParsedAnswer(BLOCK.sub("", text).strip(), [parse_block(b, tools) for b in BLOCK.findall(text)])
+    def read_block(self, body: str, tools: Tools | None) -> ParsedCall:
+        return parse_block(body, tools)
 
     def partial(self, region: str, tools: Tools | None = None) -> list[PartialCall]:
         calls = []
