@@ -77,14 +77,18 @@ def write_quantized(model: PreTrainedModel, folder: Path, fmt: str, *, bits: int
     dtype = torch.float16 if fmt in ("gptq", "awq") else torch.bfloat16
     tensors = {name: t.detach().to(dtype) if t.is_floating_point() else t.detach()
                for name, t in _unique_state(model).items()}
-    reference = {}
-    for index, (name, linear) in enumerate(quantized_linears(model, skip).items()):
+    reference, linears = {}, quantized_linears(model, skip)
+    for index, (name, linear) in enumerate(linears.items()):
         del tensors[f"{name}.weight"]
         parts, reference[name] = _quantize(linear.weight.detach().float(), fmt, bits, group_size, sym, desc_act,
                                            strategy, seed=index)
         tensors.update({f"{name}.{key}": value.contiguous() for key, value in parts.items()})
+    # GPTQModel and AutoAWQ name the decoder-layer modules they skip; compressed-tensors' ignore list holds every
+    # Linear without a scheme, in module order (QuantizationConfig.from_pretrained), the LM head with them.
+    left = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name not in linears]
+    skipped = [name for name in quantized_linears(model) if name not in linears]
     _write_config(model, folder, dtype, _quant_config(fmt, bits, group_size, sym, desc_act, strategy,
-                                                      sorted(set(skip))))
+                                                      left if fmt.startswith("ct-") else skipped))
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return reference
 
@@ -103,15 +107,15 @@ def _quantize(weight: torch.Tensor, fmt: str, bits: int, group_size: int, sym: b
 
 
 def _quant_config(fmt: str, bits: int, group_size: int, sym: bool, desc_act: bool, strategy: str,
-                  skip: list[str]) -> dict:
+                  unquantized: list[str]) -> dict:
     if fmt == "gptq":
-        return _gptq_config(bits, group_size, sym, desc_act, skip)
+        return _gptq_config(bits, group_size, sym, desc_act, unquantized)
     if fmt == "awq":
-        return _awq_config(group_size, skip)
+        return _awq_config(group_size, unquantized)
     if fmt == "ct-fp8":
-        return _ct_fp8_config(strategy, skip)
+        return _ct_fp8_config(strategy, unquantized)
     packing = "int-quantized" if fmt == "ct-w8a8" else "pack-quantized"
-    return _ct_int_config(packing, 4 if fmt == "ct-w4a16" else 8, group_size, sym, strategy, skip)
+    return _ct_int_config(packing, 4 if fmt == "ct-w4a16" else 8, group_size, sym, strategy, unquantized)
 
 
 def corrupt(folder: Path, drop: str | None = None, set_config: dict | None = None,
@@ -395,21 +399,21 @@ def _fp8_spread(scale: torch.Tensor, shape: torch.Size, strategy: str) -> torch.
     return blocks[:shape[0], :shape[1]]
 
 
-def _ct_config(fmt: str, weights: dict, input_activations: dict | None, skip: list[str]) -> dict:
+def _ct_config(fmt: str, weights: dict, input_activations: dict | None, ignore: list[str]) -> dict:
     """config.json's quantization_config as `ModelCompressor.update_config` writes it (compressed-tensors 0.20.1,
     compressors/model_compressors/model_compressor.py): the QuantizationConfig dump, every module of the one group
-    compressed in `fmt` (infer_model_format sets the group's format), the LM head ignored."""
+    compressed in `fmt` (infer_model_format sets the group's format), `ignore` the Linear modules left float."""
     return {
         "version": COMPRESSED_TENSORS_VERSION, "quant_method": "compressed-tensors", "sparsity_config": {},
         "transform_config": {},
         "config_groups": {"group_0": {"format": fmt, "input_activations": input_activations,
                                       "output_activations": None, "targets": ["Linear"], "weights": weights}},
-        "format": fmt, "global_compression_ratio": None, "ignore": ["lm_head", *skip], "kv_cache_scheme": None,
+        "format": fmt, "global_compression_ratio": None, "ignore": ignore, "kv_cache_scheme": None,
         "moe_sparsity_config": None, "quantization_status": "compressed",
     }
 
 
-def _ct_int_config(fmt: str, bits: int, group_size: int, sym: bool, strategy: str, skip: list[str]) -> dict:
+def _ct_int_config(fmt: str, bits: int, group_size: int, sym: bool, strategy: str, ignore: list[str]) -> dict:
     """W4A16 / W8A16 (weights only) or INT8 W8A8 (dynamic per-token int8 inputs), with the weights asked for."""
     weights = {"dynamic": False, "group_size": group_size if strategy == "group" else None, "num_bits": bits,
                "strategy": strategy, "symmetric": sym, "type": "int"}
@@ -417,10 +421,10 @@ def _ct_int_config(fmt: str, bits: int, group_size: int, sym: bool, strategy: st
     if fmt == "int-quantized":
         inputs = {"dynamic": True, "group_size": None, "num_bits": 8, "strategy": "token", "symmetric": True,
                   "type": "int"}
-    return _ct_config(fmt, weights, inputs, skip)
+    return _ct_config(fmt, weights, inputs, ignore)
 
 
-def _ct_fp8_config(strategy: str, skip: list[str]) -> dict:
+def _ct_fp8_config(strategy: str, ignore: list[str]) -> dict:
     """The FP8 ("tensor", static per-tensor inputs), FP8_DYNAMIC ("channel", dynamic per-token inputs) or
     FP8_BLOCK ("block", 128x128 weight blocks, dynamic inputs in groups of 128) preset."""
     weights = {"dynamic": False, "group_size": None, "num_bits": 8, "strategy": strategy, "symmetric": True,
@@ -433,4 +437,4 @@ def _ct_fp8_config(strategy: str, skip: list[str]) -> dict:
     elif strategy == "block":
         weights["block_structure"] = [FP8_BLOCK, FP8_BLOCK]
         inputs = {**inputs, "strategy": "group", "group_size": FP8_BLOCK}
-    return _ct_config("float-quantized", weights, inputs, skip)
+    return _ct_config("float-quantized", weights, inputs, ignore)

@@ -259,6 +259,17 @@ def test_transformers_loads_the_compressed_tensors_folder_to_the_returned_weight
         assert torch.equal(modules[name].weight.detach(), weight.bfloat16()), name
 
 
+def test_transformers_reads_a_skipped_module_of_a_compressed_tensors_folder_as_float(model, tmp_path) -> None:
+    pytest.importorskip("compressed_tensors")
+    skipped = "model.layers.1.mlp.down_proj"
+    reference = write_quantized(model, tmp_path, "ct-w4a16", skip=[skipped])
+    modules = dict(tf.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=tf.CompressedTensorsConfig(
+        dequantize=True)).named_modules())
+    assert torch.equal(modules[skipped].weight.detach(), dict(model.named_modules())[skipped].weight.detach().bfloat16())
+    name = "model.layers.0.mlp.down_proj"
+    assert torch.equal(modules[name].weight.detach(), reference[name].bfloat16())
+
+
 # --- what the folders hold ------------------------------------------------------------------------------------------
 
 def test_gptq_folder_holds_gptqmodels_tensors_and_config(model, tmp_path) -> None:
@@ -388,7 +399,7 @@ def test_scales_are_bf16_values_stored_exactly(model, tmp_path, fmt) -> None:
 @pytest.mark.parametrize("fmt, listed", [
     ("gptq", lambda q: q["dynamic"] == {r"-:model\.layers\.1\.mlp\.down_proj$": {}}),
     ("awq", lambda q: q["modules_to_not_convert"] == ["model.layers.1.mlp.down_proj"]),
-    ("ct-w4a16", lambda q: q["ignore"] == ["lm_head", "model.layers.1.mlp.down_proj"])])
+    ("ct-w4a16", lambda q: q["ignore"] == ["model.layers.1.mlp.down_proj", "lm_head"])])
 def test_a_skipped_module_stays_a_float_weight_and_the_config_names_it(model, tmp_path, fmt, listed) -> None:
     skipped = "model.layers.1.mlp.down_proj"
     reference = write_quantized(model, tmp_path, fmt, skip=[skipped])
