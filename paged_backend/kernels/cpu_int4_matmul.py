@@ -55,6 +55,18 @@ def tile(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> TiledW
     return TiledWeight(packed, by_tile(scale), by_tile(zero))
 
 
+def untile(tiled: TiledWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tile()'s inverse: `codes [out, in]` uint8 and bf16 `scale`, `zero [out, in / 32]`."""
+    tiles, pairs, _ = tiled.codes.shape
+    nibbles = torch.stack([tiled.codes & 0x0F, tiled.codes >> 4], -1)  # [tiles, in / 2, 16, 2]
+    codes = nibbles.transpose(1, 2).reshape(tiles * TILE, pairs * 2)
+
+    def by_row(values: torch.Tensor) -> torch.Tensor:
+        return values.transpose(1, 2).reshape(tiles * TILE, -1)
+
+    return codes, by_row(tiled.scales), by_row(tiled.zeros)
+
+
 def tiled_here(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> TiledWeight | None:
     """The weight tiled (tile()) where the kernel runs: built here and not switched off; else None. A layer
     made inside `switched_off()` has no tiles and always runs torch's kernel (a compiled graph, which took its

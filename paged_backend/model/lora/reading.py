@@ -210,9 +210,12 @@ def is_linear(module: nn.Module) -> bool:
 
 
 def weight_of(linear: nn.Module) -> torch.Tensor:
-    """The float weight a linear multiplies by in the model's dtype (a quantized layer's dense copy): what an
-    adapter's A and B are stored like."""
-    return linear.dense if isinstance(linear, QuantizedLinear) else linear.weight
+    """The float weight a linear multiplies by in the model's dtype, or for a quantized layer an empty tensor of
+    that dtype on its device: what an adapter's A and B are stored like."""
+    if isinstance(linear, QuantizedLinear):
+        device = next(iter(linear.buffers())).device
+        return torch.empty(0, dtype=linear.dense_dtype, device=device)
+    return linear.weight
 
 
 def output_embedding(model: nn.Module) -> nn.Module | None:

@@ -170,10 +170,11 @@ def views_rows(group: FusedGroup, member: nn.Module, start: int, size: int) -> b
             pairs[0:1] = [(getattr(member.weight, name), getattr(stack.weight, name)) for name in INT8_ROWS
                           if getattr(stack.weight, name, None) is not None]
     else:
-        pairs = [(member.dense, stack.dense), (member.packed, stack.packed)]
+        pairs = [(getattr(member, name), getattr(stack, name)) for name in ("dense", "packed")
+                 if getattr(stack, name) is not None]
         if stack.bias is not None:
             pairs.append((member.bias, stack.bias))
-        if member.scales_and_zeros._version != group.scale_versions[group.members.index(member)]:
+        if scale_version(member) != group.scale_versions[group.members.index(member)]:
             return False
         if stack.tiles is not None:  # rows of 16 outputs (the int4 kernel's tiles)
             tile_pairs = zip(member.tiles or (), stack.tiles)
@@ -214,9 +215,14 @@ def refusal(members: list[nn.Module]) -> str | None:
             return "some projections have a bias and others not"
         return None
     if kinds == {Int4Linear}:
-        if len({(m.in_features, m.dense.dtype, m.bias is None) for m in members}) != 1:
-            return "int4 projections of different input sizes, dense dtypes or biases"
-        if not packed_rows_stack([m.out_features for m in members], members[0].in_features):
+        if len({(m.in_features, m.dense_dtype, m.bias is None, m.dense is None) for m in members}) != 1:
+            return "int4 projections of different input sizes, dense dtypes, biases or dense copies"
+        orders = [m.input_order for m in members]
+        if any(o is None for o in orders) != all(o is None for o in orders) or (
+                orders[0] is not None and any(not torch.equal(o, orders[0]) for o in orders)):
+            return "int4 projections whose inputs are in different orders (act-order checkpoints)"
+        tiles_only = members[0].packed is None  # a checkpoint's layer: its tiles stack by 16 rows
+        if not tiles_only and not packed_rows_stack([m.out_features for m in members], members[0].in_features):
             return "the int4 kernel packs rows in blocks these projections' sizes do not align with"
         return None
     return f"projections of kinds {sorted(k.__name__ for k in kinds)} (plain linear layers or int4 layers are fused)"
@@ -230,11 +236,17 @@ def fuse_group(members: list[nn.Module]) -> None:
         stack = Int4Linear.stacked(members) if isinstance(members[0], Int4Linear) else dense_stack(members)
         for member, start, size in zip(members, offsets, sizes):
             share_rows(member, stack, start, size)
-    versions = tuple(m.scales_and_zeros._version if isinstance(m, Int4Linear) else 0 for m in members)
+    versions = tuple(scale_version(m) if isinstance(m, Int4Linear) else 0 for m in members)
     group = FusedGroup(stack, sizes, offsets, tuple(members), versions)
     for index, member in enumerate(members):
         member._paged_unfused_forward = member.forward
         member.forward = functools.partial(member_forward, group, index, member)
+
+
+def scale_version(member: Int4Linear) -> int:
+    """The version of an int4 member's scales (the stack holds its own copy, so an in-place change unfuses)."""
+    scales = member.scales_and_zeros if member.scales_and_zeros is not None else member.tile_scales
+    return scales._version
 
 
 def is_torchao_int8(weight: torch.Tensor) -> bool:
@@ -289,8 +301,9 @@ def share_rows(member: nn.Module, stack: nn.Module | DenseStack, start: int, siz
         if stack.bias is not None:
             member.bias.data = stack.bias[start:start + size]
         return
-    member.dense = stack.dense[start:start + size]
-    member.packed = stack.packed[start:start + size]
+    for name in ("dense", "packed"):
+        if getattr(stack, name) is not None:
+            setattr(member, name, getattr(stack, name)[start:start + size])
     if stack.tiles is not None:  # whole tiles: an int4 layer's outputs are a multiple of 16
         member.register_tiles(TiledWeight(*(part[start // TILE:(start + size) // TILE] for part in stack.tiles)))
     if stack.bias is not None:

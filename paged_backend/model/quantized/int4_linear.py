@@ -26,7 +26,13 @@ import torch
 
 from paged_backend.kernels import cpu_int4_matmul
 from paged_backend.kernels.cpu_int4_matmul import TILE, TiledWeight
-from paged_backend.model.quantized.quantized_linear import COMPUTE_DTYPE, QuantizedLinear, cast_to
+from paged_backend.model.quantized.quantized_linear import (
+    COMPUTE_DTYPE,
+    NEVER_DENSE,
+    QuantizedLinear,
+    cast_to,
+    dense_matmul,
+)
 
 GROUP_SIZE = 32  # weights per (scale, offset) pair along the input dimension, as in GGUF's Q4_1
 # Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers: docs/precision.md).
@@ -47,8 +53,9 @@ def has_int4_layers(model: torch.nn.Module) -> bool:
 
 def most_int4_rows(model: torch.nn.Module) -> int | None:
     """The most rows a step of `model` multiplies by int4 codes (past them, by the dense copies); None
-    without int4 layers."""
-    return max((module.dense_rows for module in model.modules() if isinstance(module, Int4Linear)), default=None)
+    without int4 layers that switch (a checkpoint's, without dense copies, take every step on the codes)."""
+    return max((module.dense_rows for module in model.modules()
+                if isinstance(module, Int4Linear) and module.dense is not None), default=None)
 
 
 class Int4Linear(QuantizedLinear):
@@ -57,9 +64,13 @@ class Int4Linear(QuantizedLinear):
     dense_rows_by_dtype = DENSE_ROWS
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 bias: torch.Tensor | None = None, dense_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+                 bias: torch.Tensor | None = None, dense_dtype: torch.dtype = COMPUTE_DTYPE,
+                 keep_dense: bool = True, input_order: torch.Tensor | None = None) -> None:
         """`codes [out, in]` in 0..15, `scales` and `offsets [out, in / 32]`: weight = codes * scales + offsets.
-        `dense_dtype`: the model's dtype, that of the dense copy large steps multiply by."""
+        `dense_dtype`: the model's dtype, that of the dense copy large steps multiply by. Without `keep_dense`
+        (a quantized checkpoint, loaded to save memory) there is no dense copy, and the codes are kept once:
+        tiled where the compiled kernel runs, else in torch's layout. `input_order [in]`: the inputs' order the
+        codes' columns are in (a GPTQ act-order checkpoint's), applied to every step's rows."""
         out_features, in_features = codes.shape
         if out_features % 16 or in_features % GROUP_SIZE:
             raise ValueError(f"int4 weights need out_features % 16 == 0 and in_features % {GROUP_SIZE} == 0, "
@@ -67,17 +78,22 @@ class Int4Linear(QuantizedLinear):
         # The kernel dequantizes as (code - 8) * scale + zero, with scale and zero in the activations' dtype.
         scale = scales.float().to(COMPUTE_DTYPE)
         zero = (offsets.float() + 8 * scales.float()).to(COMPUTE_DTYPE)
-        super().__init__(dequantize(codes, scale, zero), bias, dense_dtype)
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
-        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous())
+        dense = dequantize(codes, scale, zero) if keep_dense else torch.empty(codes.shape, device="meta")
+        super().__init__(dense, bias, dense_dtype, keep_dense, input_order)
         # The same codes in the layout of the compiled kernel, where it runs (not saved: tiled again at load).
-        self.register_tiles(cpu_int4_matmul.tiled_here(codes, scale, zero))
+        tiled = cpu_int4_matmul.tiled_here(codes, scale, zero)
+        torch_layout = keep_dense or tiled is None
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1) if torch_layout else None
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scale, zero], -1).transpose(0, 1).contiguous() if torch_layout else None)
+        self.register_tiles(tiled)
 
     def register_tiles(self, tiled: TiledWeight | None) -> None:
         for name, tensor in zip(TiledWeight._fields, tiled or (None,) * len(TiledWeight._fields)):
             self.register_buffer(f"tile_{name}", tensor, persistent=False)
         rows_by_dtype = DENSE_ROWS if tiled is None else KERNEL_DENSE_ROWS
-        self.dense_rows = rows_by_dtype[self.dense.dtype]
+        self.dense_rows = rows_by_dtype[self.dense_dtype] if self.dense is not None else NEVER_DENSE
 
     @property
     def tiles(self) -> TiledWeight | None:
@@ -100,13 +116,29 @@ class Int4Linear(QuantizedLinear):
         """One layer computing `layers` side by side (their outputs concatenated), from their packed codes,
         scales and dense copies as they are (fused_projections.py); `packed_rows_stack` says when it can."""
         stack = cls.__new__(cls)
-        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-        QuantizedLinear.__init__(stack, torch.cat([layer.dense for layer in layers]), bias, layers[0].dense.dtype)
-        stack.register_buffer("packed", torch.cat([layer.packed for layer in layers]))
-        stack.register_buffer("scales_and_zeros", torch.cat([layer.scales_and_zeros for layer in layers], 1))
+        first = layers[0]
+        bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
+        dense = torch.cat([layer.dense_or_empty() for layer in layers])
+        QuantizedLinear.__init__(stack, dense, bias, first.dense_dtype, first.dense is not None, first.input_order)
+        for name in ("packed", "scales_and_zeros"):
+            parts = [getattr(layer, name) for layer in layers]
+            stack.register_buffer(name, None if parts[0] is None else torch.cat(parts, 1 if name[0] == "s" else 0))
         tiled = [layer.tiles for layer in layers]
         stack.register_tiles(None if any(t is None for t in tiled) else TiledWeight(*map(torch.cat, zip(*tiled))))
         return stack
+
+    def dense_or_empty(self) -> torch.Tensor:
+        """The dense copy, or an empty one of its shape (no memory) where the layer keeps none."""
+        if self.dense is not None:
+            return self.dense
+        return torch.empty(self.out_features, self.in_features, dtype=self.dense_dtype, device="meta")
+
+    def dequantized(self) -> torch.Tensor:
+        if self.tile_codes is not None:
+            return dequantize(*cpu_int4_matmul.untile(self.tiles))
+        # torch's layout has no public unpacking: the kernel times the identity gives the weight, rounded to bf16.
+        eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scales_and_zeros).t().float()
 
     def quantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         kernel_rows = cast_to(rows, COMPUTE_DTYPE)
@@ -114,6 +146,9 @@ class Int4Linear(QuantizedLinear):
             # The registered op inside a graph being compiled, its implementation directly in an eager forward.
             matmul = int4_matmul_op if torch.compiler.is_compiling() else cpu_int4_matmul.int4_matmul
             return cast_to(matmul(kernel_rows, self.tile_codes, self.tile_scales, self.tile_zeros), rows.dtype)
+        if self.packed is None:
+            # Tiles alone (no dense copy) and the compiled kernel switched off: the weight from the tiles.
+            return dense_matmul(rows, self.dequantized().to(self.dense_dtype))
         if torch.compiler.is_compiling():
             # The same kernel, its group size a tensor computed in the graph: inductor's lowering of
             # _weight_int4pack_mm_for_cpu adds the group size as a graph constant, which inside a nested compile
