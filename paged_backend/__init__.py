@@ -20,12 +20,14 @@ from paged_backend.integrations.pipeline import PagedTextGenerationPipeline, pip
 from paged_backend.integrations.transformers_generate import disable, enable
 from paged_backend.model.loading.default_model import DEFAULT_MODEL, default_model_path
 from paged_backend.model.lora import LoRARequest
+from paged_backend.model.quantized.checkpoint_quantizer import install as install_checkpoint_quantizers
 from paged_backend.errors import ContextLengthError
 from paged_backend.model.loading.model_loader import UnsupportedArchitectureError
 from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
 enable()  # model.generate(..., cache_implementation="paged") now runs on this engine; disable() undoes it
+install_checkpoint_quantizers()  # GPTQ, AWQ and compressed-tensors folders load into the engine's own layers
 
 __all__ = [
     "DEFAULT_MODEL",

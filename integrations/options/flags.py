@@ -45,14 +45,16 @@ def add_engine_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
 
 
 def add_quantization_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """`--quantization auto|none|int8|int4`, LLM's `quantization=` ("none" is None)."""
-    from paged_backend.model.quantized.quantization import AUTO, METHODS
+    """`--quantization auto|none|int8|int4|gptq|awq|compressed-tensors`, LLM's `quantization=` ("none" is None)."""
+    from paged_backend.model.quantized.quantization import AUTO, CHECKPOINT_METHODS, METHODS
 
     parser.add_argument("--quantization", default=AUTO, type=lambda text: None if text == "none" else text,
-                        choices=[AUTO, None, *METHODS], metavar="{auto,none,int8,int4}",
+                        choices=[AUTO, None, *METHODS, *CHECKPOINT_METHODS],
+                        metavar="{auto,none,int8,int4,gptq,awq,compressed-tensors}",
                         help="weight-only quantization of the linear layers: auto (the default model as int4 on CPU "
                              "unless --dtype float32 is named, else none), none, int8 (torchao) or int4 (CPU; a GGUF "
-                             "file's Q4_1 tensors as they are)")
+                             "file's Q4_1 tensors as they are); a GPTQ, AWQ or compressed-tensors folder loads as it "
+                             "is, and naming its method refuses a folder in any other format")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

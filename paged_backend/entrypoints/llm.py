@@ -26,6 +26,8 @@ from paged_backend.model.lora import LoRARequest, LoRASpec
 from paged_backend.model.loading.model_loader import gguf_file_of, is_default_model, load_model
 from paged_backend.model.quantized.quantization import (
     AUTO,
+    CHECKPOINT_METHODS,
+    check_checkpoint_method,
     check_method,
     quantize_weights,
     resolve_method,
@@ -45,7 +47,8 @@ class LLM:
     place; quantization.py; int4 takes a GGUF source's own Q4_1 tensors, the default model's included); it
     compiles where the engine's `compile` setting says, as without quantization. The default `"auto"` runs
     the default model as int4 on CPU unless `dtype=torch.float32` is named, and quantizes nothing else; None
-    never quantizes. `reasoning_parser` (a name, "auto" for the chat template's markers, or None) makes
+    never quantizes. A GPTQ, AWQ or compressed-tensors folder loads quantized as it is (checkpoint_quantizer.py);
+    `quantization="gptq"` (`"awq"`, `"compressed-tensors"`) refuses a folder in any other format. `reasoning_parser` (a name, "auto" for the chat template's markers, or None) makes
     `chat` split a reasoning model's thinking into each completion's `reasoning` (docs/reasoning.md)."""
 
     def __init__(self, model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1,
@@ -90,7 +93,9 @@ class LLM:
         method = resolve_method(quantization, is_default_model(source), param.device, param.dtype,
                                 single_process=self.tp_group is None,
                                 dtype_named=load_kwargs.get("dtype") not in (None, "auto"))
-        if method is not None:
+        if method in CHECKPOINT_METHODS:
+            check_checkpoint_method(model, method)
+        elif method is not None:
             quantize_weights(model, method, gguf_file_of(source) if method == "int4" else None)
         if not self.is_leader:  # under torchrun every rank gets the caller's arguments: the draft runs on rank 0 only
             config.speculative_config = None

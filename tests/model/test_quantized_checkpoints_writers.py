@@ -34,6 +34,17 @@ def wide_llama_config() -> tf.LlamaConfig:
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 
+@pytest.fixture(autouse=True)
+def transformers_own_quantizers():
+    """transformers' compressed-tensors quantizer reads the folders here as the reference, not the engine's
+    (which importing paged_backend installs for the same methods)."""
+    from paged_backend.model.quantized import checkpoint_quantizer
+
+    checkpoint_quantizer.uninstall()
+    yield
+    checkpoint_quantizer.install()
+
+
 @pytest.fixture(scope="module")
 def model() -> tf.PreTrainedModel:
     return build_from_config(wide_llama_config)

@@ -607,3 +607,22 @@ def test_serve_takes_a_speculative_config(monkeypatch):
         args.run(args)
     assert seen["speculative_config"] == spec
     assert EngineConfig(**seen).speculative_config.num_speculative_tokens == 3
+
+
+def test_a_quantized_checkpoint_drafts_for_its_float_model(tmp_path):
+    """A GPTQ folder as the draft (the target's own weights rounded to 4 bits; these tiny random models are
+    chaotic enough that its proposals are mostly rejected): the draft's quantized layers run, and the answer
+    is the target's."""
+    from paged_backend.model.quantized.int4_linear import Int4Linear
+
+    from helpers.quantized_checkpoints import write_quantized
+
+    target = build("llama")
+    write_quantized(build("llama"), tmp_path, "gptq", bits=4, group_size=32)
+    engine = Engine(target, None, EngineConfig(num_kv_blocks=32, speculative_config=draft_config(str(tmp_path))))
+    prompt = mixed_prompts(1)[0]
+    ids = engine.add_request(prompt, greedy(8))
+    assert run_to_completion(engine)[ids].outputs[0].token_ids == hf_greedy(target, prompt, 8)
+    assert isinstance(engine.speculator.draft.model.model.layers[0].mlp.up_proj, Int4Linear)
+    assert engine.stats()["spec_num_draft_tokens"] > 0
+    assert_all_blocks_free(engine)

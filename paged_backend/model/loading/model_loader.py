@@ -40,6 +40,7 @@ from paged_backend.model.loading.default_model import (
 )
 from paged_backend.model.loading.precision import preferred_dtype
 from paged_backend.model.paged.recurrent_state import is_all_attention_hybrid
+from paged_backend.model.quantized.checkpoint_quantizer import check_quantization_method
 
 # Each of these has a decoder-only *ForCausalLM whose attention module calls
 # ALL_ATTENTION_FUNCTIONS.get_interface (checked in transformers 5.24's and 5.25's
@@ -449,6 +450,7 @@ def _load_pretrained(
     # Refuse unsupported models before paying for their weights.
     config = AutoConfig.from_pretrained(source, **extra)
     check_architecture(config)
+    check_quantization_method(config)
     attn_implementation = _attention_to_load(config, attn_implementation)
     if attn_implementation is not None:
         extra["attn_implementation"] = attn_implementation

@@ -11,6 +11,10 @@ than the bf16 or fp32 weights it replaces (docs/precision.md). The decoder's pro
 become int4; the output projection (LM head, often tied to the embedding, which keeps its weight)
 becomes int8 per row (int8_linear.py). A llama GGUF file's own Q4_1 tensors (the default model's) are
 taken as they are (gguf_int4.py); other weights are rounded per group.
+
+A GPTQ, AWQ or compressed-tensors checkpoint is quantized already: it loads into the engine's layers
+(checkpoint_quantizer.py) with no option. Naming its method (`quantization="gptq"`) asks for that format:
+a folder in another one, or in full precision, is refused rather than run otherwise.
 """
 
 from __future__ import annotations
@@ -20,21 +24,34 @@ from pathlib import Path
 
 import torch
 
+from paged_backend.model.quantized.checkpoint_formats import METHODS as CHECKPOINT_FORMATS
 from paged_backend.model.quantized.int4_linear import Int4Linear, can_quantize
 from paged_backend.model.quantized.int8_linear import Int8Linear
 from paged_backend.model.quantized.quantized_linear import has_quantized_layers
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4")  # applied by the engine to full-precision weights
+CHECKPOINT_METHODS = CHECKPOINT_FORMATS  # read from a quantized checkpoint as it is
 AUTO = "auto"  # LLM's default: int4 for the default model where that measured best, else none
 
 
 def check_method(method: str | None) -> None:
     """ValueError for anything but None, "auto" or a method this engine applies."""
-    if method is None or method == AUTO or method in METHODS:
+    if method is None or method == AUTO or method in METHODS or method in CHECKPOINT_METHODS:
         return
-    raise ValueError(f"quantization={method!r}: choose one of {', '.join(map(repr, (AUTO, *METHODS)))} or None")
+    choices = ", ".join(map(repr, (AUTO, *METHODS, *CHECKPOINT_METHODS)))
+    raise ValueError(f"quantization={method!r}: choose one of {choices} or None")
+
+
+def check_checkpoint_method(model: torch.nn.Module, method: str) -> None:
+    """ValueError unless `model` was loaded from a checkpoint in the format `method` names."""
+    config = getattr(model.config, "quantization_config", None)
+    found = getattr(config, "quant_method", None) if config is not None else None
+    found = config.get("quant_method") if isinstance(config, dict) else found
+    if found != method:
+        what = f"a {found} checkpoint" if found else "not a quantized checkpoint"
+        raise ValueError(f"quantization={method!r} reads a {method} checkpoint, but this model is {what}")
 
 
 def resolve_method(method: str | None, default_model: bool, device: torch.device, dtype: torch.dtype,
