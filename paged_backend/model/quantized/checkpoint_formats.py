@@ -239,12 +239,17 @@ class Tensors:
 
 
 def unpack_bits(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int32 `words` -> int16 codes, `32 / bits` per word along `dim`, the lowest bits first."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    moved = words.movedim(dim, -1).to(torch.int32)
-    codes = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    codes = codes.reshape(*moved.shape[:-1], moved.shape[-1] * per_word)
+    """int32 `words` -> int16 codes, `32 / bits` per word along `dim`, the lowest bits first. Read through the
+    words' bytes (little-endian, as the formats write them), so no wider intermediate than a byte per code is
+    made: a checkpoint's layers are unpacked one by one while the whole model is in memory."""
+    moved = words.movedim(dim, -1).contiguous()
+    data = moved.view(torch.uint8)  # [..., words * 4], byte b of word w at w * 4 + b
+    if bits == 8:
+        codes = data
+    else:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        codes = ((data.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
+    codes = codes.reshape(*moved.shape[:-1], moved.shape[-1] * (32 // bits))
     return codes.movedim(-1, dim).to(torch.int16)
 
 
