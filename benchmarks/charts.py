@@ -347,6 +347,23 @@ def cpu_int8_head_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
              + ("the same tokens" if same is None else f"tokens part at position {same}"))]
 
 
+def quantized_checkpoints_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    s = r["summary"]
+    file_mib = r["checkpoint_file_mib"]
+    return [(f"one stream of {r['tokens']} greedy tokens, default model's shape: GPTQ 4-bit (groups of "
+             f"{r['group_size']}, fp16 LM head) vs the int4 path (int8 head)",
+             f"{number(s['gptq']['tok_s'])} vs {number(s['int4']['tok_s'])} tok/s "
+             f"({number(r['ratio_gptq_over_int4'], 2)}x)"),
+            ("the same GPTQ folder with its LM head made int8, vs the int4 path",
+             f"{number(s['gptq-int8-head']['tok_s'])} vs {number(s['int4']['tok_s'])} tok/s "
+             f"({number(r['ratio_gptq_int8_head_over_int4'], 2)}x)"),
+            (f"memory beyond the process before loading, against the checkpoint's {number(file_mib)} MiB of files: "
+             "resident after loading / peak while loading",
+             f"GPTQ {number(s['gptq']['loaded_mib'])} / {number(s['gptq']['peak_loading_mib'])} MiB "
+             f"({number(s['gptq']['loaded_mib'] / file_mib, 2)}x / {number(s['gptq']['peak_loading_mib'] / file_mib, 2)}x); "
+             f"int4 path {number(s['int4']['loaded_mib'])} / {number(s['int4']['peak_loading_mib'])} MiB")]
+
+
 def cpu_int4_batch_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [(f"the default model's 120 int4 projections at {count} row(s): kernel / torch's int4 kernel / dense bf16 (ms)",
              f"{number(ms['kernel'])} / {number(ms['torch int4'])} / {number(ms['dense bf16'])} "
@@ -393,7 +410,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "fused_projections": fused_projections_figures, "hybrid_decode": hybrid_decode_figures,
     "step_profile": step_profile_figures, "cpu_attention": cpu_attention_figures,
     "cpu_int8_head": cpu_int8_head_figures, "tracing": tracing_figures, "cpu_peers": cpu_peers_figures,
-    "cpu_int4_batch": cpu_int4_batch_figures,
+    "cpu_int4_batch": cpu_int4_batch_figures, "quantized_checkpoints": quantized_checkpoints_figures,
 }
 
 
@@ -485,6 +502,12 @@ HEADLINE: list[tuple[str, str, Callable[[dict[str, Any]], str], Callable[[dict[s
      lambda r: f"{number(r['engine']['throughput']['median_tokens_per_s']['kernel'] / r['engine']['throughput']['median_tokens_per_s']['torch'], 2)}x "
                f"({number(r['engine']['throughput']['median_tokens_per_s']['kernel'])} vs "
                f"{number(r['engine']['throughput']['median_tokens_per_s']['torch'])} tok/s)"),
+    ("quantized_checkpoints", "avx512",
+     lambda r: "a GPTQ 4-bit checkpoint of the default model's shape vs the int4 path, one stream (its fp16 LM head "
+               "as the file has it / made int8 as the int4 path's is); memory beyond the process before loading",
+     lambda r: f"{number(r['ratio_gptq_over_int4'], 2)}x / {number(r['ratio_gptq_int8_head_over_int4'], 2)}x; "
+               f"{number(r['summary']['gptq']['loaded_mib'])} MiB resident after loading, for "
+               f"{number(r['checkpoint_file_mib'])} MiB of files (int4 path {number(r['summary']['int4']['loaded_mib'])} MiB)"),
 ]
 HEADLINE_CHART = ("throughput", "unrecorded")
 
