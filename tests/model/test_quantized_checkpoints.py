@@ -314,3 +314,19 @@ def test_the_command_line_takes_the_folder_and_the_method(folders) -> None:
     add_serve_arguments(serve)
     assert serve.parse_args(["--model", str(folder), "--quantization", "compressed-tensors"]).quantization == \
         "compressed-tensors"
+
+
+def test_where_the_compiled_int4_kernel_does_not_run_torchs_layout_is_kept(folders) -> None:
+    """An AVX2 CPU (or the compiled kernel switched off at load): the codes in torch's layout alone, and the
+    engine still answers as generate does, fused projections included."""
+    folder, reference, _ = folders["gptq-4bit-g64-asym"]
+    with cpu_int4_matmul.switched_off():
+        model = load(folder)
+        layer = model.model.layers[0].self_attn.k_proj
+        assert layer.tile_codes is None and layer.packed is not None and layer.dense is None
+        prompts = mixed_prompts(4)
+        refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+        llm = LLM(model, compile=False, num_kv_blocks=64, max_num_batched_tokens=16)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == refs
+    torch.testing.assert_close(layer.weight_float(), reference["model.layers.0.self_attn.k_proj"], rtol=0,
+                               atol=2.0**-7 * reference["model.layers.0.self_attn.k_proj"].abs().max().item())
