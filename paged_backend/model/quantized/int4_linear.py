@@ -120,9 +120,10 @@ class Int4Linear(QuantizedLinear):
         bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
         dense = torch.cat([layer.dense_or_empty() for layer in layers])
         QuantizedLinear.__init__(stack, dense, bias, first.dense_dtype, first.dense is not None, first.input_order)
-        for name in ("packed", "scales_and_zeros"):
+        # torch's layout, where the layers have it: packed rows along dim 0, scales and zeros `[groups, out, 2]`.
+        for name, out_dim in (("packed", 0), ("scales_and_zeros", 1)):
             parts = [getattr(layer, name) for layer in layers]
-            stack.register_buffer(name, None if parts[0] is None else torch.cat(parts, 1 if name[0] == "s" else 0))
+            stack.register_buffer(name, None if parts[0] is None else torch.cat(parts, out_dim))
         tiled = [layer.tiles for layer in layers]
         stack.register_tiles(None if any(t is None for t in tiled) else TiledWeight(*map(torch.cat, zip(*tiled))))
         return stack
