@@ -1,14 +1,16 @@
-"""A GPTQ 4-bit checkpoint of the default model's shape against the engine's own int4 path: one-stream decode
-speed and memory, each side in its own process, rounds rotated. A third side loads the same folder with its LM
-head made int8, as the int4 path's is: the difference to the int4 path is then the linear layers' alone.
+"""Quantized checkpoints of the default model against the engine's own int4 path: one-stream decode speed and
+memory, each side in its own process, rounds rotated. The checkpoints: GPTQ 4-bit (the int4 kernels), GPTQ 8-bit
+and FP8 (compressed-tensors, per row; both run the dequantizing layer). One more side loads the GPTQ 4-bit folder
+with its LM head made int8, as the int4 path's is: its difference to the int4 path is the linear layers' alone.
 
-The checkpoint is the default model's weights rounded to GPTQ 4-bit (symmetric, groups of `--group-size`,
-the LM head and embeddings in fp16 as GPTQ tools leave them), written once by the test suite's writer
-(tests/helpers/quantized_checkpoints.py). Each round starts one process per side, which loads its model
-(`LLM(folder)`, the same with an int8 head, and `LLM()`, the default model's int4 at defaults), decodes `--tokens` greedy tokens of one
-MT-bench prompt twice (the first warms up), and reports tokens/s of the second and its memory: resident after
-loading (model, engine, compiled steps, the KV cache's written pages) and the peak while loading, each less the
-process before loading. Printed: the medians, the ratio of speeds, and the memory against the checkpoint's file size.
+Each checkpoint is the default model's weights rounded round-to-nearest (GPTQ symmetric in groups of
+`--group-size`, its LM head and embeddings in fp16 as GPTQ tools leave them; FP8 a scale per row, the rest in
+bf16), written once by the test suite's writer (tests/helpers/quantized_checkpoints.py). Each round starts one
+process per side, which loads its model (`LLM(folder)`, the GPTQ 4-bit one with an int8 head, or `LLM()`, the
+default model's int4 at defaults), decodes `--tokens` greedy tokens of one MT-bench prompt twice (the first
+warms up), and reports tokens/s of the second and its memory: resident after loading (model, engine, compiled
+steps, the KV cache's written pages) and the peak while loading, each less the process before loading.
+Printed: the medians, the speed ratios, and the memory against each checkpoint's file size.
 
     python benchmarks/quantized_checkpoints.py                # 3 rounds
     python benchmarks/quantized_checkpoints.py --rounds 5 --tokens 128
@@ -40,22 +42,35 @@ from common import (  # noqa: E402
     write_results,
 )
 
-# The GPTQ folder as it loads (its LM head in the model's dtype, as the checkpoint keeps it); the same with the
-# head made int8 as the int4 path makes it, which isolates the linear layers' speed; the int4 path at defaults.
-SIDES = ("gptq", "gptq-int8-head", "int4")
+# The checkpoints written, by side: GPTQ 4-bit (the int4 kernels), GPTQ 8-bit and FP8 (the dequantizing layer).
+CHECKPOINTS = {"gptq": ("gptq", {"bits": 4}), "gptq-8bit": ("gptq", {"bits": 8}),
+               "fp8": ("ct-fp8", {"strategy": "channel"})}
+# Each checkpoint as it loads (its LM head in the model's dtype, as the checkpoint keeps it); the GPTQ 4-bit
+# one with its head made int8 as the int4 path makes it, which isolates the linear layers' speed; the int4
+# path at defaults.
+SIDES = ("gptq", "gptq-int8-head", "gptq-8bit", "fp8", "int4")
 
 
-def write_checkpoint(folder: Path, group_size: int) -> int:
-    """The default model as a GPTQ 4-bit folder; its files' size in bytes."""
+def write_checkpoints(root: Path, group_size: int) -> dict[str, int]:
+    """The default model in each of CHECKPOINTS' formats, a folder each under `root`; their files' sizes."""
     import torch
     from helpers.quantized_checkpoints import write_quantized
 
     from paged_backend.model.loading.model_loader import load_model
 
     model, tokenizer = load_model(None, dtype=torch.float32)
-    write_quantized(model, folder, "gptq", bits=4, group_size=group_size, sym=True)
-    tokenizer.save_pretrained(folder)
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    sizes = {}
+    for name, (fmt, options) in CHECKPOINTS.items():
+        folder = root / name
+        group = {} if fmt == "ct-fp8" else {"group_size": group_size, "sym": True}
+        write_quantized(model, folder, fmt, **options, **group)
+        tokenizer.save_pretrained(folder)
+        sizes[name] = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return sizes
+
+
+def folder_of(side: str, root: Path) -> Path:
+    return root / ("gptq" if side == "gptq-int8-head" else side)
 
 
 def measure(side: str, folder: str, tokens: int) -> dict[str, Any]:
@@ -63,7 +78,10 @@ def measure(side: str, folder: str, tokens: int) -> dict[str, Any]:
     from paged_backend import LLM, SamplingParams
 
     before = current_rss_bytes()
-    llm = LLM(folder) if side == "gptq" else LLM(*int8_head_model(folder)) if side == "gptq-int8-head" else LLM()
+    if side == "int4":
+        llm = LLM()
+    else:
+        llm = LLM(*int8_head_model(folder)) if side == "gptq-int8-head" else LLM(folder)
     loaded, peak_loading = current_rss_bytes(), peak_rss_bytes()
     cache = llm.engine.runner.cache
     kv = sum(t.numel() * t.element_size() for t in (cache.kv, cache.kv_scales) if t is not None)
@@ -117,33 +135,35 @@ def main() -> None:
         print(json.dumps(measure(args.measure, args.folder, args.tokens)))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        file_bytes = write_checkpoint(folder, args.group_size)
+        root = Path(tmp)
+        sizes = write_checkpoints(root, args.group_size)
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
         loads = []
         for round_ in range(args.rounds):
             for side in SIDES[round_ % len(SIDES):] + SIDES[:round_ % len(SIDES)]:
                 loads.append(load_average())
-                runs[side].append(run_side(side, folder, args.tokens))
+                runs[side].append(run_side(side, folder_of(side, root), args.tokens))
                 print(f"round {round_ + 1} {side:14s} {runs[side][-1]['tok_s']:7.1f} tok/s", flush=True)
     summary = {side: summarize(runs[side]) for side in SIDES}
-    ratio = summary["gptq"]["tok_s"] / summary["int4"]["tok_s"]
-    file_mib = file_bytes / 2**20
-    head_ratio = summary["gptq-int8-head"]["tok_s"] / summary["int4"]["tok_s"]
-    print(f"one stream: GPTQ 4-bit {summary['gptq']['tok_s']:.1f} tok/s, with an int8 head "
-          f"{summary['gptq-int8-head']['tok_s']:.1f} tok/s, int4 path {summary['int4']['tok_s']:.1f} tok/s: ratios "
-          f"{ratio:.2f} and {head_ratio:.2f}")
-    print(f"memory beyond the process before loading: checkpoint files {file_mib:.1f} MiB, KV cache budget "
-          f"{summary['gptq']['kv_mib']:.0f} MiB (resident only as it is written)")
-    for side in ("gptq", "int4"):
-        figures = summary[side]
-        print(f"  {side:5s} resident after loading {figures['loaded_mib']:6.1f} MiB ({figures['loaded_mib'] / file_mib:.2f}x "
-              f"the files), peak while loading {figures['peak_loading_mib']:6.1f} MiB "
-              f"({figures['peak_loading_mib'] / file_mib:.2f}x)")
+    ratios = {side: summary[side]["tok_s"] / summary["int4"]["tok_s"] for side in SIDES}
+    print("one stream against the int4 path: " + ", ".join(f"{side} {summary[side]['tok_s']:.1f} tok/s "
+                                                           f"({ratios[side]:.2f}x)" for side in SIDES))
+    print(f"memory beyond the process before loading (KV cache budget {summary['gptq']['kv_mib']:.0f} MiB, "
+          "resident only as it is written):")
+    for side in SIDES:
+        if side == "gptq-int8-head":
+            continue
+        figures, files = summary[side], sizes.get(side)
+        against = f" ({figures['loaded_mib'] / files * 2**20:.2f}x / {figures['peak_loading_mib'] / files * 2**20:.2f}x " \
+                  f"its {files / 2**20:.1f} MiB of files)" if files else ""
+        print(f"  {side:9s} resident after loading {figures['loaded_mib']:6.1f} MiB, peak while loading "
+              f"{figures['peak_loading_mib']:6.1f} MiB{against}")
     same = runs["gptq"][0]["first_tokens"] == runs["int4"][0]["first_tokens"]
     write_results({"rounds": args.rounds, "tokens": args.tokens, "group_size": args.group_size, "runs": runs,
-                   "summary": summary, "ratio_gptq_over_int4": ratio,
-                   "ratio_gptq_int8_head_over_int4": head_ratio, "checkpoint_file_mib": file_mib,
+                   "summary": summary, "ratios_over_int4": ratios, "ratio_gptq_over_int4": ratios["gptq"],
+                   "ratio_gptq_int8_head_over_int4": ratios["gptq-int8-head"],
+                   "checkpoint_file_mib": sizes["gptq"] / 2**20,
+                   "file_mib": {name: size / 2**20 for name, size in sizes.items()},
                    "same_first_tokens": same,
                    "load_1m_range": [min(x for x in loads if x is not None), max(x for x in loads if x is not None)]
                    if any(x is not None for x in loads) else None},
