@@ -348,20 +348,20 @@ def cpu_int8_head_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def quantized_checkpoints_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
-    s = r["summary"]
-    file_mib = r["checkpoint_file_mib"]
-    return [(f"one stream of {r['tokens']} greedy tokens, default model's shape: GPTQ 4-bit (groups of "
-             f"{r['group_size']}, fp16 LM head) vs the int4 path (int8 head)",
-             f"{number(s['gptq']['tok_s'])} vs {number(s['int4']['tok_s'])} tok/s "
-             f"({number(r['ratio_gptq_over_int4'], 2)}x)"),
-            ("the same GPTQ folder with its LM head made int8, vs the int4 path",
-             f"{number(s['gptq-int8-head']['tok_s'])} vs {number(s['int4']['tok_s'])} tok/s "
-             f"({number(r['ratio_gptq_int8_head_over_int4'], 2)}x)"),
-            (f"memory beyond the process before loading, against the checkpoint's {number(file_mib)} MiB of files: "
-             "resident after loading / peak while loading",
-             f"GPTQ {number(s['gptq']['loaded_mib'])} / {number(s['gptq']['peak_loading_mib'])} MiB "
-             f"({number(s['gptq']['loaded_mib'] / file_mib, 2)}x / {number(s['gptq']['peak_loading_mib'] / file_mib, 2)}x); "
-             f"int4 path {number(s['int4']['loaded_mib'])} / {number(s['int4']['peak_loading_mib'])} MiB")]
+    s, ratios, files = r["summary"], r["ratios_over_int4"], r["file_mib"]
+    names = {"gptq": f"GPTQ 4-bit, groups of {r['group_size']} (fp16 LM head)",
+             "gptq-int8-head": "the same with its LM head made int8, as the int4 path's is",
+             "gptq-8bit": f"GPTQ 8-bit, groups of {r['group_size']} (dequantizing layer)",
+             "fp8": "compressed-tensors FP8, a scale per row (dequantizing layer)"}
+    rows = [(f"one stream of {r['tokens']} greedy tokens, default model's shape: {label} vs the int4 path",
+             f"{number(s[side]['tok_s'])} vs {number(s['int4']['tok_s'])} tok/s ({number(ratios[side], 2)}x)")
+            for side, label in names.items()]
+    for side in files:
+        rows.append((f"{side}: memory beyond the process before loading, resident after loading / peak while loading",
+                     f"{number(s[side]['loaded_mib'])} / {number(s[side]['peak_loading_mib'])} MiB for "
+                     f"{number(files[side])} MiB of files"))
+    rows.append(("int4 path: the same", f"{number(s['int4']['loaded_mib'])} / {number(s['int4']['peak_loading_mib'])} MiB"))
+    return rows
 
 
 def cpu_int4_batch_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
