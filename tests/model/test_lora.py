@@ -382,6 +382,16 @@ def with_adapter_added_by_hand(model, peft_model, adapter: str | None):
     return handles
 
 
+def greedy_with_adapter(model, peft_model, prompt: list[int], adapter: str | None) -> list[int]:
+    """generate's greedy answer on `model` with `adapter`'s delta added by hand (none for the base)."""
+    handles = with_adapter_added_by_hand(model, peft_model, adapter)
+    try:
+        return hf_greedy(model, prompt, MAX_NEW)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def test_adapters_over_an_int4_base_add_their_deltas_to_its_layers(case):
     """quantization="int4" with adapters: every request equals generate on the same int4 model with its
     adapter's delta added by hand, in a mixed, chunked batch; and the adapters change the answers."""
@@ -391,12 +401,7 @@ def test_adapters_over_an_int4_base_add_their_deltas_to_its_layers(case):
     peft_model, _, prompts, names, _ = case
     reference = build("llama")
     quantize_weights(reference, "int4")
-    refs = []
-    for prompt, name in zip(prompts, names):
-        handles = with_adapter_added_by_hand(reference, peft_model, name)
-        refs.append(hf_greedy(reference, prompt, MAX_NEW))
-        for handle in handles:
-            handle.remove()
+    refs = [greedy_with_adapter(reference, peft_model, prompt, name) for prompt, name in zip(prompts, names)]
     assert sum(ref != hf_greedy(reference, p, MAX_NEW) for p, ref in zip(prompts, refs)) >= 4
 
     llm = LLM(build("llama"), quantization="int4", enable_lora=True, max_loras=3, max_lora_rank=8,
@@ -423,12 +428,7 @@ def test_adapters_over_a_quantized_checkpoint_add_their_deltas_to_its_layers(cas
     peft_model, _, prompts, names, _ = case
     write_quantized(build("llama"), tmp_path, fmt, **options)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    refs = []
-    for prompt, name in zip(prompts, names):
-        handles = with_adapter_added_by_hand(reference, peft_model, name)
-        refs.append(hf_greedy(reference, prompt, MAX_NEW))
-        for handle in handles:
-            handle.remove()
+    refs = [greedy_with_adapter(reference, peft_model, prompt, name) for prompt, name in zip(prompts, names)]
     llm = LLM(str(tmp_path), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=8, num_kv_blocks=64,
               max_num_batched_tokens=24, compile=False)
     assert isinstance(llm.model.model.layers[0].self_attn.q_proj, QuantizedLinear)

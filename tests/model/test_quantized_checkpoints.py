@@ -79,6 +79,16 @@ def dequantized_twin(folder, reference: dict[str, torch.Tensor]):
     return model
 
 
+def assert_answers_as_generate(reference, prompts: list[list[int]], make_llm) -> LLM:
+    """`generate`'s greedy answers on `reference` first (an engine may fuse the model it is given), then the
+    engine `make_llm()` builds: the same answers, request by request, and every KV block back."""
+    refs = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+    llm = make_llm()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == refs
+    assert_all_blocks_free(llm.engine)
+    return llm
+
+
 @pytest.mark.parametrize("variant", IDS)
 def test_layers_hold_the_checkpoint_weights(folders, variant) -> None:
     """Every quantized linear becomes the engine's layer and multiplies by the file's weights: exactly, but
@@ -99,14 +109,8 @@ def test_layers_hold_the_checkpoint_weights(folders, variant) -> None:
 def test_the_engine_answers_as_generate_does_on_the_loaded_model(folders, variant) -> None:
     """A mixed batch with chunked prefill and preemption (few KV blocks) equals generate, request by request."""
     folder, _, _ = folders[variant]
-    model = load(folder)
-    prompts = mixed_prompts(8)
-    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
-    llm = LLM(str(folder), dtype="float32", compile=False, num_kv_blocks=24, block_size=4,
-              max_num_batched_tokens=16)
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    assert_all_blocks_free(llm.engine)
+    assert_answers_as_generate(load(folder), mixed_prompts(8), lambda: LLM(
+        str(folder), dtype="float32", compile=False, num_kv_blocks=24, block_size=4, max_num_batched_tokens=16))
 
 
 @pytest.mark.parametrize("variant", ["gptq-4bit-g32-sym", "gptq-8bit-g32", "ct-fp8-channel", "ct-w8a16-channel"])
@@ -184,11 +188,8 @@ def test_int4_projections_fuse(folders, variant) -> None:
     model = load(folder)
     report = fuse_projections(model)
     assert report.groups == 4, report.describe()
-    prompts = mixed_prompts(4)
-    refs = [hf_greedy(load(folder), p, MAX_NEW) for p in prompts]
-    llm = LLM(model, compile=False, num_kv_blocks=64)
+    assert_answers_as_generate(load(folder), mixed_prompts(4), lambda: LLM(model, compile=False, num_kv_blocks=64))
     assert groups_of(model)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == refs
 
 
 def test_act_order_projections_fuse_only_in_the_same_order(folders) -> None:
@@ -218,11 +219,8 @@ def test_act_order_weights_come_back_in_the_inputs_order(folders, variant) -> No
 @pytest.mark.parametrize("variant", ONE_PER_FORMAT)
 def test_compiled_steps_answer_as_eager_ones(folders, variant) -> None:
     folder, _, _ = folders[variant]
-    model = load(folder)
-    prompts = mixed_prompts(6)
-    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
-    llm = LLM(str(folder), dtype="float32", compile=True, num_kv_blocks=64, max_num_batched_tokens=16)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == refs
+    assert_answers_as_generate(load(folder), mixed_prompts(6), lambda: LLM(
+        str(folder), dtype="float32", compile=True, num_kv_blocks=64, max_num_batched_tokens=16))
 
 
 def test_quantized_layers_are_quantized_linear_layers_lora_can_hook(folders) -> None:
@@ -324,9 +322,7 @@ def test_where_the_compiled_int4_kernel_does_not_run_torchs_layout_is_kept(folde
         model = load(folder)
         layer = model.model.layers[0].self_attn.k_proj
         assert layer.tile_codes is None and layer.packed is not None and layer.dense is None
-        prompts = mixed_prompts(4)
-        refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
-        llm = LLM(model, compile=False, num_kv_blocks=64, max_num_batched_tokens=16)
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == refs
+        assert_answers_as_generate(model, mixed_prompts(4), lambda: LLM(
+            model, compile=False, num_kv_blocks=64, max_num_batched_tokens=16))
     torch.testing.assert_close(layer.weight_float(), reference["model.layers.0.self_attn.k_proj"], rtol=0,
                                atol=2.0**-7 * reference["model.layers.0.self_attn.k_proj"].abs().max().item())

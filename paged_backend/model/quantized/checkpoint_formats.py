@@ -115,6 +115,15 @@ def expand_groups(values: torch.Tensor, group_size: int, in_features: int) -> to
     return values.repeat_interleave(group_size, dim=1)[:, :in_features]
 
 
+def quant_method_of(config: Any) -> str | None:
+    """The `quantization_config.quant_method` of a model config, whether transformers kept the dict or made an
+    object of it; None without one."""
+    quantization = getattr(config, "quantization_config", None)
+    if isinstance(quantization, dict):
+        return quantization.get("quant_method")
+    return getattr(quantization, "quant_method", None)
+
+
 def read_scheme(config: dict[str, Any]) -> CheckpointScheme:
     """The scheme a checkpoint's `quantization_config` describes; CheckpointFormatError naming the field
     otherwise."""

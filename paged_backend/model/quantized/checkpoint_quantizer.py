@@ -36,6 +36,7 @@ from paged_backend.model.quantized.checkpoint_formats import (
     METHODS,
     CheckpointFormatError,
     CheckpointScheme,
+    quant_method_of,
     read_scheme,
     unpack,
 )
@@ -172,10 +173,8 @@ def read_headers(files: list[str]) -> dict[str, tuple[torch.dtype, tuple[int, ..
 def check_quantization_method(config: Any) -> None:
     """CheckpointFormatError for a `quantization_config` whose method no quantizer here knows: transformers
     would warn and load the float layers with random weights in place of the quantized ones."""
-    quantization = getattr(config, "quantization_config", None)
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization,
-                                                                                           "quant_method", None)
-    if quantization is not None and str(method) not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+    method = quant_method_of(config)
+    if getattr(config, "quantization_config", None) is not None and str(method) not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         raise CheckpointFormatError(f"quantization_config.quant_method={method!r}: no quantizer reads it (this "
                                     f"engine reads {', '.join(METHODS)}; transformers knows "
                                     f"{', '.join(sorted(AUTO_QUANTIZATION_CONFIG_MAPPING))})")

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from paged_backend.model.quantized.checkpoint_formats import METHODS as CHECKPOINT_FORMATS
+from paged_backend.model.quantized.checkpoint_formats import quant_method_of
 from paged_backend.model.quantized.int4_linear import Int4Linear, can_quantize
 from paged_backend.model.quantized.int8_linear import Int8Linear
 from paged_backend.model.quantized.quantized_linear import has_quantized_layers
@@ -46,9 +47,7 @@ def check_method(method: str | None) -> None:
 
 def check_checkpoint_method(model: torch.nn.Module, method: str) -> None:
     """ValueError unless `model` was loaded from a checkpoint in the format `method` names."""
-    config = getattr(model.config, "quantization_config", None)
-    found = getattr(config, "quant_method", None) if config is not None else None
-    found = config.get("quant_method") if isinstance(config, dict) else found
+    found = quant_method_of(model.config)
     if found != method:
         what = f"a {found} checkpoint" if found else "not a quantized checkpoint"
         raise ValueError(f"quantization={method!r} reads a {method} checkpoint, but this model is {what}")
