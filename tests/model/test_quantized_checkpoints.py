@@ -326,3 +326,16 @@ def test_where_the_compiled_int4_kernel_does_not_run_torchs_layout_is_kept(folde
             model, compile=False, num_kv_blocks=64, max_num_batched_tokens=16))
     torch.testing.assert_close(layer.weight_float(), reference["model.layers.0.self_attn.k_proj"], rtol=0,
                                atol=2.0**-7 * reference["model.layers.0.self_attn.k_proj"].abs().max().item())
+
+
+def test_an_fp16_model_runs_every_format_through_the_dequantizing_layer(folders) -> None:
+    """fp16 activations (CUDA's dtype, here on CPU): the int4 kernels take bf16 or fp32, so even 4-bit codes
+    are rebuilt per call, in fp16."""
+    folder, reference, _ = folders["gptq-4bit-g32-sym"]
+    layer = load(folder, dtype=torch.float16).model.layers[0].mlp.up_proj
+    assert isinstance(layer, DequantizingLinear) and layer.dense_dtype == torch.float16
+    x = torch.randn(2, layer.in_features, dtype=torch.float16)
+    out = layer(x)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), x.float() @ reference["model.layers.0.mlp.up_proj"].T, rtol=0.01,
+                               atol=0.01)

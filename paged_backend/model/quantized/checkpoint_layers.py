@@ -32,9 +32,7 @@ class DequantizingLinear(QuantizedLinear):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         out_features, in_features = weight.codes.shape
         shape = torch.empty(out_features, in_features, device="meta")
-        super().__init__(shape, bias, dtype if dtype in DENSE_DTYPES else torch.float32, keep_dense=False,
-                         input_order=weight.input_order)
-        self.dense_dtype = dtype
+        super().__init__(shape, bias, dtype, keep_dense=False, input_order=weight.input_order)
         self.group_size, self.bits = weight.group_size, weight.bits
         codes, self.nibbles = stored_codes(weight.codes, weight.bits)
         self.register_buffer("codes", codes.contiguous())

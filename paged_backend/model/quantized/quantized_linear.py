@@ -37,7 +37,7 @@ class QuantizedLinear(torch.nn.Module):
         `keep_dense` is False (then every step multiplies by the codes). `input_order [in]`: which input each of
         the weight's columns multiplies (a GPTQ act-order checkpoint's order), None for their own."""
         super().__init__()
-        if dense_dtype not in DENSE_DTYPES:
+        if keep_dense and dense_dtype not in DENSE_DTYPES:
             raise ValueError(f"a quantized layer's dense copy is bf16 or fp32, not {dense_dtype}")
         self.out_features, self.in_features = dense.shape
         self.dense_dtype = dense_dtype  # the model's dtype: what LoRA weights beside this layer are kept in
