@@ -332,6 +332,15 @@ def cpu_attention_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
                      f"{number(rate['kernel'])} vs {number(rate['torch_ops'])} tok/s "
                      f"({number(rate['kernel'] / rate['torch_ops'], 2)}x)"))
         rows.append(("answers token for token the same both ways", f"{engine['identical_answers']} of {engine['prompts']}"))
+    for call in r.get("prompt_calls", []):
+        us = call["median_us"]
+        rows.append((f"one layer's attention, {call['prompts']} fresh prompts of {call['length']} tokens (bf16): "
+                     "kernel vs SDPA", f"{number(us['kernel'])} vs {number(us['sdpa'])} us ({number(call['speedup'], 2)}x)"))
+    if "engine_prompts" in r:
+        rate = r["engine_prompts"]["median_tokens_per_s"]
+        rows.append(("throughput workload, its prompts attended by the kernel vs by SDPA (one process, alternating)",
+                     f"{number(rate['kernel'])} vs {number(rate['sdpa'])} tok/s "
+                     f"({number(rate['kernel'] / rate['sdpa'], 2)}x)"))
     return rows
 
 

@@ -3,11 +3,14 @@
 1. One layer's call: `--seqs` decode rows (SmolLM2-135M shapes: 9 query heads, 3 KV heads, head size 64) over
    contexts of 250-700 keys in shuffled 16-slot blocks of a bf16 cache, the kernel and the PyTorch ops
    (gathers, fp32 casts, batched matmuls in length buckets) alternating, medians of `--repeats` rounds.
-2. The engine: the throughput workload (benchmarks/throughput.py: 32 MT-bench prompts, 16..128 greedy
+2. Prompts: one layer's call for 4 fresh bf16 prompts of 32, 64 and 128 tokens (a chat's prompts, within
+   `cpu_paged_attention.SHORT_SEQUENCE`), the kernel against SDPA (the rule switched off), alternating.
+3. The engine: the throughput workload (benchmarks/throughput.py: 32 MT-bench prompts, 16..128 greedy
    tokens each) at the defaults (compiled, int4, bf16), the kernel switched on and off in one process
    (`cpu_paged_attention.switched_off()`, no recompile: the attention is an opaque op of the graph),
    alternating, medians; and how many of the 32 answers came out token for token the same both ways (bf16
-   rounds the two attention paths' fp32 sums differently, so near-ties can part).
+   rounds the two attention paths' fp32 sums differently, so near-ties can part). The same workload with
+   the short-sequence rule on and off (its prompts prefilled by the kernel or by SDPA).
 
     python benchmarks/cpu_attention.py                  # 5 rounds each
     python benchmarks/cpu_attention.py --repeats 3 --skip-engine
@@ -86,6 +89,59 @@ def one_layer_call(seqs: int, repeats: int) -> dict[str, Any]:
             "us_per_call": figures, "median_us": medians, "speedup": medians["torch_ops"] / medians["kernel"]}
 
 
+PROMPT_LENGTHS = (32, 64, 128)
+
+
+@contextlib.contextmanager
+def prompts_on_sdpa():
+    """Inside the block, only sequences of a few rows attend in the kernel: prompts go to SDPA, as before the
+    short-sequence rule."""
+    short, cpu_paged_attention.SHORT_SEQUENCE = cpu_paged_attention.SHORT_SEQUENCE, 0
+    try:
+        yield
+    finally:
+        cpu_paged_attention.SHORT_SEQUENCE = short
+
+
+def prompt_call(length: int, repeats: int, count: int = 4) -> dict[str, Any]:
+    """Microseconds per call of one layer's attention over `count` fresh bf16 prompts of `length` tokens (their keys
+    already in the cache), the kernel against SDPA."""
+    blocks = -(-length // BLOCK_SIZE)
+    tables = np.arange(count * blocks, dtype=np.int32).reshape(count, blocks)
+    cache = torch.randn(2, KV_HEADS, count * blocks * BLOCK_SIZE, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    cache = cache.to(torch.bfloat16)
+    query = torch.randn(count * length, HEADS, HEAD_DIM).to(torch.bfloat16)
+    starts, lens = list(range(0, count * length + 1, length)), [length] * count
+    caches, layer = PagedCaches(cache[0], cache[1]), LayerAttention(HEAD_DIM ** -0.5)
+    metadata = AttentionMetadata(torch.full((count * length,), -1), torch.from_numpy(tables),
+                                 torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                                 BLOCK_SIZE, starts, lens, length, length)
+    paths = {"kernel": contextlib.nullcontext, "sdpa": prompts_on_sdpa}
+
+    def timed(name: str) -> Callable[[], float]:
+        def run() -> float:
+            with paths[name]():
+                metadata.derived.clear()
+                paged_attention(query, caches, metadata, layer)
+                times = []
+                for _ in range(30):
+                    start = time.perf_counter()
+                    paged_attention(query, caches, metadata, layer)
+                    times.append(time.perf_counter() - start)
+            return statistics.median(times) * 1e6
+        return run
+
+    outputs = {}
+    for name, path in paths.items():
+        with path():
+            outputs[name] = paged_attention(query, caches, dataclasses.replace(metadata, derived={}), layer)
+    figures = alternate({name: timed(name) for name in paths}, repeats)
+    medians = {name: statistics.median(v) for name, v in figures.items()}
+    return {"prompts": count, "length": length, "us_per_call": figures, "median_us": medians,
+            "speedup": medians["sdpa"] / medians["kernel"],
+            "max_abs_difference": float((outputs["kernel"].float() - outputs["sdpa"].float()).abs().max())}
+
+
 def engine_throughput(repeats: int) -> dict[str, Any]:
     """Tokens/s of the throughput workload at the defaults, both ways, in one process."""
     runs, answers, prompts = workload_runs({name: functools.partial(path_context, name) for name in PATHS})
@@ -94,6 +150,17 @@ def engine_throughput(repeats: int) -> dict[str, Any]:
     medians = {name: statistics.median(v) for name, v in figures.items()}
     return {"prompts": prompts, "tokens_per_s": figures, "median_tokens_per_s": medians,
             "speedup": medians["kernel"] / medians["torch_ops"], "identical_answers": same}
+
+
+def engine_prompts(repeats: int) -> dict[str, Any]:
+    """Tokens/s of the throughput workload at the defaults, its prompts attended by the kernel and by SDPA, in
+    one process."""
+    runs, answers, prompts = workload_runs({"kernel": contextlib.nullcontext, "sdpa": prompts_on_sdpa})
+    figures = alternate(runs, repeats)
+    medians = {name: statistics.median(v) for name, v in figures.items()}
+    return {"prompts": prompts, "tokens_per_s": figures, "median_tokens_per_s": medians,
+            "speedup": medians["kernel"] / medians["sdpa"],
+            "identical_answers": sum(a == b for a, b in zip(answers["kernel"], answers["sdpa"]))}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -111,12 +178,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     call = results["one_layer_call"]["median_us"]
     print(f"one layer, {args.seqs} decode rows: kernel {call['kernel']:.0f} us, torch ops {call['torch_ops']:.0f} us "
           f"= {call['torch_ops'] / call['kernel']:.2f}x")
+    results["prompt_calls"] = [prompt_call(length, args.repeats) for length in PROMPT_LENGTHS]
+    for call in results["prompt_calls"]:
+        us = call["median_us"]
+        print(f"one layer, {call['prompts']} prompts of {call['length']}: kernel {us['kernel']:.0f} us, "
+              f"SDPA {us['sdpa']:.0f} us = {call['speedup']:.2f}x")
     if not args.skip_engine:
         engine = results["engine"] = engine_throughput(args.repeats)
         rate = engine["median_tokens_per_s"]
         print(f"throughput workload: kernel {rate['kernel']:.1f} tok/s, torch ops {rate['torch_ops']:.1f} tok/s "
               f"= {rate['kernel'] / rate['torch_ops']:.2f}x; identical answers {engine['identical_answers']} of "
               f"{engine['prompts']}")
+        engine = results["engine_prompts"] = engine_prompts(args.repeats)
+        rate = engine["median_tokens_per_s"]
+        print(f"throughput workload, prompts by the kernel {rate['kernel']:.1f} tok/s, by SDPA {rate['sdpa']:.1f} "
+              f"tok/s = {engine['speedup']:.2f}x")
     results["load_1m_start"], results["load_1m_end"] = load_start, load_average()
     print(f"threads {results['threads']}; load average {load_start:.1f} -> {results['load_1m_end']:.1f}; "
           f"wrote {write_results(results, 'cpu_attention', args.json)}")

@@ -291,12 +291,12 @@ static inline __attribute__((always_inline)) void score_chunk_bf16(
 }
 
 /* One chunk of `count` keys and values (bf16 rows of d from `keys` and `values`, positions from..) folded into
- * every row's online softmax, as weigh_row() and accumulate_tile() do. */
-static void attend_chunk_bf16(const Arguments *a, Scratch s, int rows, const uint16_t *const *queries,
+ * the online softmax of rows [begin, rows), as weigh_row() and accumulate_tile() do. */
+static void attend_chunk_bf16(const Arguments *a, Scratch s, int begin, int rows, const uint16_t *const *queries,
                               const uint16_t *keys, const uint16_t *values, int from, int count) {
     const int d = a->head_dim;
     __m512 scores[rows];
-    for (int r = 0; r < rows; r += CHUNK_ROWS) {
+    for (int r = begin; r < rows; r += CHUNK_ROWS) {
         switch (rows - r < CHUNK_ROWS ? rows - r : CHUNK_ROWS) {
         case 1: score_chunk_bf16(queries, r, 1, keys, count, d, scores); break;
         case 2: score_chunk_bf16(queries, r, 2, keys, count, d, scores); break;
@@ -304,7 +304,7 @@ static void attend_chunk_bf16(const Arguments *a, Scratch s, int rows, const uin
         default: score_chunk_bf16(queries, r, CHUNK_ROWS, keys, count, d, scores); break;
         }
     }
-    for (int r = 0; r < rows; r++) {
+    for (int r = begin; r < rows; r++) {
         const int query = s.last[r] - from, lo = s.first[r] > from ? s.first[r] - from : 0;
         const int hi = query < count - 1 ? query : count - 1;
         float *p = s.p + (size_t)r * LANES;
@@ -327,7 +327,7 @@ static void attend_chunk_bf16(const Arguments *a, Scratch s, int rows, const uin
     }
     for (int c = 0; c < d; c += 64) { /* 64 values of every row at a time: 4 vectors per row */
         const int vectors = d - c < 64 ? (d - c) / 16 : 4;
-        for (int r = 0; r < rows; r += CHUNK_ROWS) {
+        for (int r = begin; r < rows; r += CHUNK_ROWS) {
             const int tile = rows - r < CHUNK_ROWS ? rows - r : CHUNK_ROWS;
             __m512 acc[CHUNK_ROWS][4];
             for (int j = 0; j < tile; j++)
@@ -347,8 +347,8 @@ static void attend_chunk_bf16(const Arguments *a, Scratch s, int rows, const uin
 }
 #endif
 
-#define FOR_TILES(rows, CALL)                                  \
-    for (int r = 0; r < (rows); r += TILE) {                   \
+#define FOR_TILES(begin, rows, CALL)                           \
+    for (int r = (begin); r < (rows); r += TILE) {             \
         switch ((rows) - r < TILE ? (rows) - r : TILE) {       \
         case 1: CALL(r, 1); break;                             \
         case 2: CALL(r, 2); break;                             \
@@ -394,16 +394,18 @@ static void prefetch_item(const Arguments *a, int seq, int kv_head) {
     }
 }
 
-/* Row r of an item is query head (kv_head * group + r / n) at the sequence's query row r % n. */
+/* Row r of an item is query head (kv_head * group + r % group) at the sequence's query row r / group: rows go
+ * up by position, so the rows that see a chunk of keys (those at or past its first position) are the last
+ * ones, and a prompt's rows attend only to the chunks up to their own position, not to the whole prompt. */
 static void attend_item(const Arguments *a, int seq, int kv_head, Scratch s) {
     const int d = a->head_dim, bs = a->block_size, group = a->heads / a->kv_heads;
     const int start = a->query_start[seq], n = a->query_start[seq + 1] - start, len = a->seq_lens[seq];
     const int rows = group * n;
     int lowest = len, highest = 0;
     for (int r = 0; r < rows; r++) {
-        int head = kv_head * group + r / n, position = len - n + r % n, first;
+        int head = kv_head * group + r % group, position = len - n + r / group, first;
         float *q = s.q + (size_t)r * s.width;
-        load_row(a->query, a->query_dtype, (int64_t)(start + r % n) * a->heads + head, d, NULL, 0, q);
+        load_row(a->query, a->query_dtype, (int64_t)(start + r / group) * a->heads + head, d, NULL, 0, q);
         for (int i = 0; i < d; i++) q[i] *= a->scale;
         s.first[r] = first = first_key(a, position);
         s.last[r] = position;
@@ -422,19 +424,21 @@ static void attend_item(const Arguments *a, int seq, int kv_head, Scratch s) {
                             && a->softcap <= 0.0f && a->alibi_slopes == NULL;
     const uint16_t *queries[rows];
     for (int r = 0; r < rows; r++)
-        queries[r] = (const uint16_t *)a->query + ((int64_t)(start + r % n) * a->heads + kv_head * group + r / n) * d;
+        queries[r] = (const uint16_t *)a->query + ((int64_t)(start + r / group) * a->heads + kv_head * group + r % group) * d;
 #endif
     for (int from = lowest; from <= highest;) {
         const int block_end = (from / bs + 1) * bs;
         const int to = from + LANES < block_end ? from + LANES : block_end; /* positions [from, to) */
         const int count = (to < highest + 1 ? to : highest + 1) - from;
         const int64_t slot = (int64_t)table[from / bs] * bs + from % bs;
+        /* The rows before `begin` are at positions before the chunk: none of its keys is theirs. */
+        const int begin = from > len - n ? (from - (len - n)) * group : 0;
         /* The chunk AHEAD_CHUNKS ahead, fetched while this one is worked on (the first ones were asked for as
          * the item started): memory, not arithmetic, is what a decode row mostly waits for. */
         prefetch_keys(a, table, head_row, from + AHEAD_CHUNKS * LANES, highest);
 #ifdef HAS_BF16_CHUNKS
         if (bf16_chunks) {
-            attend_chunk_bf16(a, s, rows, queries, (const uint16_t *)a->key_cache + (head_row + slot) * d,
+            attend_chunk_bf16(a, s, begin, rows, queries, (const uint16_t *)a->key_cache + (head_row + slot) * d,
                               (const uint16_t *)a->value_cache + (head_row + slot) * d, from, count);
             from += count;
             continue;
@@ -444,17 +448,17 @@ static void attend_item(const Arguments *a, int seq, int kv_head, Scratch s) {
             load_row(a->key_cache, a->cache_dtype, head_row + slot + t, d, a->key_scales, scale_head + slot + t,
                      s.keys + (size_t)t * s.width);
 #define SCORE(r, tile) score_tile(s, r, tile, count)
-        FOR_TILES(rows, SCORE)
-        for (int r = 0; r < rows; r++) weigh_row(a, s, r, kv_head * group + r / n, from, count);
+        FOR_TILES(begin, rows, SCORE)
+        for (int r = begin; r < rows; r++) weigh_row(a, s, r, kv_head * group + r % group, from, count);
         for (int t = 0; t < count; t++)
             load_row(a->value_cache, a->cache_dtype, head_row + slot + t, d, a->value_scales, scale_head + slot + t,
                      s.values + (size_t)t * s.width);
 #define ACCUMULATE(r, tile) accumulate_tile(s, r, tile, count)
-        FOR_TILES(rows, ACCUMULATE)
+        FOR_TILES(begin, rows, ACCUMULATE)
         from += count;
     }
     for (int r = 0; r < rows; r++) {
-        const int head = kv_head * group + r / n;
+        const int head = kv_head * group + r % group;
         float sum = s.sum[r], *acc = s.acc + (size_t)r * s.width;
         if (a->sinks) { /* the sink's weight joins the denominator and nothing else */
             float sink = a->sinks[head], top = s.max[r] > sink ? s.max[r] : sink;
@@ -463,7 +467,7 @@ static void attend_item(const Arguments *a, int seq, int kv_head, Scratch s) {
             for (int i = 0; i < d; i++) acc[i] *= rescale;
         }
         const float inverse = 1.0f / sum;
-        const int64_t at = ((int64_t)(start + r % n) * a->heads + head) * d;
+        const int64_t at = ((int64_t)(start + r / group) * a->heads + head) * d;
         if (a->query_dtype == DTYPE_BF16) {
             uint16_t *out = (uint16_t *)a->out + at;
             for (int i = 0; i < d; i++) out[i] = float_to_bf16(acc[i] * inverse);

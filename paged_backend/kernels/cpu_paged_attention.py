@@ -8,8 +8,11 @@ to fp32 in registers and folds it into an online softmax, with the batch's (sequ
 by torch's threads.
 
 It serves sequences with up to MOST_ROWS query rows (decode rows, a request verifying proposed tokens, a
-short chunk), fp32 or bf16 queries over an fp32, bf16 or int8 cache, with sliding windows, chunks,
-soft-capping, ALiBi and sinks; longer prompts stay on SDPA, whose blocked kernel is the faster one there.
+short chunk) and sequences of at most SHORT_SEQUENCE tokens whatever their rows (a chat's prompt), fp32 or
+bf16 queries over an fp32, bf16 or int8 cache, with sliding windows, chunks, soft-capping, ALiBi and sinks.
+Each chunk of keys is scored only against the rows at or past its position, so a short prompt's rows cost
+the causal half of its square. Longer prompts stay on SDPA, whose blocked kernel is the faster one there
+(`benchmarks/cpu_attention.py` times both on prompts of several lengths).
 
 A bf16 model's decode rows over a bf16 cache, on a CPU with AVX512-BF16, take a path of their own: each key
 row is multiplied by the query rows in bf16 pairs (`vdpbf16ps`, products exact, sums in fp32) straight from
@@ -41,7 +44,8 @@ from .metadata import AttentionMetadata
 
 ENV_SWITCH = cpu_build.ENV_SWITCH
 SOURCE = Path(__file__).with_suffix(".c")
-MOST_ROWS = 16  # a sequence with more query rows attends through SDPA
+MOST_ROWS = 16  # a sequence with more query rows attends through SDPA, unless it is short:
+SHORT_SEQUENCE = 128  # a sequence of at most this many tokens (context and new) attends here whatever its rows
 QUERY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
@@ -84,14 +88,17 @@ def stores(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, slot
 
 
 def kernel_sequences(metadata: AttentionMetadata, most_rows: int = MOST_ROWS) -> tuple[torch.Tensor, list[int]]:
-    """The step's sequences of at most `most_rows` query rows, which the kernel attends (int32 indices), and the
-    others, memoised for every layer. A bf16 model's several rows keep SDPA in bf16, as HF's own attention does
-    (the kernel computes in fp32): the caller passes 1 for it."""
+    """The step's sequences the kernel attends (int32 indices), those of at most `most_rows` query rows or of at
+    most SHORT_SEQUENCE tokens, and the others, memoised for every layer. A bf16 model's several rows over a long
+    context keep SDPA in bf16, as HF's own attention does: the caller passes 1 for it. Over a short one the
+    kernel's fp32 sums are the faster path (a prompt of 128 tokens: 1.3x SDPA's time, 32 tokens: 1.9x, on the
+    AVX-512 EPYC; docs/benchmarks.md)."""
     split = metadata.derived.get("cpu_kernel_sequences")
     if split is None:
-        starts = metadata.query_start_loc_host
-        few = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] <= most_rows]
-        many = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > most_rows]
+        starts, lens = metadata.query_start_loc_host, metadata.seq_lens_host
+        takes = [starts[i + 1] - starts[i] <= most_rows or lens[i] <= SHORT_SEQUENCE for i in range(metadata.num_seqs)]
+        few = [i for i, take in enumerate(takes) if take]
+        many = [i for i, take in enumerate(takes) if not take]
         split = metadata.derived["cpu_kernel_sequences"] = (torch.tensor(few, dtype=torch.int32), many)
     return split
 

@@ -24,9 +24,10 @@ from paged_backend.kernels import (
 from paged_backend.kernels.kv_quant import quantize_int8
 
 # Decode rows over short and long contexts, rows verifying proposals, a chunk of exactly MOST_ROWS rows after
-# a context, a fresh prompt of a few rows, and a 20-row chunk and a 40-row prompt that the kernel leaves to SDPA.
-QUERY_LENS = [1, 1, 1, 1, 4, 2, 16, 5, 20, 40]
-SEQ_LENS = [1, 30, 77, 400, 34, 36, 60, 5, 61, 40]
+# a context, a fresh prompt of a few rows, a 20-row chunk and a 40-row prompt in short sequences (the kernel's
+# too, whatever their rows), and a 20-row chunk and a 140-row prompt longer than SHORT_SEQUENCE, left to SDPA.
+QUERY_LENS = [1, 1, 1, 1, 4, 2, 16, 5, 20, 40, 20, 140]
+SEQ_LENS = [1, 30, 77, 400, 34, 36, 60, 5, 61, 40, 200, 140]
 
 pytestmark = pytest.mark.skipif(cpu_paged_attention.library() is None, reason="no C compiler on this machine")
 
@@ -51,7 +52,9 @@ def by_kernel(batch, scale: float, key_scales: torch.Tensor | None = None, value
                           LayerAttention(scale, **options))
     few, many = metadata.derived["cpu_kernel_sequences"]  # the kernel took the step (bf16: its decode rows)
     most = cpu_paged_attention.MOST_ROWS if batch.query.dtype == torch.float32 else 1
-    assert few.tolist() == [i for i, n in enumerate(QUERY_LENS) if n <= most]
+    assert few.tolist() == [i for i, (n, length) in enumerate(zip(QUERY_LENS, SEQ_LENS))
+                            if n <= most or length <= cpu_paged_attention.SHORT_SEQUENCE]
+    assert many == [10, 11]
     return out
 
 
