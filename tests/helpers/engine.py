@@ -31,18 +31,23 @@ FP32_DECODE_SDPA = "sdpa_fp32_decode"
 
 
 def sdpa_fp32_decode(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention, with one-query (decode) rows of a bf16/fp16 model computed in fp32
-    and rounded back: the rounding the engine's CPU attention applies to those rows (torch_attention.py)."""
+    """transformers' SDPA attention, with the rows of a bf16/fp16 model that the engine's CPU attention computes in
+    fp32 computed in fp32 and rounded back: one-query (decode) rows (torch_attention.py), and, where the compiled
+    kernel is built, every row of a bf16 sequence of at most SHORT_SEQUENCE tokens (cpu_paged_attention.py)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if query.shape[2] != 1 or query.dtype not in (torch.bfloat16, torch.float16):
+    from paged_backend.kernels import cpu_paged_attention
+
+    short = (query.dtype == torch.bfloat16 and key.shape[2] <= cpu_paged_attention.SHORT_SEQUENCE
+             and cpu_paged_attention.library() is not None)
+    if (query.shape[2] != 1 and not short) or query.dtype not in (torch.bfloat16, torch.float16):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
     return out.to(query.dtype), weights
 
 
 def hf_greedy_fp32_decode_attention(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """hf_greedy with decode attention in fp32 (sdpa_fp32_decode): the reference for bf16/fp16 models."""
+    """hf_greedy with the engine's fp32 attention rows (sdpa_fp32_decode): the reference for bf16/fp16 models."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
