@@ -67,26 +67,34 @@ def one_layer_call(seqs: int, repeats: int) -> dict[str, Any]:
     metadata = AttentionMetadata(torch.full((seqs,), -1), torch.from_numpy(tables), torch.tensor(starts, dtype=torch.int32),
                                  torch.tensor(lens, dtype=torch.int32), BLOCK_SIZE, starts, lens, 1, max(lens))
 
-    def timed(name: str) -> Callable[[], float]:
-        def run() -> float:
-            metadata.derived.clear()  # a step's plans are built once and serve its 30 layers: timed apart
-            with path_context(name):
-                paged_attention(query, caches, metadata, layer)
-                times = []
-                for _ in range(30):
-                    start = time.perf_counter()
-                    paged_attention(query, caches, metadata, layer)
-                    times.append(time.perf_counter() - start)
-            return statistics.median(times) * 1e6
-        return run
+    def attend() -> torch.Tensor:
+        return paged_attention(query, caches, metadata, layer)
 
     with path_context("torch_ops"):
         want = paged_attention(query, caches, metadata, layer)
     got = paged_attention(query, caches, dataclasses.replace(metadata, derived={}), layer)
-    figures = alternate({name: timed(name) for name in PATHS}, repeats)
+    figures = alternate({name: timed_calls(attend, functools.partial(path_context, name), metadata) for name in PATHS},
+                        repeats)
     medians = {name: statistics.median(v) for name, v in figures.items()}
     return {"seqs": seqs, "keys": sum(lens), "max_abs_difference": float((got.float() - want.float()).abs().max()),
             "us_per_call": figures, "median_us": medians, "speedup": medians["torch_ops"] / medians["kernel"]}
+
+
+def timed_calls(attend: Callable[[], object], context: Callable[[], contextlib.AbstractContextManager],
+                metadata: AttentionMetadata) -> Callable[[], float]:
+    """A run for `alternate`: the median microseconds of 30 calls of `attend` inside `context()`, after one untimed
+    call. The step's memo is cleared first: a step's plans are built once and serve its 30 layers, timed apart."""
+    def run() -> float:
+        metadata.derived.clear()
+        with context():
+            attend()
+            times = []
+            for _ in range(30):
+                start = time.perf_counter()
+                attend()
+                times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+    return run
 
 
 PROMPT_LENGTHS = (32, 64, 128)
@@ -118,24 +126,14 @@ def prompt_call(length: int, repeats: int, count: int = 4) -> dict[str, Any]:
                                  BLOCK_SIZE, starts, lens, length, length)
     paths = {"kernel": contextlib.nullcontext, "sdpa": prompts_on_sdpa}
 
-    def timed(name: str) -> Callable[[], float]:
-        def run() -> float:
-            with paths[name]():
-                metadata.derived.clear()
-                paged_attention(query, caches, metadata, layer)
-                times = []
-                for _ in range(30):
-                    start = time.perf_counter()
-                    paged_attention(query, caches, metadata, layer)
-                    times.append(time.perf_counter() - start)
-            return statistics.median(times) * 1e6
-        return run
+    def attend() -> torch.Tensor:
+        return paged_attention(query, caches, metadata, layer)
 
     outputs = {}
     for name, path in paths.items():
         with path():
             outputs[name] = paged_attention(query, caches, dataclasses.replace(metadata, derived={}), layer)
-    figures = alternate({name: timed(name) for name in paths}, repeats)
+    figures = alternate({name: timed_calls(attend, path, metadata) for name, path in paths.items()}, repeats)
     medians = {name: statistics.median(v) for name, v in figures.items()}
     return {"prompts": count, "length": length, "us_per_call": figures, "median_us": medians,
             "speedup": medians["sdpa"] / medians["kernel"],
