@@ -14,6 +14,7 @@ DEFAULT_CUDA_KV_FRACTION = 0.4  # of the device memory free after loading the mo
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass(slots=True)
@@ -62,6 +63,17 @@ class EngineConfig:
     # freeing older ones as a sequence grows (layer_specs.py); False keeps every block of every layer. Engines
     # that pad decode steps, run a draft model or tensor parallelism keep every block either way.
     free_window_blocks: bool = True
+    # A second tier for full KV blocks behind the pool (kv_offload/): every block the prefix cache registers is also
+    # stored there, and a later prefix hit, or a preempted request resuming, reads back the blocks the pool evicted
+    # instead of computing them. Each tier has a byte budget; None (or 0) leaves it off.
+    # Host memory: worth it where the pool is on a GPU (on a CPU a larger kv_cache_bytes does the same).
+    kv_offload_host_bytes: int | None = None
+    # A folder on disk that outlives the process: after a restart, cached prefixes are read back, not recomputed.
+    kv_offload_disk_bytes: int | None = None
+    kv_offload_dir: str | None = None  # the disk tier's folder (default: PAGED_BACKEND_CACHE/kv)
+    # A preempted request: "recompute" its context, "swap" (read its full blocks back from the second tier), or
+    # "auto" (swap a context of 64 tokens or more when a second tier is on, else recompute).
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
@@ -76,7 +88,14 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name}={value!r}: must be an int >= 1")
-        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "num_threads"):
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"EngineConfig.preemption_mode={self.preemption_mode!r}: must be one of "
+                             f"{', '.join(map(repr, PREEMPTION_MODES))}")
+        if self.preemption_mode == "swap" and not (self.kv_offload_host_bytes or self.kv_offload_disk_bytes):
+            raise ValueError("EngineConfig.preemption_mode='swap' needs a second tier to swap to: set "
+                             "kv_offload_host_bytes or kv_offload_disk_bytes")
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "num_threads", "kv_offload_host_bytes",
+                     "kv_offload_disk_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"EngineConfig.{name}={value!r}: must be an int >= 1 or None")

@@ -28,6 +28,7 @@ from paged_backend.core.scheduler import Scheduler
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.step_result import RequestUpdate, StepResult
 from paged_backend.input_processor import InputProcessor, Prompt
+from paged_backend.kv_offload.offloader import make_offloader
 from paged_backend.model.quantized import fused_projections
 from paged_backend.model.lora import LoRAAdapter, LoRARegistry, LoRASlots, LoRASpec
 from paged_backend.model.loading.model_check import prepare_model, temperature_tuning_limit
@@ -89,6 +90,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv, self.speculator, lora_slots)
         self.runner = ModelRunner(model, self.cache, publish_step, lora_slots, fused, self.recurrent)
         self.runner_start = start_runner(self.runner, plan, config)
+        # Fingerprinted after start-up, so the state the tier serves is the one requests will be made under.
+        self.kv.offload = make_offloader(config, model, shape, plan.groups, self.cache, self.model_states.current())
         self.requests: dict[str, RequestGroup] = {}  # user's id -> its samples
         self.ids = itertools.count()
         self._make_front_end(model.config)
@@ -312,9 +315,15 @@ class Engine:
     # ---------------------------------------------------------------- stats
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the cached prefixes when no request holds blocks (else nothing changes); returns whether
-        it did."""
+        """Forget the pool's cached prefixes when no request holds blocks (else nothing changes); returns whether
+        it did. A second tier keeps its blocks: the disk tier is there to outlive resets and restarts."""
         return self.kv.pool.reset_prefix_cache()
+
+    def flush_offload(self) -> None:
+        """Wait until the second tier has stored every block given to it (no-op without one): before a restart
+        whose requests should find them. Queued blocks are written at interpreter exit too."""
+        if self.kv.offload is not None:
+            self.kv.offload.flush()
 
     def stats(self) -> dict[str, float]:
         samples = self.scheduler.utilisation_samples
@@ -336,6 +345,7 @@ class Engine:
             **self.grammar_queue.stats(),
             **self.runner_start.stats(),
             **self.plan.stats(),
+            **(self.kv.offload.stats() if self.kv.offload is not None else {}),
         }
 
     def _recurrent_stats(self) -> dict[str, float]:

@@ -143,11 +143,31 @@ def plan_startup(config: EngineConfig, facts: ModelFacts) -> StartupPlan:
 
 def refuse_config(config: EngineConfig, facts: ModelFacts) -> None:
     """ValueError for what this model cannot run: a step budget past its step limit, LoRA under tensor
-    parallelism."""
+    parallelism, a second KV tier where blocks do not hold all of a request's state."""
     refuse_step_budget(config, facts.step_limit)
     if config.enable_lora and facts.tensor_parallel:
         raise ValueError("enable_lora=True does not run with tensor parallelism (the adapters' B matrices "
                          "would have to be sharded like the layers they adapt)")
+    refuse_offload(config, facts)
+
+
+def refuse_offload(config: EngineConfig, facts: ModelFacts) -> None:
+    """ValueError for a second KV tier (kv_offload_*) this engine cannot keep right: it stores the blocks the prefix
+    cache registers, so it needs prefix caching and K/V that live wholly in the pool's blocks."""
+    if not (config.kv_offload_host_bytes or config.kv_offload_disk_bytes):
+        return
+    reason = None
+    if not config.enable_prefix_caching:
+        reason = "it stores the prefix cache's blocks, and enable_prefix_caching=False"
+    elif not facts.shape.prefix_caching:
+        reason = ("this model's recurrent layers keep a state per request outside the KV blocks, which the tier "
+                  "cannot carry")
+    elif facts.draft_shape is not None:
+        reason = "the draft model's K/V would have to be stored beside the target's, which the tier does not do"
+    elif facts.tensor_parallel:
+        reason = "under tensor parallelism each rank holds a shard of every block"
+    if reason:
+        raise ValueError(f"kv_offload_host_bytes / kv_offload_disk_bytes: a second KV tier does not run here: {reason}")
 
 
 def refuse_step_budget(config: EngineConfig, step_limit: tuple[int, str] | None) -> None:

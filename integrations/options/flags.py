@@ -19,14 +19,15 @@ from collections.abc import Iterable
 from functools import cache
 from typing import Any
 
-from paged_backend.config import KV_CACHE_DTYPES, EngineConfig
+from paged_backend.config import KV_CACHE_DTYPES, PREEMPTION_MODES, EngineConfig
 from paged_backend.sampling.sampling_params import SamplingParams
 
 from . import defaults
 from .vocabularies import CLI
 
 # Engine fields whose value is one of a few names.
-ENGINE_CHOICES: dict[str, list[str]] = {"kv_cache_dtype": list(KV_CACHE_DTYPES)}
+ENGINE_CHOICES: dict[str, list[str]] = {"kv_cache_dtype": list(KV_CACHE_DTYPES),
+                                         "preemption_mode": list(PREEMPTION_MODES)}
 
 
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))

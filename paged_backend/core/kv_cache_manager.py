@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import TYPE_CHECKING
 
 from paged_backend.core.block_pool import BlockHash, BlockKey, BlockPool
 from paged_backend.core.kv_cache_groups import CacheGroups, one_group
 from paged_backend.core.layer_specs import LayerSpec
 from paged_backend.core.request import Request
 from paged_backend.core.state_slots import StateSlots
+
+if TYPE_CHECKING:  # built by the engine when a second tier is configured
+    from paged_backend.kv_offload.offloader import KVOffloader
 
 
 def hash_block(key: BlockKey) -> BlockHash:
@@ -60,6 +64,7 @@ class KVCacheManager:
         self.state_slots = state_slots
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.offload: KVOffloader | None = None  # the second tier behind the pool (kv_offload/), if any
 
     @property
     def capacity_tokens(self) -> int:
@@ -81,6 +86,8 @@ class KVCacheManager:
             return 0
         bs = self.block_size
         limit = (request.num_tokens - 1) // bs
+        if self.offload is not None and self.offload.serves(request) and not request.recompute:
+            self.restore_prefix(request, limit)
         if self.groups.frees_blocks:
             num_hit = self.take_grouped_prefix(request, limit)
         else:
@@ -90,6 +97,44 @@ class KVCacheManager:
         self.hit_tokens += hit
         request.num_computed_tokens = hit
         return hit
+
+    def restore_prefix(self, request: Request, limit: int) -> None:
+        """Bring back from the second tier the blocks of the request's first `limit` that the pool lacks, into free
+        pages registered in the prefix cache, for the hit that follows to take. Groups keeping every block first:
+        the run they all hold ends the hit, and a group that frees blocks needs only those behind that point.
+        Blocks of the prefix already in the pool are held meanwhile, so reading the next ones in cannot evict
+        them; room is left for the request's first chunk."""
+        keys, hashes = self.prefix_keys(request, limit)
+        step = min(request.num_tokens, self.max_step_tokens or request.num_tokens)
+        reserve = self.blocks_needed(step) * self.groups.num_groups
+        held: list[int] = []
+        swap = request.metrics.num_preemptions > 0
+        groups = self.groups.groups
+        keeping = [g for g, group in enumerate(groups) if not group.spec.frees_blocks]
+        hit = self.restore_run(keys, hashes, keeping, 0, limit, held, reserve, swap) if keeping else limit
+        for g, group in enumerate(groups):
+            if group.spec.frees_blocks:
+                first = group.spec.first_needed_block(hit * self.block_size, self.block_size)
+                self.restore_run(keys, hashes, [g], first, hit, held, reserve, swap)
+        self.pool.free(held[::-1])  # tail first, as a request frees
+
+    def restore_run(self, keys: list[BlockKey], hashes: list[BlockHash], groups: list[int], start: int, stop: int,
+                    held: list[int], reserve: int, swap: bool) -> int:
+        """Hold blocks `start`..`stop` of `groups` in the pool, reading from the tier those it lacks, until one is
+        in neither (or only `reserve` free blocks are left); return the index where the run ends."""
+        for i in range(start, stop):
+            for g in groups:
+                block_id = self.pool.lookup(hashes[i], keys[i], g)
+                if block_id is None:
+                    if self.pool.num_free <= reserve:
+                        return i
+                    block_id = self.pool.allocate(1, g)[0]
+                    if not self.offload.load(keys[i], hashes[i], g, block_id, swap):
+                        self.pool.free([block_id])
+                        return i
+                    self.pool.register(block_id, hashes[i], keys[i])
+                held.append(block_id)
+        return stop
 
     def take_prefix(self, request: Request, limit: int) -> int:
         """One group keeping every block: take the longest run of cached blocks; return its length."""
@@ -166,6 +211,8 @@ class KVCacheManager:
             # group's block i is still held here.
             for table in request.block_tables:
                 self.pool.register(table[i], block_hash, key)
+            if self.offload is not None and self.offload.serves(request):
+                self.offload.save(key, block_hash, [table[i] for table in request.block_tables])
             hashes.append(block_hash)
 
     def block_key(self, request: Request, index: int, parent: BlockHash | None) -> BlockKey:

@@ -66,6 +66,8 @@ class Request:
     model_state: int | None = None  # the state of the model's weights and adapters it was made under (model_state.py)
     lora_slot: int = 0  # while running: the device slot of its adapter (0: the base)
     state_slot: int | None = None  # a hybrid model's recurrent-state row while it holds blocks (state_slots.py)
+    # Preempted to be recomputed: on resuming it reads nothing back from the second tier (kv_offload/offloader.py).
+    recompute: bool = False
     # The user's request this is a sample of (n, best_of); None: a group of its own, made at construction.
     group: RequestGroup = None  # type: ignore[assignment]
     index: int = field(init=False, default=0)  # which of its group's samples this is (joined at construction)

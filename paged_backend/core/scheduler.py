@@ -167,7 +167,9 @@ class Scheduler:
         return True
 
     def preempt(self, request: Request) -> None:
-        """Free the request's blocks and put it first in line; it will recompute its tokens."""
+        """Free the request's blocks and put it first in line; it will recompute its tokens, or with a second tier
+        read its full blocks back (swap) where the offloader's preemption mode says so."""
+        request.recompute = self.kv.offload is None or not self.kv.offload.swaps(request)
         self.running.remove(request)
         self.release(request)
         self.kv.free(request)

@@ -182,6 +182,7 @@ class AsyncEngine:
         self.stopped.set()
         self.wakeup.set()
         self.thread.join(timeout=10)
+        self.engine.flush_offload()
 
     # ------------------------------------------------------------ engine thread
 

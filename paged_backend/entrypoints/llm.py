@@ -110,7 +110,8 @@ class LLM:
             raise SystemExit(0)
 
     def close(self) -> None:
-        """Stop tensor-parallel workers (a no-op for one process)."""
+        """Write what the second KV tier still has queued, and stop tensor-parallel workers."""
+        self.engine.flush_offload()
         if self.tp_group is not None:
             self.tp_group.close()
 

@@ -1,0 +1,1 @@
+"""A second tier for KV blocks behind the pool: host memory and a folder on disk (offloader.py)."""
