@@ -204,6 +204,7 @@ class EngineCollector(Collector):
                         "at start-up, 0 when they were compiled", stats["startup_graphs_loaded"])
         yield from speculation_metrics(stats)
         yield from group_metrics(stats)
+        yield from offload_metrics(stats)
 
 
 def group_metrics(stats: dict[str, float]) -> Iterator[GaugeMetricFamily]:
@@ -216,6 +217,31 @@ def group_metrics(stats: dict[str, float]) -> Iterator[GaugeMetricFamily]:
     for g in range(int(stats["kv_num_groups"])):
         family.add_metric([str(g), str(int(stats[f"kv_group_{g}_window"]))], float(stats[f"kv_group_{g}_blocks"]))
     yield family
+
+
+OFFLOAD_TIERS = ("host", "disk")
+
+
+def offload_metrics(stats: dict[str, float]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The second KV tier's blocks, bytes and hits per tier, and the time spent storing and reading back blocks;
+    nothing for an engine without one."""
+    if "kv_offload_restore_seconds" not in stats:
+        return
+    tiers = [tier for tier in OFFLOAD_TIERS if f"kv_offload_{tier}_blocks" in stats]
+    for name, kind, doc in (("blocks", GaugeMetricFamily, "KV blocks stored in a second tier"),
+                            ("bytes", GaugeMetricFamily, "Bytes of KV blocks stored in a second tier"),
+                            ("hit_blocks", CounterMetricFamily, "KV blocks read back from a second tier"),
+                            ("saved_blocks", CounterMetricFamily, "KV blocks stored in a second tier so far")):
+        family = kind(f"{PREFIX}_kv_offload_{name}", doc, labels=["tier"])
+        for tier in tiers:
+            family.add_metric([tier], float(stats[f"kv_offload_{tier}_{name}"]))
+        yield family
+    yield counter("kv_offload_restore_seconds", "Seconds spent reading KV blocks back from a second tier",
+                  stats["kv_offload_restore_seconds"])
+    yield counter("kv_offload_save_seconds", "Seconds steps spent copying KV blocks off the pool for a second tier",
+                  stats["kv_offload_save_seconds"])
+    yield counter("kv_offload_swapped_in_blocks", "KV blocks read back for preempted requests (swap)",
+                  stats["kv_offload_swapped_in_blocks"])
 
 
 def speculation_metrics(stats: dict[str, float]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
