@@ -72,7 +72,7 @@ class EngineConfig:
     kv_offload_disk_bytes: int | None = None
     kv_offload_dir: str | None = None  # the disk tier's folder (default: PAGED_BACKEND_CACHE/kv)
     # A preempted request: "recompute" its context, "swap" (read its full blocks back from the second tier), or
-    # "auto" (swap a context of 64 tokens or more when a second tier is on, else recompute).
+    # "auto" (with a second tier, swap where the KV cache is on a CPU, recompute on a GPU; without one, recompute).
     preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:

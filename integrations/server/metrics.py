@@ -242,6 +242,8 @@ def offload_metrics(stats: dict[str, float]) -> Iterator[GaugeMetricFamily | Cou
                   stats["kv_offload_save_seconds"])
     yield counter("kv_offload_swapped_in_blocks", "KV blocks read back for preempted requests (swap)",
                   stats["kv_offload_swapped_in_blocks"])
+    yield counter("kv_offload_swap_seconds", "Seconds spent reading KV blocks back for preempted requests",
+                  stats["kv_offload_swap_seconds"])
 
 
 def speculation_metrics(stats: dict[str, float]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

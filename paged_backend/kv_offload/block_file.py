@@ -30,7 +30,7 @@ class UntrustedBlock(ValueError):
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
-        self.kind = kind
+        self.kind, self.detail = kind, detail
 
 
 @dataclass(frozen=True, slots=True)

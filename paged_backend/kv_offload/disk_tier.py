@@ -84,7 +84,7 @@ class DiskTier:
             rows, scales = decode(data, key, self.dtype, self.shape, self.scale_shape)
         except UntrustedBlock as exc:
             self.untrusted += 1
-            self.warn(exc.kind, f"{path}: {exc}")
+            self.warn(exc.kind, f"{path}: {exc.detail}")
             if exc.kind != "other block":  # a faulty file would fail every later read too
                 self.remove(path)
             return None
@@ -125,9 +125,9 @@ class DiskTier:
         self.queue.task_done()
 
     def write(self, key: StoredKey, rows: BlockRows) -> None:
+        """Write the block's file whole, replacing whatever has its name (the same block another process stored,
+        or a file that fails the checks and would keep the block from being stored for ever)."""
         path = self.folder / file_name(key)
-        if path.exists():  # another process (or an earlier run) stored it
-            return
         rows.wait()
         temp = self.folder / f".{path.name}.{os.getpid()}.tmp"
         try:

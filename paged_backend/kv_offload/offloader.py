@@ -7,7 +7,10 @@ The tier sits under the prefix cache (core/kv_cache_manager.py), keyed like it b
 - A request admitted with nothing computed first brings back, into free pages registered in the pool's prefix
   cache, the blocks of its prefix the pool lacks and a tier holds; the prefix cache then hands them out as hits.
 - Preemption: a preempted request's full blocks are already stored, so resuming it reads them back (swap) instead
-  of recomputing them, when `preemption_mode` says so (`swaps`).
+  of recomputing them, when `preemption_mode` says so (`swaps`). Under "auto" a pool on a CPU swaps: there,
+  reading a block back costs a small fraction of computing its tokens (docs/kv-offload.md has the measurement).
+  A pool on a GPU recomputes: a batched prefill there is fast enough that a read over PCIe, let alone from disk,
+  need not win, and that was not measured.
 
 Only the model state it fingerprinted at start-up is served (fingerprint.py): blocks computed after the weights
 or the model's adapters change, or under a per-request LoRA adapter (whose ids are this process's own), are
@@ -32,16 +35,12 @@ from paged_backend.kv_offload.fingerprint import model_fingerprint
 from paged_backend.kv_offload.host_tier import HostTier
 from paged_backend.model.paged.paged_cache import KVShape, PagedCache
 
-# Under "auto", a preempted request is swapped when it had at least this many tokens computed: reading a block
-# back costs a copy (about 0.1 ms per block from the page cache, measured on 2 cores: docs/kv-offload.md), while
-# recomputing a short context is one chunk of a step that runs anyway.
-SWAP_MIN_TOKENS = 64
-
 
 class KVOffloader:
     def __init__(self, cache: PagedCache, tiers: list[HostTier | DiskTier], fingerprint: str, model_state: int,
                  preemption_mode: str = "auto") -> None:
         self.kv, self.kv_scales, self.block_size = cache.kv, cache.kv_scales, cache.block_size
+        self.on_cpu = cache.kv.device.type == "cpu"
         self.tiers = tiers
         self.fingerprint = fingerprint
         self.model_state = model_state
@@ -50,6 +49,7 @@ class KVOffloader:
         self.restore_seconds = 0.0
         self.save_seconds = 0.0  # the step's share of storing: copying rows off the pool
         self.swapped_in = 0  # blocks read back for preempted requests
+        self.swap_seconds = 0.0  # the part of restore_seconds spent on them
 
     def serves(self, request: Request) -> bool:
         """Whether the request's blocks may be stored and read back: under the fingerprinted state, no LoRA."""
@@ -58,7 +58,7 @@ class KVOffloader:
     def swaps(self, request: Request) -> bool:
         """Whether a request being preempted now will read its blocks back when it resumes (else recompute)."""
         if self.preemption_mode == "auto":
-            return self.serves(request) and request.num_computed_tokens >= SWAP_MIN_TOKENS
+            return self.on_cpu
         return self.preemption_mode == "swap"
 
     def stored_key(self, key: BlockKey, block_hash: BlockHash, group: int) -> StoredKey:
@@ -81,16 +81,18 @@ class KVOffloader:
         """Fill `page` with the block from the first tier holding it; whether one did."""
         start = time.perf_counter()
         stored = self.stored_key(key, block_hash, group)
+        rows = None
         for tier in self.tiers:
             rows = tier.load(stored)
             if rows is not None:
                 self.copy_in(page, rows)
                 self.restored[tier.name] += 1
                 self.swapped_in += swap
-                self.restore_seconds += time.perf_counter() - start
-                return True
-        self.restore_seconds += time.perf_counter() - start
-        return False
+                break
+        seconds = time.perf_counter() - start
+        self.restore_seconds += seconds
+        self.swap_seconds += seconds if swap else 0.0
+        return rows is not None
 
     def copy_out(self, page: int) -> BlockRows:
         """A copy of one page's rows on the host (in flight from a GPU: BlockRows.wait)."""
@@ -129,7 +131,8 @@ class KVOffloader:
     def stats(self) -> dict[str, float]:
         stats: dict[str, float] = {"kv_offload_restore_seconds": self.restore_seconds,
                                    "kv_offload_save_seconds": self.save_seconds,
-                                   "kv_offload_swapped_in_blocks": self.swapped_in}
+                                   "kv_offload_swapped_in_blocks": self.swapped_in,
+                                   "kv_offload_swap_seconds": self.swap_seconds}
         for tier in self.tiers:
             for name, value in tier.stats().items():
                 stats[f"kv_offload_{tier.name}_{name}"] = value

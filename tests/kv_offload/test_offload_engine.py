@@ -47,9 +47,9 @@ def tokens(outputs: list) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def first_engine(folder: Path, arch: str = "llama", **kwargs) -> Engine:
+def first_engine(folder: Path, arch: str = "llama", seed: int = 0, **kwargs) -> Engine:
     """An engine that computed prompts() and stored their blocks, then was stopped."""
-    engine = Engine(build(arch), None, config(folder, **kwargs))
+    engine = Engine(build(arch, seed), None, config(folder, **kwargs))
     run(engine, prompts())
     engine.flush_offload()
     return engine
@@ -103,7 +103,9 @@ def preempting(mode: str) -> tuple[list[list[int]], dict]:
 def test_swap_reads_a_preempted_requests_blocks_back_instead_of_recomputing() -> None:
     swapped, swap_stats = preempting("swap")
     recomputed, recompute_stats = preempting("recompute")
-    assert swapped == recomputed
+    auto, auto_stats = preempting("auto")  # a pool on a CPU: swap
+    assert swapped == recomputed == auto
+    assert auto_stats["kv_offload_swapped_in_blocks"] == swap_stats["kv_offload_swapped_in_blocks"]
     model = build("llama")
     assert swapped == [hf_greedy(model, p, 40) for p in prompts(8, length=70, shared=0, seed=2)]
     assert swap_stats["num_preemptions"] > 0 and recompute_stats["num_preemptions"] > 0
@@ -159,6 +161,35 @@ def test_window_layers_read_back_what_their_window_needs(tmp_path: Path) -> None
     assert restarted.kv.groups.frees_blocks
     outputs = run(restarted, prompts())
     assert tokens(outputs) == refs and [o.num_cached_tokens for o in outputs] == [64, 64, 64]
+
+
+def test_latent_attention_rows_come_back(tmp_path: Path) -> None:
+    """DeepSeek V3's one latent row per token and layer (the pages' one plane) is stored and read back whole."""
+    plain = run(Engine(build("deepseek_v3"), None, config()), prompts())
+    first_engine(tmp_path, "deepseek_v3")
+    restarted = Engine(build("deepseek_v3"), None, config(tmp_path))
+    assert restarted.cache.kv.shape[1] == 1
+    outputs = run(restarted, prompts())
+    assert tokens(outputs) == tokens(plain) and outputs[0].num_cached_tokens == 64
+
+
+def test_another_models_files_in_the_folder_are_skipped(tmp_path: Path, llama_refs, caplog) -> None:
+    """Files copied in from another model's folder have our blocks' names (a name is the block's hash, the same for
+    the same tokens) but its fingerprint: each is skipped and removed, the fault said once, nothing served."""
+    first_engine(tmp_path / "other", seed=1)
+    restarted = Engine(build("llama"), None, config(tmp_path / "ours"))
+    ours = tmp_path / "ours" / restarted.kv.offload.fingerprint
+    copied = list((tmp_path / "other").rglob("*.kv"))
+    for path in copied:
+        (ours / path.name).write_bytes(path.read_bytes())
+    with caplog.at_level(logging.WARNING, logger=disk_tier.__name__):
+        outputs = run(restarted, prompts())
+    assert tokens(outputs) == [llama_refs[tuple(p)] for p in prompts()]
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 0]
+    assert caplog.text.count("foreign file") == 1 and restarted.stats()["kv_offload_disk_untrusted_files"] >= 1
+    restarted.flush_offload()
+    assert all(restarted.kv.offload.fingerprint in (ours / path.name).read_bytes().decode("latin-1")
+               for path in copied if (ours / path.name).exists())  # what is there now is our own blocks
 
 
 @pytest.mark.parametrize("case", ["no prefix caching", "recurrent", "draft"])
