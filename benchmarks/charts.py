@@ -410,6 +410,31 @@ def cpu_peers_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def kv_offload_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    warm, swap = r["restart"], r["preemption"]
+    per_block_ms = 1000 * warm["restore_s"] / max(warm["disk_hit_blocks"], 1)
+    rows = [(f"first token of a {warm['prompt_tokens']}-token prompt after a restart, its prefix read back from disk "
+             f"(medians of {len(warm['warm_s'])})", f"{number(warm['warm_median_s'], 3)} s"),
+            ("the same, its files first dropped from the page cache (read from the device)",
+             f"{number(warm['warm_from_disk_median_s'], 3)} s"),
+            ("the same prompt computed cold by an engine without the tier", f"{number(warm['cold_median_s'], 3)} s"),
+            ("warm / cold, warm from the device / cold",
+             f"{number(warm['ratio'], 3)}, {number(warm['ratio_from_disk'], 3)} (target <= 0.2)"),
+            ("tokens read back per warm request", str(warm["warm_cached_tokens"][0])),
+            ("reading one block back from disk (restore seconds / blocks)", f"{number(per_block_ms, 2)} ms"),
+            ("same greedy tokens warm and cold", str(warm["same_tokens"]))]
+    medians, computed = swap["median_s"], swap["computed_tokens"]
+    rows += [(f"{swap['requests']} requests preempting in {swap['num_kv_blocks']} blocks ({swap['dtype']}): wall time, "
+              "medians", f"recompute {number(medians['recompute'], 1)} s, swap to disk {number(medians['swap_disk'], 1)} s "
+                         f"({number(swap['ratio'], 3)}x)"),
+             ("preemptions per run", f"recompute {swap['preemptions']['recompute']}, swap {swap['preemptions']['swap_disk']}"),
+             ("tokens computed per run", f"recompute {computed['recompute']}, swap {computed['swap_disk']}"),
+             ("blocks swapped in, all runs", str(swap["swapped_in_blocks"]))]
+    rows.append(("same tokens, swap and recompute", f"{swap['same_tokens']} ({swap['requests_with_same_tokens']} of "
+                                                    f"{swap['requests']} requests)"))
+    return rows
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "throughput": throughput_figures, "prefix_cache": prefix_cache_figures, "pipeline": pipeline_figures,
     "serve": serve_figures, "replicas": replicas_figures, "self_check": self_check_figures,
@@ -420,6 +445,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "step_profile": step_profile_figures, "cpu_attention": cpu_attention_figures,
     "cpu_int8_head": cpu_int8_head_figures, "tracing": tracing_figures, "cpu_peers": cpu_peers_figures,
     "cpu_int4_batch": cpu_int4_batch_figures, "quantized_checkpoints": quantized_checkpoints_figures,
+    "kv_offload": kv_offload_figures,
 }
 
 
@@ -518,6 +544,12 @@ HEADLINE: list[tuple[str, str, Callable[[dict[str, Any]], str], Callable[[dict[s
                f"{number(r['summary']['gptq']['loaded_mib'])} MiB resident after loading, for "
                f"{number(r['checkpoint_file_mib'])} MiB of files (int4 path {number(r['summary']['int4']['loaded_mib'])} MiB)"),
 ]
+HEADLINE.append(
+    ("kv_offload", "avx2",
+     lambda r: f"first token of a {r['restart']['prompt_tokens']}-token chat after a restart, its "
+               f"{r['restart']['warm_cached_tokens'][0]}-token prefix read back from the disk tier, vs a cold prefill",
+     lambda r: f"{number(r['restart']['ratio'], 3)}x the time ({number(r['restart']['warm_median_s'], 2)} vs "
+               f"{number(r['restart']['cold_median_s'], 1)} s), same tokens: {r['restart']['same_tokens']}"))
 HEADLINE_CHART = ("throughput", "unrecorded")
 
 
