@@ -68,33 +68,35 @@ class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer=None, config: EngineConfig | None = None,
                  publish_step: Callable[[StepInputs], None] | None = None) -> None:
         self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        model, shape, fused, draft = prepare(model_object(model), tokenizer, config)
-        self.plan = plan = plan_startup(config, read_facts(model, shape, draft))
-        for topic, why in plan.notes:
-            logger.info("%s: %s", topic, why)
-        self.recurrent, state_slots = hybrid_state(model, config, plan.tensor_parallel)
-        self.model, self.tokenizer, self.max_model_len = model.eval(), tokenizer, plan.max_model_len
-        self.model_states = ModelStates(model)  # the user may change the model between calls
-        self.cache = PagedCache(shape, plan.cache_pages, config.block_size, plan.kv_dtype, plan.device, plan.groups,
-                                null_block=plan.null_block)
-        if draft is not None:  # as many blocks: the draft reads and writes through the target's block tables
-            draft.allocate(plan.cache_pages, config.block_size, plan.kv_dtype, plan.device,
-                           config.max_num_batched_tokens)
-        self.kv = KVCacheManager(plan.num_blocks, config.block_size, plan.prefix_caching, plan.groups,
-                                 config.max_num_batched_tokens, state_slots)
-        spec = config.speculative_config
-        self.speculator = Speculator(spec, draft) if spec is not None else None
-        self.loras, lora_slots = enable_lora(model, config)
-        self.scheduler = Scheduler(config, self.kv, self.speculator, lora_slots)
-        self.runner = ModelRunner(model, self.cache, publish_step, lora_slots, fused, self.recurrent)
-        self.runner_start = start_runner(self.runner, plan, config)
-        # Fingerprinted after start-up, so the state the tier serves is the one requests will be made under.
-        self.kv.offload = make_offloader(config, model, shape, plan.groups, self.cache, self.model_states.current())
-        self.requests: dict[str, RequestGroup] = {}  # user's id -> its samples
-        self.ids = itertools.count()
-        self._make_front_end(model.config)
+        model = model_object(model)
+        with caller_autocast_off(model):
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
+            model, shape, fused, draft = prepare(model, tokenizer, config)
+            self.plan = plan = plan_startup(config, read_facts(model, shape, draft))
+            for topic, why in plan.notes:
+                logger.info("%s: %s", topic, why)
+            self.recurrent, state_slots = hybrid_state(model, config, plan.tensor_parallel)
+            self.model, self.tokenizer, self.max_model_len = model.eval(), tokenizer, plan.max_model_len
+            self.model_states = ModelStates(model)  # the user may change the model between calls
+            self.cache = PagedCache(shape, plan.cache_pages, config.block_size, plan.kv_dtype, plan.device, plan.groups,
+                                    null_block=plan.null_block)
+            if draft is not None:  # as many blocks: the draft reads and writes through the target's block tables
+                draft.allocate(plan.cache_pages, config.block_size, plan.kv_dtype, plan.device,
+                               config.max_num_batched_tokens)
+            self.kv = KVCacheManager(plan.num_blocks, config.block_size, plan.prefix_caching, plan.groups,
+                                     config.max_num_batched_tokens, state_slots)
+            spec = config.speculative_config
+            self.speculator = Speculator(spec, draft) if spec is not None else None
+            self.loras, lora_slots = enable_lora(model, config)
+            self.scheduler = Scheduler(config, self.kv, self.speculator, lora_slots)
+            self.runner = ModelRunner(model, self.cache, publish_step, lora_slots, fused, self.recurrent)
+            self.runner_start = start_runner(self.runner, plan, config)
+            # Fingerprinted after start-up, so the state the tier serves is the one requests will be made under.
+            self.kv.offload = make_offloader(config, model, shape, plan.groups, self.cache, self.model_states.current())
+            self.requests: dict[str, RequestGroup] = {}  # user's id -> its samples
+            self.ids = itertools.count()
+            self._make_front_end(model.config)
 
     def _make_front_end(self, model_config) -> None:
         """What requests meet before and after the scheduler and the forward: the input checks, the grammar
@@ -355,6 +357,13 @@ class Engine:
         slots = self.kv.state_slots
         return {"prefix_caching_enabled": 0, "recurrent_slots_total": slots.num_slots,
                 "recurrent_slots_free": slots.num_free, "recurrent_state_bytes": self.recurrent.nbytes}
+
+
+def caller_autocast_off(model: PreTrainedModel) -> torch.autocast:
+    """Start-up runs outside the caller's autocast (a trainer's, TRL's, which builds the engine inside its first
+    `generate`): the probe and the self-check compare the model's paged and dense forwards in its own dtype, and
+    the compiled graphs are traced for it. The steps run in the caller's context, as HF `generate` would."""
+    return torch.autocast(device_type=next(model.parameters()).device.type, enabled=False)
 
 
 def group_stats(kv: KVCacheManager) -> dict[str, float]:

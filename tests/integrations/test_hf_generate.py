@@ -528,3 +528,17 @@ def test_assistant_model_refusals(llama):
         llama.paged.generate(INPUT_IDS, attention_mask=MASK, assistant_model=small, max_new_tokens=4, **PAGED)
     tg.engine_for(llama.paged, EngineConfig(num_kv_blocks=96, max_num_seqs=64))  # the refused build dropped it
     assert torch.equal(*llama.both(INPUT_IDS, attention_mask=MASK, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_generate_under_a_trainers_autocast(arch: str) -> None:
+    """A trainer (TRL's, bf16 by default) generates under autocast and builds the engine inside its first `generate`:
+    start-up runs outside the autocast, so the self-check compares like with like instead of refusing the model, and
+    the steps run inside it, giving HF's own tokens under the same autocast."""
+    model = build(arch)
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])
+    options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = model.generate(prompt, **options)
+        paged = model.generate(prompt, cache_implementation="paged", **options)
+    assert paged.tolist() == reference.tolist()
