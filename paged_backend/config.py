@@ -65,7 +65,7 @@ class EngineConfig:
     free_window_blocks: bool = True
     # A second tier for full KV blocks behind the pool (kv_offload/): every block the prefix cache registers is also
     # stored there, and a later prefix hit, or a preempted request resuming, reads back the blocks the pool evicted
-    # instead of computing them. Each tier has a byte budget; None (or 0) leaves it off.
+    # instead of computing them. Each tier has a byte budget; None leaves it off.
     # Host memory: worth it where the pool is on a GPU (on a CPU a larger kv_cache_bytes does the same).
     kv_offload_host_bytes: int | None = None
     # A folder on disk that outlives the process: after a restart, cached prefixes are read back, not recomputed.
