@@ -74,13 +74,20 @@ GENERATE_ARGUMENTS = ("inputs", "logits_processor", "stopping_criteria", "prefix
 
 
 def enable() -> None:
-    """Route `generate(cache_implementation="paged")` to the paged engine (idempotent)."""
+    """Route `generate(cache_implementation="paged")` and `generate_batch` with such a generation config to the
+    paged engine (idempotent)."""
+    from . import generate_batch  # built on this module
+
     GenerationMixin.generate = generate
+    generate_batch.enable()
 
 
 def disable() -> None:
-    """Give `generate(cache_implementation="paged")` back to transformers' built-in route."""
+    """Give `generate(cache_implementation="paged")` and `generate_batch` back to transformers' built-in routes."""
+    from . import generate_batch
+
     GenerationMixin.generate = ORIGINAL_GENERATE
+    generate_batch.disable()
 
 
 def is_enabled() -> bool:
@@ -478,6 +485,11 @@ class PagedGenerator:
     def run(self, jobs: Iterable[GenerateJob], max_rows: int = DEFAULT_MAX_ROWS) -> Iterator[Any]:
         """Run every job, pulling jobs lazily (up to `max_rows` rows in the engine at once); yield each
         job's `generate` output, in job order."""
+        for state in self.run_states(jobs, max_rows):
+            yield build_output(state)
+
+    def run_states(self, jobs: Iterable[GenerateJob], max_rows: int = DEFAULT_MAX_ROWS) -> Iterator[JobState]:
+        """`run`, yielding each finished job's state (its rows and their tokens) instead of its output."""
         with self.lock:
             active: deque[JobState] = deque()
             pending = iter(jobs)
@@ -488,7 +500,7 @@ class PagedGenerator:
                         return
                     self.step()
                     while active and active[0].finished:
-                        yield build_output(active.popleft())
+                        yield active.popleft()
             finally:
                 self.abandon(active)
 
