@@ -74,20 +74,13 @@ GENERATE_ARGUMENTS = ("inputs", "logits_processor", "stopping_criteria", "prefix
 
 
 def enable() -> None:
-    """Route `generate(cache_implementation="paged")` and `generate_batch` with such a generation config to the
-    paged engine (idempotent)."""
-    from . import generate_batch  # built on this module
-
+    """Route `generate(cache_implementation="paged")` to the paged engine (idempotent)."""
     GenerationMixin.generate = generate
-    generate_batch.enable()
 
 
 def disable() -> None:
-    """Give `generate(cache_implementation="paged")` and `generate_batch` back to transformers' built-in routes."""
-    from . import generate_batch
-
+    """Give `generate(cache_implementation="paged")` back to transformers' built-in route."""
     GenerationMixin.generate = ORIGINAL_GENERATE
-    generate_batch.disable()
 
 
 def is_enabled() -> bool:

@@ -17,7 +17,7 @@ from paged_backend.entrypoints.beam_search import (
 )
 from paged_backend.entrypoints.llm import LLM
 from paged_backend.integrations.pipeline import PagedTextGenerationPipeline, pipeline
-from paged_backend.integrations.transformers_generate import disable, enable
+from paged_backend.integrations.hooks import disable, enable
 from paged_backend.model.loading.default_model import DEFAULT_MODEL, default_model_path
 from paged_backend.model.lora import LoRARequest
 from paged_backend.model.quantized.checkpoint_quantizer import install as install_checkpoint_quantizers
@@ -26,7 +26,7 @@ from paged_backend.model.loading.model_loader import UnsupportedArchitectureErro
 from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
-enable()  # model.generate(..., cache_implementation="paged") now runs on this engine; disable() undoes it
+enable()  # model.generate(..., cache_implementation="paged") and generate_batch now run on this engine; disable() undoes it
 install_checkpoint_quantizers()  # GPTQ, AWQ and compressed-tensors folders load into the engine's own layers
 
 __all__ = [

@@ -8,6 +8,7 @@ import torch
 from helpers.engine import hf_greedy, mixed_prompts, one_thread  # noqa: F401  (autouse: one thread)
 from helpers.models import build
 from paged_backend.integrations import generate_batch as gb
+from paged_backend.integrations import hooks
 from paged_backend.integrations import transformers_generate as tg
 from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -18,10 +19,10 @@ MAX_NEW = 8
 @pytest.fixture(scope="module", autouse=True)
 def enabled():
     was_enabled = tg.is_enabled()
-    tg.enable()
+    hooks.enable()
     yield
     if not was_enabled:
-        tg.disable()
+        hooks.disable()
 
 
 def paged_config(**options) -> GenerationConfig:
@@ -85,9 +86,9 @@ def test_other_configs_go_to_transformers_and_bad_arguments_are_refused(monkeypa
 
 
 def test_disable_gives_generate_batch_back() -> None:
-    tg.disable()
+    hooks.disable()
     try:
         assert "generate_batch" not in GenerationMixin.__dict__
     finally:
-        tg.enable()
+        hooks.enable()
     assert GenerationMixin.__dict__["generate_batch"] is gb.generate_batch
