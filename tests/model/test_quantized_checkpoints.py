@@ -100,7 +100,11 @@ def test_layers_hold_the_checkpoint_weights(folders, variant) -> None:
         assert isinstance(layer, layer_class), name
         got = layer.weight_float()
         symmetric = "asym" not in variant and "awq" not in variant
-        tolerance = 0.0 if symmetric or layer_class is DequantizingLinear else 2.0**-8 * weight.abs().max().item()
+        # Without the compiled kernel (a CPU without AVX512-BF16) an int4 layer is read back through torch's
+        # kernel times the identity, which rounds each weight to bf16.
+        read_exactly = layer_class is DequantizingLinear or getattr(layer, "tile_codes", None) is not None
+        exact = layer_class is DequantizingLinear or (symmetric and read_exactly)
+        tolerance = 0.0 if exact else 2.0**-8 * weight.abs().max().item()
         torch.testing.assert_close(got, weight, rtol=0, atol=tolerance, msg=name)
     assert not [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n in reference]
 
