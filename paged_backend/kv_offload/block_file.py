@@ -13,6 +13,7 @@ them the int8 scales where the cache stores int8; the CRC (u32) of header and pa
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -98,8 +99,8 @@ def decode(data: bytes | bytearray, key: StoredKey, dtype: torch.dtype, shape: t
         raise UntrustedBlock("foreign file", "its rows have another shape or dtype")
     payload = memoryview(data)[start + head_len:-4]
     elem = torch.empty((), dtype=dtype).element_size()
-    rows_bytes = elem * _numel(shape)
-    scale_bytes = 0 if scale_shape is None else SCALE_DTYPE.itemsize * _numel(scale_shape)
+    rows_bytes = elem * math.prod(shape)
+    scale_bytes = 0 if scale_shape is None else SCALE_DTYPE.itemsize * math.prod(scale_shape)
     if len(payload) != rows_bytes + scale_bytes:
         raise UntrustedBlock("truncated file", f"{len(payload)} payload bytes, {rows_bytes + scale_bytes} expected")
     raw = torch.frombuffer(payload, dtype=torch.uint8)
@@ -107,9 +108,3 @@ def decode(data: bytes | bytearray, key: StoredKey, dtype: torch.dtype, shape: t
     scales = None if scale_shape is None else raw[rows_bytes:].view(SCALE_DTYPE).reshape(scale_shape)
     return rows, scales
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n

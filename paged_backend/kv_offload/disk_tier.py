@@ -153,15 +153,7 @@ class DiskTier:
 
     def evict(self) -> None:
         """Remove the least recently used files until the folder holds EVICT_TO of the budget."""
-        files = []
-        for entry in os.scandir(self.folder):
-            if entry.name.endswith(".kv"):
-                try:
-                    stat = entry.stat()
-                except OSError:
-                    continue
-                files.append((stat.st_mtime, stat.st_size, entry.name))
-        files.sort()
+        files = sorted((stat.st_mtime, stat.st_size, name) for name, stat in self.entries() if name.endswith(".kv"))
         total = sum(size for _, size, _ in files)
         for _, size, name in files:
             if total <= self.budget * EVICT_TO:
@@ -186,21 +178,27 @@ class DiskTier:
         """The block files in the folder and their bytes; temporary files of dead writers removed."""
         known, total = set(), 0
         now = time.time()
+        for name, stat in self.entries():
+            if name.endswith(".kv"):
+                known.add(name)
+                total += stat.st_size
+            elif name.endswith(".tmp") and now - stat.st_mtime > STALE_TEMP_S:
+                self.remove(self.folder / name)
+        return known, total
+
+    def entries(self) -> list[tuple[str, os.stat_result]]:
+        """The folder's files as they are on disk now, with their stats (a file gone meanwhile left out)."""
+        found = []
         try:
             entries = list(os.scandir(self.folder))
         except OSError:
-            return known, 0
+            return found
         for entry in entries:
             try:
-                stat = entry.stat()
+                found.append((entry.name, entry.stat()))
             except OSError:
                 continue
-            if entry.name.endswith(".kv"):
-                known.add(entry.name)
-                total += stat.st_size
-            elif entry.name.endswith(".tmp") and now - stat.st_mtime > STALE_TEMP_S:
-                self.remove(Path(entry.path))
-        return known, total
+        return found
 
     def remove(self, path: Path) -> None:
         try:

@@ -123,11 +123,6 @@ class KVOffloader:
         for tier in self.tiers:
             tier.flush()
 
-    def close(self) -> None:
-        for tier in self.tiers:
-            if isinstance(tier, DiskTier):
-                tier.close()
-
     def stats(self) -> dict[str, float]:
         stats: dict[str, float] = {"kv_offload_restore_seconds": self.restore_seconds,
                                    "kv_offload_save_seconds": self.save_seconds,
