@@ -46,7 +46,7 @@ from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.speculative.draft_proposer import DraftProposer, load_draft
 from paged_backend.speculative.speculation import Speculator, speculation_stats
 from paged_backend.step_sampler import StepSampler
-from paged_backend.startup_plan import plan_startup, read_facts, refuse_step_budget
+from paged_backend.startup_plan import StartupPlan, plan_startup, read_facts, refuse_step_budget
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,6 @@ class Engine:
         self.config = config = config or EngineConfig()
         model = model_object(model)
         with caller_autocast_off(model):
-            if config.num_threads:
-                torch.set_num_threads(config.num_threads)
             model, shape, fused, draft = prepare(model, tokenizer, config)
             self.plan = plan = plan_startup(config, read_facts(model, shape, draft))
             for topic, why in plan.notes:
@@ -79,11 +77,7 @@ class Engine:
             self.recurrent, state_slots = hybrid_state(model, config, plan.tensor_parallel)
             self.model, self.tokenizer, self.max_model_len = model.eval(), tokenizer, plan.max_model_len
             self.model_states = ModelStates(model)  # the user may change the model between calls
-            self.cache = PagedCache(shape, plan.cache_pages, config.block_size, plan.kv_dtype, plan.device, plan.groups,
-                                    null_block=plan.null_block)
-            if draft is not None:  # as many blocks: the draft reads and writes through the target's block tables
-                draft.allocate(plan.cache_pages, config.block_size, plan.kv_dtype, plan.device,
-                               config.max_num_batched_tokens)
+            self.cache = allocate_pages(shape, plan, config, draft)
             self.kv = KVCacheManager(plan.num_blocks, config.block_size, plan.prefix_caching, plan.groups,
                                      config.max_num_batched_tokens, state_slots)
             spec = config.speculative_config
@@ -396,7 +390,10 @@ def prepare(model: PreTrainedModel, tokenizer, config: EngineConfig
             ) -> tuple[PreTrainedModel, KVShape, bool, DraftProposer | None]:
     """Make `model` the engine's: refuse what it cannot run, switch it to the paged attention (or its adapter),
     probe and self-check it (a refused model is left as it came), fuse its projections, and load the draft model
-    when the config speculates with one. The model, its K/V shape, whether projections were fused, the draft."""
+    when the config speculates with one (on `config.num_threads` threads, when set). The model, its K/V shape, whether
+    projections were fused, the draft."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
     check_architecture(model)
     text_config = model.config.get_text_config()
     refuse_step_budget(config, temperature_tuning_limit(text_config))
@@ -409,6 +406,17 @@ def prepare(model: PreTrainedModel, tokenizer, config: EngineConfig
         # forwards have no collectives, and the other ranks see its proposals in the step inputs.
         draft = load_draft(spec.model, model, tokenizer, config.self_check)
     return model, shape, fused, draft
+
+
+def allocate_pages(shape: KVShape, plan: StartupPlan, config: EngineConfig, draft: DraftProposer | None
+                   ) -> PagedCache:
+    """The paged K/V pool the plan sized, and as many pages for the draft model: it reads and writes through the
+    target's block tables."""
+    cache = PagedCache(shape, plan.cache_pages, config.block_size, plan.kv_dtype, plan.device, plan.groups,
+                       null_block=plan.null_block)
+    if draft is not None:
+        draft.allocate(plan.cache_pages, config.block_size, plan.kv_dtype, plan.device, config.max_num_batched_tokens)
+    return cache
 
 
 def enable_lora(model: PreTrainedModel, config: EngineConfig) -> tuple[LoRARegistry | None, LoRASlots | None]:
