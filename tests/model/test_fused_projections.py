@@ -18,8 +18,9 @@ from helpers.engine import (
     one_thread,
     run_to_completion,
 )
-from helpers.lora import peft_with_adapters
+from helpers.lora import peft_with_adapters, randomise_lora_b
 from helpers.models import build, int4_llama
+from peft import LoraConfig, get_peft_model
 
 from paged_backend import Engine, EngineConfig
 from paged_backend.model.quantized import fused_projections
@@ -193,11 +194,38 @@ def test_lora_deltas_land_on_fused_projections():
     assert [finals[i].outputs[0].token_ids for i in ids] == refs
 
 
-def test_peft_tuner_layers_are_left_unfused():
-    peft = peft_with_adapters()
+def test_peft_tuner_layers_fuse_their_base_layers():
+    """A tuner layer adds its adapters' deltas to its base layer's output: the base layers of q/k/v and gate/up
+    stack, with the PEFT model's tokens whether its adapter is on or off."""
+    peft = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    randomise_lora_b(peft, seed=0)
+    peft.eval()
+    prompts = mixed_prompts(4)
     report = fuse_projections(peft.get_base_model())
-    assert report.groups == 0 and report.skipped
-    assert all("kinds" in why for why in report.skipped.values())
+    assert report.groups == 4 and not report.skipped
+    with peft.disable_adapter():
+        base = [hf_greedy(peft, p, MAX_NEW) for p in prompts]
+        assert engine_tokens(peft, prompts)[1] == base
+    adapted = [hf_greedy(peft, p, MAX_NEW) for p in prompts]
+    assert adapted != base
+    engine, tokens = engine_tokens(peft, prompts)
+    assert tokens == adapted and engine.runner.fused
+
+
+def test_a_base_layer_fused_before_peft_wrapped_it_is_fused_anew_when_the_model_is_cast():
+    """A trainer wraps the engine's model with PEFT, then casts it (TRL: `model.to(torch.bfloat16)` before each
+    rollout): the stale fp32 stacks under the tuner layers are dropped and the bf16 weights stacked anew."""
+    model = build("llama")
+    engine_tokens(model, mixed_prompts(2))
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    randomise_lora_b(peft, seed=0)
+    peft.eval().to(torch.bfloat16)
+    assert not fused_projections.fusion_intact(model)
+    prompts = mixed_prompts(4)
+    _, unfused = engine_tokens(peft, prompts, fuse_projections=False)
+    _, fused = engine_tokens(peft, prompts)
+    assert fused == unfused
+    assert {group.stack.weight.dtype for group in groups_of(model)} == {torch.bfloat16}
 
 
 def test_torchao_int8_projections_fuse_sharing_their_codes():

@@ -22,11 +22,11 @@ and dense copy the same way; their per-group scales are kept twice (an eighth of
 which a column slice is not.
 
 A LoRA hook on a projection still adds its delta: the hook runs on the projection's own call, with its
-input, on the columns it returns. Not fused (and logged): tensor parallelism (each rank's shards pass
-through transformers' own hooks), PEFT tuner layers (their adapters switch inside the projection), weights
-of other kinds (other torchao tensors, int8 with activation quantization), and projections that differ in
-input size, dtype, device or bias, or whose int4 rows the kernel's packing cannot stack (it packs rows in
-blocks).
+input, on the columns it returns. Under PEFT's tuner layers the base layers are fused: a tuner layer adds its
+adapters' deltas to its base layer's output, whichever adapters are on. Not fused (and logged): tensor
+parallelism (each rank's shards pass through transformers' own hooks), weights of other kinds (other torchao
+tensors, int8 with activation quantization), and projections that differ in input size, dtype, device or bias,
+or whose int4 rows the kernel's packing cannot stack (it packs rows in blocks).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def fuse_projections(model: nn.Module) -> FusionReport:
     fused, skipped = 0, {}
     for parent_name, parent in model.named_modules():
         for names in GROUPS:
-            members = [getattr(parent, name, None) for name in names]
+            members = [projection(getattr(parent, name, None)) for name in names]
             if not all(isinstance(m, nn.Module) for m in members):
                 continue
             if all(is_fused(m) for m in members) and group_intact(members):
@@ -136,10 +136,20 @@ def fusion_intact(model: nn.Module) -> bool:
     member's scales unchanged since they were stacked."""
     for parent in model.modules():
         for names in GROUPS:
-            members = [getattr(parent, name, None) for name in names]
+            members = [projection(getattr(parent, name, None)) for name in names]
             if any(isinstance(m, nn.Module) and is_fused(m) for m in members) and not group_intact(members):
                 return False
     return True
+
+
+def projection(module: nn.Module | None) -> nn.Module | None:
+    """The layer that holds a projection's weights: itself, or the base layer under PEFT's tuner layers. A tuner
+    layer calls its base layer with the projection's input and adds its adapters' deltas to what comes back, so
+    the base layers of q, k and v stack as plain projections do; and a base layer fused before PEFT wrapped it
+    is found (and unfused when its weights were replaced: `model.to(torch.bfloat16)`)."""
+    while isinstance(getattr(module, "base_layer", None), nn.Module):
+        module = module.base_layer
+    return module
 
 
 def is_fused(module: nn.Module) -> bool:
