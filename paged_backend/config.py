@@ -74,6 +74,10 @@ class EngineConfig:
     # A preempted request: "recompute" its context, "swap" (read its full blocks back from the second tier), or
     # "auto" (with a second tier, swap where the KV cache is on a CPU, recompute on a GPU; without one, recompute).
     preemption_mode: str = "auto"
+    # A request's logits, tokens and logprobs do not depend on the rest of its batch, its prompt's chunking or prefix
+    # cache hits (model/batch_invariant.py): for comparing rollout logprobs with a trainer's forward. CPU only; runs
+    # eagerly and unfused, small steps' matmuls padded, at a cost docs/rl-trl.md states.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)

@@ -398,7 +398,7 @@ def prepare(model: PreTrainedModel, tokenizer, config: EngineConfig
     text_config = model.config.get_text_config()
     refuse_step_budget(config, temperature_tuning_limit(text_config))
     shape = prepare_model(model, text_config.num_hidden_layers, config.self_check, config.max_model_len)
-    fused = fused_projections.fuse_for_engine(model, config.fuse_projections)
+    fused = fused_projections.fuse_for_engine(model, config.fuse_projections and not config.batch_invariant)
     draft = None
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":

@@ -10,7 +10,8 @@ then `plan_startup` decides, in this order, each choice reading only the facts a
 4. the layer groups of the cache: per layer spec, so window and chunked layers free their old blocks, unless
    padding, a draft model or tensor parallelism needs one block table for every layer;
 5. the context length: the model's positions, capped where the engine is exact and by what the cache holds;
-6. whether prefix caching (where every layer's spec allows it), LoRA and the compiled forward are on.
+6. whether prefix caching (where every layer's spec allows it), LoRA and the compiled forward are on, and whether
+   steps are batch-invariant.
 
 The result is a frozen record: the engine builds its cache, KV manager and scheduler from it and the model
 runner its padding, compiled forward and CUDA graphs. `notes` says why each choice that is off or limited is
@@ -25,6 +26,7 @@ import torch
 
 from paged_backend.config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_KV_FRACTION, EngineConfig
 from paged_backend.core.kv_cache_groups import CacheGroups, plan_groups
+from paged_backend.model import batch_invariant
 from paged_backend.model.compiled import compilation, cuda_graphs
 from paged_backend.model.loading.model_check import temperature_tuning_limit, usable_context
 from paged_backend.model.loading.model_loader import eager_type_reason
@@ -47,6 +49,7 @@ class ModelFacts:
     tensor_parallel_reason: str | None = None  # why this process runs eagerly: tensor parallelism; None: one rank
     model_eager_reason: str | None = None  # why this model runs eagerly (PEFT tuner layers, dynamic rope, its type)
     free_device_bytes: int | None = None  # CUDA memory free after loading the model; None on CPU
+    batch_invariant_refusal: str | None = None  # why this model's steps cannot be batch-invariant here
 
     @property
     def tensor_parallel(self) -> bool:
@@ -72,6 +75,7 @@ class StartupPlan:
     prefix_caching: bool
     lora: bool
     compile: bool
+    batch_invariant: bool = False  # steps run batch-invariantly (model/batch_invariant.py)
     notes: tuple[tuple[str, str], ...] = ()  # (topic, why) for each choice that is off or limited
 
     @property
@@ -116,7 +120,7 @@ def read_facts(model: torch.nn.Module, shape: KVShape, draft=None) -> ModelFacts
                          if draft is not None else None),
         tensor_parallel_reason=compilation.eager_reason(),
         model_eager_reason=compilation.model_eager_reason(model) or eager_type_reason(model),
-        free_device_bytes=free)
+        free_device_bytes=free, batch_invariant_refusal=batch_invariant.refusal(model))
 
 
 def plan_startup(config: EngineConfig, facts: ModelFacts) -> StartupPlan:
@@ -138,7 +142,8 @@ def plan_startup(config: EngineConfig, facts: ModelFacts) -> StartupPlan:
         groups=groups, pad=pad, graph_refusal=graph_refusal, max_model_len=max_model_len,
         context_note=context_note,
         prefix_caching=config.enable_prefix_caching and facts.shape.prefix_caching,
-        lora=config.enable_lora, compile=choose_compile(config, facts, notes), notes=tuple(notes))
+        lora=config.enable_lora, compile=choose_compile(config, facts, notes), batch_invariant=config.batch_invariant,
+        notes=tuple(notes))
 
 
 def refuse_config(config: EngineConfig, facts: ModelFacts) -> None:
@@ -149,6 +154,24 @@ def refuse_config(config: EngineConfig, facts: ModelFacts) -> None:
         raise ValueError("enable_lora=True does not run with tensor parallelism (the adapters' B matrices "
                          "would have to be sharded like the layers they adapt)")
     refuse_offload(config, facts)
+    refuse_batch_invariance(config, facts)
+
+
+def refuse_batch_invariance(config: EngineConfig, facts: ModelFacts) -> None:
+    """ValueError for batch_invariant=True where a step's sums would still follow its batch: what the model holds
+    (batch_invariant.refusal), recurrent layers, the LoRA slots, or a compiled forward asked for."""
+    if not config.batch_invariant:
+        return
+    reasons = [
+        facts.recurrent and "this model's recurrent layers scan each prompt in the chunks its steps cut",
+        facts.batch_invariant_refusal,
+        config.enable_lora and "the LoRA slots (enable_lora=True) multiply by masks of their own; a PEFT model's "
+                               "adapters run",
+        config.compile and "it runs eagerly (compile=True asks for graphs whose kernels are chosen per shape)",
+    ]
+    reason = next((reason for reason in reasons if reason), None)
+    if reason:
+        raise ValueError(f"EngineConfig.batch_invariant=True: {reason}")
 
 
 def refuse_offload(config: EngineConfig, facts: ModelFacts) -> None:
@@ -260,6 +283,9 @@ def choose_compile(config: EngineConfig, facts: ModelFacts, notes: list[tuple[st
     """Compile the runner's forward when the config asks (or, by default, on CPU), unless the process or the
     model must run eagerly."""
     if not compilation.wants_compile(config.compile, facts.device):
+        return False
+    if config.batch_invariant:
+        notes.append(("compile", "batch_invariant=True runs eagerly (compiled kernels are chosen per shape)"))
         return False
     reason = facts.tensor_parallel_reason or facts.model_eager_reason
     if reason is not None:

@@ -46,6 +46,7 @@ ENV_SWITCH = cpu_build.ENV_SWITCH
 SOURCE = Path(__file__).with_suffix(".c")
 MOST_ROWS = 16  # a sequence with more query rows attends through SDPA, unless it is short:
 SHORT_SEQUENCE = 128  # a sequence of at most this many tokens (context and new) attends here whatever its rows
+EVERY_ROW = 2**31 - 1  # most_rows that takes every sequence (a batch-invariant step)
 QUERY_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 

@@ -26,6 +26,8 @@ class LayerAttention:
     chunk: int | None = None  # a query sees keys only from `position - position % chunk` on (Llama 4)
     alibi_slopes: torch.Tensor | None = None  # [H] fp32: `slope * (key position - query position)` joins the logits
     sinks: torch.Tensor | None = None  # [H]: a logit per head that joins each row's softmax with no value (gpt-oss)
+    # Every query row attends through the CPU kernel's one order of sums, whatever its step (batch_invariant.py).
+    batch_invariant: bool = False
 
     @property
     def masks_only(self) -> bool:

@@ -371,13 +371,17 @@ def attend_sequences(
 
     starts = metadata.query_start_loc_host
     if caches is not None and cpu_paged_attention.serves(query, caches.key_cache):
-        few, rest = cpu_paged_attention.kernel_sequences(metadata, most_matmul_rows(query.dtype))
+        most_rows = cpu_paged_attention.EVERY_ROW if layer.batch_invariant else most_matmul_rows(query.dtype)
+        few, rest = cpu_paged_attention.kernel_sequences(metadata, most_rows)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if len(few) or new_rows is not None:  # with no sequence of its own, the call still stores the rows
             cpu_paged_attention.attend(query, caches, metadata, few, out, layer, new_rows)
         for i in rest:
             out[starts[i]:starts[i + 1]] = attend_sequence(i)
         return out
+    if layer.batch_invariant:
+        raise RuntimeError("a batch-invariant step's attention needs the CPU kernel, which does not serve this "
+                           f"{query.dtype} query over this cache")
     if metadata.num_seqs == 1:  # one stream: its rows are the output, with no copy into a packed buffer
         return attend_sequence(0).contiguous()
     out = torch.empty_like(query)

@@ -8,6 +8,7 @@ the positions of the proposed tokens a request carries, which speculation verifi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from functools import partial
@@ -20,7 +21,7 @@ from paged_backend.core.request import Request
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.kernels import AttentionMetadata, pack_sequences, to_device
 from paged_backend.kernels.torch_single_row import single_row_step
-from paged_backend.model import lora
+from paged_backend.model import batch_invariant, lora
 from paged_backend.model.compiled import compilation, layer_regions
 from paged_backend.model.quantized import fused_projections
 from paged_backend.model.compiled.cuda_graphs import DecodeGraphs
@@ -48,6 +49,22 @@ class ModelRunner:
         self.compiled_structure: tuple | None = None  # the model's structure its forward was compiled for
         self.fused = fused  # steps run the model's projections fused (fused_projections.py)
         self.recurrent = recurrent  # a hybrid model's recurrent-layer state, when it has one
+        self.invariant_rows: int | None = None  # batch-invariant steps: the rows every F.linear is padded to
+        self.invariant_attention: tuple | None = None  # and each layer's attention record, marked batch-invariant
+
+    def make_batch_invariant(self, min_rows: int) -> None:
+        """Run every step batch-invariantly (batch_invariant.py): each `F.linear` on at least `min_rows` rows and every
+        query row through the CPU attention kernel."""
+        self.invariant_rows = min_rows
+        self.invariant_attention = tuple(None if record is None else dataclasses.replace(record, batch_invariant=True)
+                                         for record in self.cache.shape.attention)
+
+    def linear_rows(self, tokens: int) -> contextlib.AbstractContextManager:
+        """How a step of `tokens` rows runs its linears: padded in a batch-invariant engine, else transposed at a
+        few rows on CPU (small_step_linear.py) or untouched."""
+        if self.invariant_rows is not None:
+            return batch_invariant.padded_rows(self.invariant_rows)
+        return small_step_linear(tokens, self.device)
 
     def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         """Run one forward; return the kept logits and the step's inputs: the first rows are those of
@@ -71,7 +88,7 @@ class ModelRunner:
             if logits is None:
                 # Eager only: the compiled forward has its own matmul choices.
                 tokens = inputs.input_ids.shape[-1] if not self.compiled else 0
-                with small_step_linear(tokens, self.device):
+                with self.linear_rows(tokens):
                     logits = self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices,
                                             inputs.metadata)
         return logits if inputs.real_rows is None else logits[: inputs.real_rows]
@@ -86,7 +103,7 @@ class ModelRunner:
 
         handle = self.model.get_decoder().register_forward_hook(keep)
         try:
-            with small_step_linear(inputs.input_ids.shape[-1], self.device):
+            with self.linear_rows(inputs.input_ids.shape[-1]):
                 logits = self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata,
                                         eager=True)
         finally:
@@ -126,7 +143,8 @@ class ModelRunner:
         attention record (the cache's KVShape holds the probe's)."""
         groups = self.cache.groups if group_metadata is not None else None
         return StepContext(metadata, self.cache.kv, self.cache.kv_scales, group_metadata, groups, lora_step,
-                           self.recurrent, recurrent_step, self.fused, self.cache.shape.attention)
+                           self.recurrent, recurrent_step, self.fused,
+                           self.invariant_attention or self.cache.shape.attention)
 
     @property
     def compiled(self) -> bool:

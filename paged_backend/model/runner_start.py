@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from paged_backend.model import batch_invariant
 from paged_backend.model.compiled import cuda_graphs
 from paged_backend.model.compiled.decode_padding import DecodePadding
 from paged_backend.model.compiled.fast_path_check import FastPathCheck, check_compiled
@@ -42,6 +43,8 @@ class RunnerStart:
 def start_runner(runner: ModelRunner, plan: StartupPlan, config: EngineConfig) -> RunnerStart:
     """Give `runner` the padding, compiled forward and graphs `plan` asks for; say how it went."""
     start = RunnerStart()
+    if plan.batch_invariant:
+        make_batch_invariant(runner)
     if plan.pad:
         runner.padding = make_padding(plan, config, runner.cache.shape.num_kv_heads)
     if plan.compile and compile_forward(runner, start) and config.self_check:
@@ -49,6 +52,17 @@ def start_runner(runner: ModelRunner, plan: StartupPlan, config: EngineConfig) -
     if plan.capture:
         capture_graphs(runner, start, config.cuda_graph_sizes)
     return start
+
+
+def make_batch_invariant(runner: ModelRunner) -> None:
+    """Batch-invariant steps, padded to the fewest rows this CPU's matmuls need (ValueError when none serves)."""
+    min_rows = batch_invariant.choose_min_rows(runner.model)
+    if min_rows is None:
+        raise ValueError("EngineConfig.batch_invariant=True: this CPU's matmul kernel sums a row differently with the "
+                         f"number of rows at every padding tried {batch_invariant.MIN_ROWS_TRIED}")
+    runner.make_batch_invariant(min_rows)
+    logger.info("batch-invariant steps: linears padded to %d rows, every query row through the CPU attention kernel",
+                min_rows)
 
 
 def make_padding(plan: StartupPlan, config: EngineConfig, num_kv_heads: int) -> DecodePadding:
