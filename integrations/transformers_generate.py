@@ -367,10 +367,13 @@ class EngineSlot:
 
 def generator_for(model: PreTrainedModel, config: EngineConfig | None = None) -> PagedGenerator:
     """The model's engine driver, built on first use and rebuilt only when `config` differs from the one it
-    was built with or the model moved to another device or dtype."""
+    was built with or the model changed under it (another device or dtype, weights replaced). A rebuild keeps the
+    config the engine had when no `config` is given (a trainer's `model.to(torch.bfloat16)` between rollouts)."""
     slot = model.__dict__.setdefault(ENGINE_SLOT, EngineSlot())
     current = slot.generator
     if current is None or not current.fits(model, config):
+        if config is None and current is not None:
+            config = current.engine.config
         slot.generator = None  # free the old cache before allocating the new one
         slot.generator = PagedGenerator(Engine(model, None, config))
     elif adapter_for(model.config) is None and model.config._attn_implementation != ATTENTION_NAME:

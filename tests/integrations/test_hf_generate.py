@@ -338,6 +338,18 @@ def test_a_compiled_engine_is_rebuilt_when_the_model_changes(monkeypatch):
     assert tg.engine_for(model, config) is not engine
 
 
+def test_an_engine_rebuilt_for_a_cast_model_keeps_its_config() -> None:
+    """A trainer sizes the engine once (`engine_for(model, config)`), then casts the model between rollouts
+    (TRL: `model.to(torch.bfloat16)`): the engine its next `generate` builds has the same config."""
+    model = build("llama")
+    config = EngineConfig(num_kv_blocks=8, compile=False)
+    first = tg.engine_for(model, config)
+    model.to(torch.bfloat16)
+    model.generate(INPUT_IDS, attention_mask=MASK, max_new_tokens=2, **PAGED)
+    rebuilt = tg.engine_for(model)
+    assert rebuilt is not first and rebuilt.config == config and rebuilt.cache.kv.dtype == torch.bfloat16
+
+
 def test_weights_changed_in_place_between_calls_are_seen(llama):
     """A training step between two evaluations changes the weights in place: the reused engine's prefix cache
     must not answer the same prompt with K/V of the old weights (it used to)."""
