@@ -4,18 +4,27 @@ train (the weights move) with TRL's defaults, bf16 autocast included, with and w
 
 from __future__ import annotations
 
+import datasets
+import peft
 import pytest
 import torch
+import trl
 from helpers.server import build_chat_tokenizer, tiny_llama
 from paged_backend.integrations import transformers_generate as tg
 
 from paged_backend import EngineConfig
 from paged_backend.engine import Engine
 
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
 
 PROMPTS = ["count the apples", "name a color", "say hello", "pick a number"]
+
+
+def prompt_dataset():
+    """The prompts as a `datasets.Dataset`. Its fingerprint is given: datasets 5.1-5.2 fail to hash an in-memory
+    table (pickling pyarrow's MonthDayNano type) when left to compute it."""
+    import pyarrow
+
+    return datasets.Dataset(pyarrow.table({"prompt": PROMPTS}), fingerprint="trl-rollout-prompts")
 
 
 def reward_length(completions, **kwargs) -> list[float]:
@@ -39,10 +48,9 @@ def test_grpo_steps_generate_on_the_engine(route: str, lora: bool, tmp_path, mon
                           learning_rate=1e-2, cache_implementation="paged", **route_options)
     peft_config = None
     if lora:
-        peft = pytest.importorskip("peft")
         peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_length, args=args, processing_class=tokenizer,
-                              train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), peft_config=peft_config)
+                              train_dataset=prompt_dataset(), peft_config=peft_config)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     assert trainer.state.global_step == 3
