@@ -13,6 +13,8 @@ from paged_backend.integrations import transformers_generate as tg
 from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+from paged_backend import EngineConfig
+
 MAX_NEW = 8
 
 
@@ -49,6 +51,25 @@ def test_logprobs_are_those_of_the_sampled_tokens() -> None:
             scores = model(torch.tensor([prompt + output.generated_tokens])).logits[0, len(prompt) - 1:-1]
         expected = torch.log_softmax(scores, -1).gather(1, torch.tensor(output.generated_tokens)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(output.logprobs), expected, atol=1e-4)
+
+
+def test_batch_invariant_rollout_logprobs_do_not_depend_on_the_batch() -> None:
+    """With `EngineConfig(batch_invariant=True)` each rollout's logprobs are bit for bit those of its prompt run
+    alone, and within fp32 rounding of the trainer's forward (the model's own, dense)."""
+    model = build("llama")
+    tg.engine_for(model, EngineConfig(batch_invariant=True, max_num_batched_tokens=16))
+    prompts = mixed_prompts(6)
+    logprobs = ContinuousBatchingConfig(return_logprobs=True)
+    batched = model.generate_batch(prompts, generation_config=paged_config(do_sample=False),
+                                   continuous_batching_config=logprobs)
+    for prompt, output in zip(prompts, batched.values()):
+        alone = model.generate_batch([prompt], generation_config=paged_config(do_sample=False),
+                                     continuous_batching_config=logprobs)["req_0"]
+        assert (alone.generated_tokens, alone.logprobs) == (output.generated_tokens, output.logprobs)
+        with torch.no_grad():
+            scores = model(torch.tensor([prompt + output.generated_tokens])).logits[0, len(prompt) - 1:-1]
+        dense = torch.log_softmax(scores, -1).gather(1, torch.tensor(output.generated_tokens)[:, None])[:, 0]
+        assert (torch.tensor(output.logprobs) - dense).abs().max() < 1e-5
 
 
 def test_samples_of_one_prompt_are_keyed_children_first() -> None:

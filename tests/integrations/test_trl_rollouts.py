@@ -31,16 +31,21 @@ def reward_length(completions, **kwargs) -> list[float]:
     return [len(completion) / 10 for completion in completions]
 
 
-@pytest.mark.parametrize("route", ["generate", "generate_batch"])
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_grpo_steps_generate_on_the_engine(route: str, lora: bool, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("route, lora, batch_invariant", [
+    ("generate", False, False), ("generate", True, False), ("generate_batch", False, False),
+    ("generate_batch", True, False), ("generate", True, True), ("generate_batch", True, True),
+], ids=["generate-full", "generate-lora", "generate_batch-full", "generate_batch-lora", "generate-lora-invariant",
+        "generate_batch-lora-invariant"])
+def test_grpo_steps_generate_on_the_engine(route: str, lora: bool, batch_invariant: bool, tmp_path,
+                                           monkeypatch) -> None:
     torch.manual_seed(0)
     tokenizer = build_chat_tokenizer(PROMPTS + ["one two three four five six seven eight nine ten"])
     model = tiny_llama(tokenizer)
-    tg.engine_for(model, EngineConfig(compile=False, num_kv_blocks=64))  # the engine TRL's calls will find
+    config = EngineConfig(compile=False, num_kv_blocks=64, batch_invariant=batch_invariant)
+    tg.engine_for(model, config)  # the engine TRL's calls will find
     steps, engines = [], []
     original_step, original_init = Engine.step, Engine.__init__
-    monkeypatch.setattr(Engine, "step", lambda self: steps.append(1) or original_step(self))
+    monkeypatch.setattr(Engine, "step", lambda self: steps.append(self.config) or original_step(self))
     monkeypatch.setattr(Engine, "__init__", lambda self, *a, **k: engines.append(1) or original_init(self, *a, **k))
     route_options = {"use_transformers_continuous_batching": True} if route == "generate_batch" else {}
     args = trl.GRPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, num_generations=2,
@@ -54,7 +59,7 @@ def test_grpo_steps_generate_on_the_engine(route: str, lora: bool, tmp_path, mon
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     assert trainer.state.global_step == 3
-    assert steps, "no rollout ran on the engine"
+    assert steps and all(c == config for c in steps), "the rollouts ran on an engine of another config"
     # The engine and its KV pool persist across rollouts; TRL's generate_batch route casts the model to bf16
     # before its first rollout, which builds one engine for the bf16 weights.
     assert len(engines) == (1 if route == "generate_batch" else 0)
