@@ -215,6 +215,15 @@ class KVCacheManager:
                 self.offload.save(key, block_hash, [table[i] for table in request.block_tables])
             hashes.append(block_hash)
 
+    def prompt_key(self, request: Request) -> int | None:
+        """A key equal for requests whose whole prompt would have the same K/V (its tokens, and the first block's
+        salt, adapter and model state), or None where the prefix cache could not share them (off, prompt logprobs
+        wanted, no full block)."""
+        if (not self.enable_prefix_caching or request.prompt_logprobs is not None
+                or request.num_prompt_tokens <= self.block_size):
+            return None
+        return hash((self.block_key(request, 0, None), tuple(request.prompt_token_ids)))
+
     def block_key(self, request: Request, index: int, parent: BlockHash | None) -> BlockKey:
         """Block `index` of the request: its parent's hash, its tokens, and (first block only) the salt, the
         adapter's registration id (unique, so a re-registered name never reuses its predecessor's K/V) and

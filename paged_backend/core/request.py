@@ -68,6 +68,7 @@ class Request:
     state_slot: int | None = None  # a hybrid model's recurrent-state row while it holds blocks (state_slots.py)
     # Preempted to be recomputed: on resuming it reads nothing back from the second tier (kv_offload/offloader.py).
     recompute: bool = False
+    prompt_key: int | None = None  # its prompt and first block's key, hashed once it waits (KVCacheManager.prompt_key)
     # The user's request this is a sample of (n, best_of); None: a group of its own, made at construction.
     group: RequestGroup = None  # type: ignore[assignment]
     index: int = field(init=False, default=0)  # which of its group's samples this is (joined at construction)

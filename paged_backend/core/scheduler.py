@@ -40,6 +40,8 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # The running request computing each prompt (by KVCacheManager.prompt_key), which its twins wait for.
+        self.prompt_leaders: dict[int, Request] = {}
         self.num_preemptions = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
         self.utilisation_samples: list[float] = []  # per step: tokens stored / slots allocated
@@ -112,7 +114,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
             request = self.waiting[i]
-            if request.group.waits_for_leader(request):
+            if request.group.waits_for_leader(request) or self.waits_for_twin(request):
                 i += 1
                 continue
             blocked, draining = self.lora_blocks(request, draining)
@@ -123,10 +125,24 @@ class Scheduler:
                 return
             del self.waiting[i]
             self.running.append(request)
+            if request.prompt_key and request.num_computed_tokens < request.num_prompt_tokens:
+                self.prompt_leaders[request.prompt_key] = request
             batch.requests.append(request)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             batch.num_new_tokens.append(n)
             budget -= n
+
+    def waits_for_twin(self, request: Request) -> bool:
+        """A new request whose very prompt a running request is computing (TRL's num_generations rows, a prompt
+        sent twice at once) waits until that prompt is computed, then takes its blocks from the prefix cache
+        instead of computing them again, as a group's samples wait for their leader."""
+        if request.num_computed_tokens or request.metrics.num_preemptions:
+            return False
+        if request.prompt_key is None:
+            request.prompt_key = self.kv.prompt_key(request) or 0  # 0: computed, nothing to share
+        leader = self.prompt_leaders.get(request.prompt_key) if request.prompt_key else None
+        return (leader is not None and leader is not request and leader.status is RequestStatus.RUNNING
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     def lora_blocks(self, request: Request, draining: int) -> tuple[bool, int]:
         """Whether the request's adapter keeps it waiting this step, and the slot held back from now on.
@@ -193,6 +209,8 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.kv.free(request)
+        if request.prompt_key and self.prompt_leaders.get(request.prompt_key) is request:
+            del self.prompt_leaders[request.prompt_key]
         request.status = RequestStatus.FINISHED
 
     def release(self, request: Request) -> None:

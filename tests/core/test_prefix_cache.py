@@ -68,6 +68,37 @@ def test_cached_tokens_reported_and_last_token_computed(model):
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+def test_a_prompt_sent_several_times_at_once_is_computed_once(model, shared_prompts):
+    """TRL's num_generations rows: the same prompt as separate requests in one batch. The first computes it; the
+    others wait for it, then take its full blocks from the cache, with the tokens a lone request gets."""
+    prompts, refs = shared_prompts
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=4, max_num_batched_tokens=24))
+    outs = run_all(engine, [prompts[1]] * 4 + [prompts[2]] * 2)
+    full = (len(prompts[1]) - 1) // 4 * 4, (len(prompts[2]) - 1) // 4 * 4  # each prompt's full-block tokens
+    assert [o.num_cached_tokens for o in outs] == [0] + [full[0]] * 3 + [0, full[1]]
+    assert [o.outputs[0].token_ids for o in outs] == [refs[1]] * 4 + [refs[2]] * 2
+    assert not engine.scheduler.prompt_leaders
+    assert_all_blocks_free(engine)
+
+
+def test_only_a_running_twin_under_the_same_salt_is_waited_for(model):
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8))
+    prompt = list(range(1, 21))
+    first = engine.add_request(prompt, greedy(2))
+    other_tenant = engine.add_request(prompt, greedy(2), cache_salt="b")
+    twin = engine.add_request(prompt, greedy(2))
+    engine.step()  # the first prompt's first 8 tokens
+    waiting = {request.request_id: request for request in engine.scheduler.waiting}
+    assert engine.scheduler.waits_for_twin(waiting[twin])
+    assert not engine.scheduler.waits_for_twin(waiting[other_tenant])
+    engine.abort_request(first)
+    assert not engine.scheduler.waits_for_twin(waiting[twin])
+    finals = run_to_completion(engine)
+    assert finals[twin].num_cached_tokens == 8  # what the aborted request had computed
+    assert finals[other_tenant].num_cached_tokens == 0
+    assert_all_blocks_free(engine)
+
+
 def test_prefix_caching_off_shares_nothing(model, shared_prompts):
     prompts, refs = shared_prompts
     engine = Engine(model, None, EngineConfig(num_kv_blocks=128, enable_prefix_caching=False))
