@@ -27,8 +27,12 @@ record holds the model's weight bytes before and after the engine started (its f
 one stacked tensor that replaces the separate ones), the engine's KV pool bytes, the RSS the engine's start-up
 added, and each run's peak RSS above the RSS it started from.
 
-    python benchmarks/rl_rollouts.py [--rounds 3] [--prompts 8] [--generations 4] [--max-new-tokens 128]
+    python benchmarks/rl_rollouts.py [--rounds 3] [--prompts 8] [--generations 4] [--max-new-tokens 64]
                                      [--systems trl_generate,hf_generate_batch,...] [--dtype auto|float32|bfloat16]
+
+Up to 64 new tokens by default keeps `--rounds 3` near ten minutes on two cores. On a machine whose other jobs
+hold a core, `--threads 1` gives steadier figures: two OpenMP threads sharing a core with a neighbour wait on
+each other at every parallel region, which slowed the compiled forward's steps by up to thirty times here.
 
 Writes benchmarks/results/rl_rollouts_<machine class>.json.
 """
@@ -138,11 +142,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every system once")
     parser.add_argument("--prompts", type=int, default=8, help="MT-bench first turns, chat template applied")
     parser.add_argument("--generations", type=int, default=4, help="rows per prompt (GRPO's num_generations)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="GRPO's max_completion_length")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="GRPO's max_completion_length")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="the model's dtype for every system (auto: bf16 where the CPU has it, else fp32)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, for every system")
     parser.add_argument("--seed", type=int, default=0, help="round r seeds every system with seed + r")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
