@@ -435,6 +435,19 @@ def kv_offload_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def rl_rollouts_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    w, memory = r["workload"], r["memory"]
+    rows = [(f"{w['rows']} sampled rollouts ({w['prompts']} prompts x {w['generations']}), up to {w['max_new_tokens']} "
+             f"new tokens, {w['dtype']}: generated tok/s, medians of {w['rounds']} rounds",
+             ", ".join(f"{system} {number(s['tokens_per_s'])}" for system, s in r["systems"].items()))]
+    rows += [(name, f"{number(value, 2)}x") for name, value in r["ratios"].items()]
+    if "kv_pool_bytes" in memory:
+        rows.append(("weights (one copy: the engine runs the model object) / the engine's KV pool",
+                     f"{number(memory['weight_bytes_after_engine'] / 2**20)} / {number(memory['kv_pool_bytes'] / 2**20)} MiB, "
+                     f"engine.model is model: {memory['engine_runs_the_model_object']}"))
+    return rows
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "throughput": throughput_figures, "prefix_cache": prefix_cache_figures, "pipeline": pipeline_figures,
     "serve": serve_figures, "replicas": replicas_figures, "self_check": self_check_figures,
@@ -445,7 +458,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "step_profile": step_profile_figures, "cpu_attention": cpu_attention_figures,
     "cpu_int8_head": cpu_int8_head_figures, "tracing": tracing_figures, "cpu_peers": cpu_peers_figures,
     "cpu_int4_batch": cpu_int4_batch_figures, "quantized_checkpoints": quantized_checkpoints_figures,
-    "kv_offload": kv_offload_figures,
+    "kv_offload": kv_offload_figures, "rl_rollouts": rl_rollouts_figures,
 }
 
 
@@ -550,6 +563,16 @@ HEADLINE.append(
                f"{r['restart']['warm_cached_tokens'][0]}-token prefix read back from the disk tier, vs a cold prefill",
      lambda r: f"{number(r['restart']['ratio'], 3)}x the time ({number(r['restart']['warm_median_s'], 2)} vs "
                f"{number(r['restart']['cold_median_s'], 1)} s), same tokens: {r['restart']['same_tokens']}"))
+HEADLINE.append(
+    ("rl_rollouts", "avx2",
+     lambda r: f"one GRPO step's sampled rollouts ({r['workload']['rows']} rows, {r['workload']['dtype']}) on the model "
+               "being trained: the engine through `generate_batch` vs TRL's plain `generate` / transformers' "
+               "`generate_batch`",
+     lambda r: f"{number(r['ratios']['engine_generate_batch / trl_generate'], 2)}x / "
+               f"{number(r['ratios']['engine_generate_batch / hf_generate_batch'], 2)}x "
+               f"({number(r['systems']['engine_generate_batch']['tokens_per_s'])} vs "
+               f"{number(r['systems']['trl_generate']['tokens_per_s'])} / "
+               f"{number(r['systems']['hf_generate_batch']['tokens_per_s'])} tok/s)"))
 HEADLINE_CHART = ("throughput", "unrecorded")
 
 
