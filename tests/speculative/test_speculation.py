@@ -430,7 +430,10 @@ def test_unseeded_sampling_keeps_the_target_distribution():
                                                   max_num_batched_tokens=8192, speculative_config=spec))
         if spec and spec["method"] == "ngram":
             engine.speculator.propose = lambda request, limit: [guess, guess][:limit]
-        ids = [engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)) for _ in range(n)]
+        # A salt each: the samples prefill together, none waiting for another's prompt (scheduler.waits_for_twin),
+        # so every proposal is checked at tokens 1 and 2, where the bar below was set.
+        ids = [engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+                                  cache_salt=str(i)) for i in range(n)]
         finals = run_to_completion(engine)
         counts = torch.zeros(36, dtype=torch.float64)
         for i in ids:
