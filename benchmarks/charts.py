@@ -448,6 +448,19 @@ def rl_rollouts_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def batch_invariant_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for name, system in r["systems"].items():
+        drift = system["alone_vs_batched_max_abs_logprob"]
+        rows.append((f"{name}: tok/s of {r['args']['chats']} chats / of one stream; a chat's logprobs alone vs "
+                     "batched / vs the dense forward (max abs)",
+                     f"{number(system['batch_tok_s'])} / {number(system['stream_tok_s'])}; "
+                     f"{'tokens differ' if drift is None else f'{drift:.1e}'} / "
+                     f"{system['vs_dense_forward_max_abs_logprob']:.1e}"))
+    rows += [(name, f"{number(value, 2)}x") for name, value in r["ratios"].items()]
+    return rows
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "throughput": throughput_figures, "prefix_cache": prefix_cache_figures, "pipeline": pipeline_figures,
     "serve": serve_figures, "replicas": replicas_figures, "self_check": self_check_figures,
@@ -458,7 +471,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "step_profile": step_profile_figures, "cpu_attention": cpu_attention_figures,
     "cpu_int8_head": cpu_int8_head_figures, "tracing": tracing_figures, "cpu_peers": cpu_peers_figures,
     "cpu_int4_batch": cpu_int4_batch_figures, "quantized_checkpoints": quantized_checkpoints_figures,
-    "kv_offload": kv_offload_figures, "rl_rollouts": rl_rollouts_figures,
+    "kv_offload": kv_offload_figures, "rl_rollouts": rl_rollouts_figures, "batch_invariant": batch_invariant_figures,
 }
 
 
