@@ -46,7 +46,7 @@ from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.speculative.draft_proposer import DraftProposer, load_draft
 from paged_backend.speculative.speculation import Speculator, speculation_stats
 from paged_backend.step_sampler import StepSampler
-from paged_backend.startup_plan import StartupPlan, plan_startup, read_facts, refuse_step_budget
+from paged_backend.startup_plan import StartupPlan, fusion_off, plan_startup, read_facts, refuse_step_budget
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ def prepare(model: PreTrainedModel, tokenizer, config: EngineConfig
     text_config = model.config.get_text_config()
     refuse_step_budget(config, temperature_tuning_limit(text_config))
     shape = prepare_model(model, text_config.num_hidden_layers, config.self_check, config.max_model_len)
-    fused = fused_projections.fuse_for_engine(model, config.fuse_projections and not config.batch_invariant)
+    fused = fused_projections.fuse_for_engine(model, fusion_off(config))
     draft = None
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":

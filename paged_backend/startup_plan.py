@@ -193,6 +193,16 @@ def refuse_offload(config: EngineConfig, facts: ModelFacts) -> None:
         raise ValueError(f"kv_offload_host_bytes / kv_offload_disk_bytes: a second KV tier does not run here: {reason}")
 
 
+def fusion_off(config: EngineConfig) -> str | None:
+    """Why the config leaves the projections unfused, or None (decided before the plan: the model is fused as it is
+    prepared, before its facts are read)."""
+    if not config.fuse_projections:
+        return "EngineConfig.fuse_projections=False"
+    if config.batch_invariant:
+        return "EngineConfig.batch_invariant=True: a trainer's forward runs its projections one by one"
+    return None
+
+
 def refuse_step_budget(config: EngineConfig, step_limit: tuple[int, str] | None) -> None:
     """ValueError for a step budget larger than the model runs exactly in one packed step
     (model_check.temperature_tuning_limit); a padded decode step holds at most max_num_seqs rows."""

@@ -254,5 +254,5 @@ def test_tensor_parallel_engines_leave_projections_unfused(monkeypatch, caplog):
     monkeypatch.setattr(fused_projections.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(fused_projections.dist, "get_world_size", lambda: 2)
     with caplog.at_level(logging.INFO, logger="paged_backend.model.quantized.fused_projections"):
-        assert not fused_projections.fuse_for_engine(model, True)
+        assert not fused_projections.fuse_for_engine(model)
     assert "not under tensor parallelism" in caplog.text and groups_of(model) == []

@@ -327,12 +327,12 @@ def unfuse(member: nn.Module) -> None:
         del member._paged_unfused_forward
 
 
-def fuse_for_engine(model: nn.Module, enabled: bool) -> bool:
-    """Fuse `model`'s projections for an engine's steps unless `enabled` is False or tensor parallelism runs;
-    say once what was fused and what was not, and why. Whether any group is fused (the steps then enter step())."""
-    if not enabled:
-        logger.info("fused projections: off (EngineConfig.fuse_projections=False, or batch_invariant=True: a trainer's "
-                    "forward runs its projections one by one)")
+def fuse_for_engine(model: nn.Module, off: str | None = None) -> bool:
+    """Fuse `model`'s projections for an engine's steps unless the config turns them `off` (why) or tensor parallelism
+    runs; say once what was fused and what was not, and why. Whether any group is fused (the steps then enter
+    step())."""
+    if off is not None:
+        logger.info("fused projections: off (%s)", off)
         return False
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         logger.info("fused projections: not under tensor parallelism (each projection's shard passes through "
