@@ -59,6 +59,7 @@ from common import (  # noqa: E402
     uptime,
     write_results,
 )
+from throughput import left_pad  # noqa: E402  (TRL's static batch: left-padded, as throughput.py's)
 
 SYSTEMS = {
     "trl_generate": "TRL plain generate (HF generate, static left-padded batch)",
@@ -89,16 +90,6 @@ def grpo_generation_config(max_new_tokens: int, tokenizer, eos_ids: list[int], p
     return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=tokenizer.pad_token_id,
                             bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids, temperature=1.0, top_p=1.0,
                             top_k=0, min_p=None, repetition_penalty=1.0, disable_compile=True, **options)
-
-
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
-    return ids, mask
 
 
 def up_to_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
