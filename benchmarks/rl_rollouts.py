@@ -177,10 +177,7 @@ def main() -> None:
             if system in PAGED_SYSTEMS:
                 paged_backend.enable()  # the engine sets its attention implementation on the model itself
             else:
-                paged_backend.disable()
-                # As without the engine: transformers' continuous batching refuses the engine's attention name
-                # (outside the engine it runs sdpa anyway).
-                model.set_attn_implementation("sdpa")
+                paged_backend.disable()  # also gives the model its own attention (sdpa) back
             return call(model, rows_, config, eos_ids)
         return run
 

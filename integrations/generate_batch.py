@@ -22,6 +22,8 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from paged_backend.model.loading.model_check import own_attention
+
 from .transformers_generate import PAGED, JobState, generator_for, prepare_job
 
 logger = logging.getLogger(__name__)
@@ -45,8 +47,9 @@ def generate_batch(self: PreTrainedModel, inputs: list[list[int]], generation_co
                    persistent_manager: bool = False, warmup: bool = True, **kwargs: Any) -> dict[str, GenerationOutput]:
     config = generation_config if generation_config is not None else self.generation_config
     if getattr(config, "cache_implementation", None) != PAGED:
-        return ORIGINAL_GENERATE_BATCH(self, inputs, generation_config, continuous_batching_config, record_timestamps,
-                                       progress_bar, persistent_manager, warmup, **kwargs)
+        with own_attention(self):  # transformers' continuous batching refuses the engine's attention
+            return ORIGINAL_GENERATE_BATCH(self, inputs, generation_config, continuous_batching_config,
+                                           record_timestamps, progress_bar, persistent_manager, warmup, **kwargs)
     if record_timestamps:
         raise NotImplementedError("generate_batch(record_timestamps=True) is not supported with "
                                   "cache_implementation='paged': the engine's outputs carry no per-token times")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from paged_backend.config import EngineConfig
 from paged_backend.core.outputs import RequestOutput
 from paged_backend.engine import Engine
 from paged_backend.model.adapters import adapter_for
+from paged_backend.model.loading.model_check import give_attention_back, switch_to_paged_attention
 from paged_backend.model.paged.attention import ATTENTION_NAME
 from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
@@ -57,6 +59,8 @@ from paged_backend.speculative.speculative_config import SpeculativeConfig
 PAGED = "paged"
 ORIGINAL_GENERATE = GenerationMixin.generate
 ENGINE_SLOT = "_paged_backend_engine"
+# Models generator_for built an engine for, whose own attention disable() gives back.
+_models_run: weakref.WeakSet = weakref.WeakSet()
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 # Rows kept in the engine at once when jobs arrive lazily (the pipeline); the engine's own
 # max_num_seqs still bounds how many run in one step.
@@ -79,8 +83,12 @@ def enable() -> None:
 
 
 def disable() -> None:
-    """Give `generate(cache_implementation="paged")` back to transformers' built-in route."""
+    """Give `generate(cache_implementation="paged")` back to transformers' built-in route, and every model it ran
+    its own attention implementation back (transformers' continuous batching refuses the engine's). A model keeps
+    its engine: enabled again, `generate` switches it back to the paged attention and runs on that engine."""
     GenerationMixin.generate = ORIGINAL_GENERATE
+    for model in list(_models_run):
+        give_attention_back(model)
 
 
 def is_enabled() -> bool:
@@ -376,8 +384,9 @@ def generator_for(model: PreTrainedModel, config: EngineConfig | None = None) ->
             config = current.engine.config
         slot.generator = None  # free the old cache before allocating the new one
         slot.generator = PagedGenerator(Engine(model, None, config))
+        _models_run.add(model)
     elif adapter_for(model.config) is None and model.config._attn_implementation != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)  # switched away by the user since the engine was built
+        switch_to_paged_attention(model)  # switched away since the engine was built (by the user, or generate_batch)
     return slot.generator
 
 

@@ -14,6 +14,7 @@ from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from paged_backend import EngineConfig
+from paged_backend.model.paged.attention import ATTENTION_NAME
 
 MAX_NEW = 8
 
@@ -104,6 +105,36 @@ def test_other_configs_go_to_transformers_and_bad_arguments_are_refused(monkeypa
         model.generate_batch([[1, 2, 3]], generation_config=paged_config(), record_timestamps=True)
     with pytest.raises(TypeError, match="temperature"):
         model.generate_batch([[1, 2, 3]], generation_config=paged_config(), temperature=0.5)
+
+
+def test_transformers_own_generate_batch_runs_on_a_model_the_engine_ran() -> None:
+    """transformers' continuous batching refuses the engine's attention implementation: a model the engine ran gets
+    its own back for that call, and the engine's again after it."""
+    model = build("llama")
+    prompts = mixed_prompts(2)
+    model.generate_batch(prompts, generation_config=paged_config(do_sample=False))
+    assert model.config._attn_implementation == ATTENTION_NAME
+    plain = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
+    results = model.generate_batch(prompts, generation_config=plain)
+    assert [out.generated_tokens for out in results.values()] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    assert model.config._attn_implementation == ATTENTION_NAME
+    paged = model.generate_batch(prompts, generation_config=paged_config(do_sample=False))
+    assert [out.generated_tokens for out in paged.values()] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
+
+
+def test_disable_gives_a_model_the_engine_ran_its_own_attention_back() -> None:
+    model = build("llama")
+    model.set_attn_implementation("eager")
+    model.generate(torch.tensor([[1, 2, 3]]), cache_implementation="paged", max_new_tokens=2)
+    assert model.config._attn_implementation == ATTENTION_NAME
+    hooks.disable()
+    try:
+        assert model.config._attn_implementation == "eager"
+    finally:
+        hooks.enable()
+    out = model.generate(torch.tensor([[1, 2, 3]]), cache_implementation="paged", max_new_tokens=2, do_sample=False)
+    assert model.config._attn_implementation == ATTENTION_NAME
+    assert out[0, 3:].tolist() == hf_greedy(model, [1, 2, 3], 2)
 
 
 def test_disable_gives_generate_batch_back() -> None:

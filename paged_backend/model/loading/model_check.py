@@ -53,6 +53,8 @@ CHECK_WINDOW = 3
 
 # model -> the (dtype, device, far context or None) it passed the check on
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> the attention implementation it had before the engine switched it to the paged one
+_attention_before: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def prepare_model(model: PreTrainedModel, num_layers: int, self_check: bool = True,
@@ -65,7 +67,7 @@ def prepare_model(model: PreTrainedModel, num_layers: int, self_check: bool = Tr
     try:
         adapter = install_adapters(model)
         if (adapter is None or adapter.uses_interface) and previous != ATTENTION_NAME:
-            model.set_attn_implementation(ATTENTION_NAME)
+            switch_to_paged_attention(model)
         shape = probe_kv_shape(model, num_layers)
         if self_check:
             check_paged_matches_dense(model, shape)
@@ -76,6 +78,42 @@ def prepare_model(model: PreTrainedModel, num_layers: int, self_check: bool = Tr
         if model.config._attn_implementation != previous:
             model.set_attn_implementation(previous)
         raise
+
+
+def switch_to_paged_attention(model: PreTrainedModel) -> None:
+    """Switch `model` to the engine's attention, remembering the one it had (`own_attention`)."""
+    _attention_before[model] = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+
+
+def attention_before_engine(model: PreTrainedModel) -> str:
+    """The attention implementation `model` had before the engine switched it; for a model loaded with the
+    engine's attention, the one transformers would have picked (SDPA where the model supports it)."""
+    if model in _attention_before:
+        return _attention_before[model]
+    return "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+
+
+def give_attention_back(model: PreTrainedModel) -> None:
+    """Switch `model` back from the engine's attention to its own, for transformers code that refuses any
+    attention it does not know (its own continuous batching); the engine switches it again when it next runs it
+    through `generate` (transformers_generate.generator_for)."""
+    if model.config._attn_implementation == ATTENTION_NAME:
+        model.set_attn_implementation(attention_before_engine(model))
+
+
+@contextlib.contextmanager
+def own_attention(model: PreTrainedModel) -> Iterator[None]:
+    """`model` with its own attention inside the block (`give_attention_back`), the engine's again after it: an
+    engine that holds the model (an `LLM` on it) keeps running paged."""
+    if model.config._attn_implementation != ATTENTION_NAME:
+        yield
+        return
+    give_attention_back(model)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
 
 
 def check_paged_matches_dense(model: PreTrainedModel, shape: KVShape) -> None:
