@@ -374,8 +374,12 @@ def quantized_checkpoints_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def cpu_int4_batch_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = [(f"the default model's 120 int4 projections at {count} row(s): kernel / torch's int4 kernel / dense bf16 (ms)",
-             f"{number(ms['kernel'])} / {number(ms['torch int4'])} / {number(ms['dense bf16'])} "
+    def dense(ms: dict[str, float]) -> str:  # the dense copy's name: "dense bf16", or "dense float32" on AVX2
+        return next(name for name in ms if name.startswith("dense"))
+
+    rows = [(f"the default model's 120 int4 projections at {count} row(s): kernel / torch's int4 kernel / "
+             f"{dense(ms)} (ms)",
+             f"{number(ms['kernel'])} / {number(ms['torch int4'])} / {number(ms[dense(ms)])} "
              f"({number(ms['torch int4'] / ms['kernel'], 2)}x torch's)")
             for count, ms in r["matmul_ms_per_pass"].items()]
     for figure, label in (("throughput", "throughput workload"), ("one_stream", "one stream")):

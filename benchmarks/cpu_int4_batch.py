@@ -2,8 +2,9 @@
 
 1. The default model's projections (30 layers of fused q/k/v, o, fused gate/up and down, each layer its own
    weights so that they stream from memory as in a step) at several row counts: the kernel, torch's int4
-   kernel and the dense bf16 copy, alternating, medians of `--repeats` passes (ms per pass over all 120).
-2. The engine at its defaults (compiled, int4, bf16) with the kernel and without it: two engines in one
+   kernel and the dense copy (bf16 where the CPU has native bf16, else fp32, as the engine keeps it),
+   alternating, medians of `--repeats` passes (ms per pass over all 120).
+2. The engine at its defaults (compiled, int4, bf16 where the CPU has it) with the kernel and without it: two engines in one
    process, the second made inside `cpu_int4_matmul.switched_off()` (its layers hold no tiles, so its graphs
    call torch's kernel), alternating, medians: the throughput workload (throughput.py's 32 chats, every
    prompt computed each round) and one greedy stream of `--tokens` tokens. Whether the answers agree.
@@ -38,6 +39,13 @@ SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out): q/k/v,
 PATHS = ("kernel", "torch")
 
 
+def dense_dtype() -> torch.dtype:
+    """The dtype of the engine's dense copies here: the model's, bf16 only where the CPU has it natively."""
+    from paged_backend.model.loading.precision import cpu_has_native_bf16
+
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
 def projections() -> list[dict[str, Any]]:
     """Random int4 weights of the default model's projection shapes, each way the step could multiply them."""
     from paged_backend.model.quantized.int4_linear import dequantize
@@ -52,7 +60,7 @@ def projections() -> list[dict[str, Any]]:
             weights.append({"in": in_features, "tiled": cpu_int4_matmul.tile(codes, scale, zero),
                             "packed": torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1),
                             "scales_and_zeros": torch.stack([scale, zero], -1).transpose(0, 1).contiguous(),
-                            "dense": dequantize(codes, scale, zero).bfloat16()})
+                            "dense": dequantize(codes, scale, zero).to(dense_dtype())})
     return weights
 
 
@@ -62,11 +70,12 @@ def matmuls(rows_list: Sequence[int], repeats: int) -> dict[str, Any]:
     results = {}
     for rows in rows_list:
         inputs = {n: torch.randn(rows, n).bfloat16() for n in {s[0] for s in SHAPES}}
+        dense_inputs = {n: x.to(dense_dtype()) for n, x in inputs.items()}
         ways = {
             "kernel": lambda w: cpu_int4_matmul.int4_matmul(inputs[w["in"]], *w["tiled"]),
             "torch int4": lambda w: torch._weight_int4pack_mm_for_cpu(inputs[w["in"]], w["packed"], 32,
                                                                       w["scales_and_zeros"]),
-            "dense bf16": lambda w: F.linear(inputs[w["in"]], w["dense"]),
+            f"dense {str(dense_dtype()).removeprefix('torch.')}": lambda w: F.linear(dense_inputs[w["in"]], w["dense"]),
         }
 
         def timed(way: Callable[[dict[str, Any]], torch.Tensor]) -> Callable[[], float]:
@@ -139,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if cpu_int4_matmul.library() is None:
-        raise SystemExit("the int4 kernel does not run here (no AVX512-BF16, no C compiler, or PAGED_BACKEND_CPU_KERNEL=0)")
+        raise SystemExit("the int4 kernel does not run here (neither AVX512-BF16 nor AVX2, no C compiler, or "
+                         "PAGED_BACKEND_CPU_KERNEL=0)")
     load_start = load_average()
     results: dict[str, Any] = {"threads": torch.get_num_threads(), "repeats": args.repeats,
                                "matmul_ms_per_pass": matmuls([int(r) for r in args.rows.split(",")], args.repeats)}

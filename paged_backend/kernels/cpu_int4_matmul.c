@@ -1,4 +1,4 @@
-/* Rows times an int4 weight (Q4_1 groups of 32) on a CPU with AVX512-BF16. See cpu_int4_matmul.py for when and why.
+/* Rows times an int4 weight (Q4_1 groups of 32) on a CPU with AVX512-BF16 (or AVX2 and FMA, at the end). See cpu_int4_matmul.py for when and why.
  *
  * The weight comes in tiles of 16 output rows: for each pair of inputs (2p, 2p+1), 16 bytes, byte j holding the
  * codes of output row 16t + j for input 2p (low nibble) and 2p + 1 (high nibble); beside them, per tile and
@@ -138,6 +138,149 @@ int int4_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *codes
         free(panel);
     }
     free(sums);
+    return failed ? -1 : 0;
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* AVX2: the same layout and arithmetic with eight fp32 lanes and no bf16 dot product. The rows are widened to
+ * fp32 once per call; per input pair the 16 rows' (code - 8) become four fp32 vectors (inputs 2p and 2p + 1,
+ * output rows 0..7 and 8..15), and each row adds its two inputs (broadcast) times them by four FMAs: products
+ * exact, sums in fp32, as above. The codes are taken as they are (0..15) and the 8 subtracted once per group, as
+ * zero - 8 * scale in fp32: four integer subtractions fewer per pair, the widening being the one-row step's
+ * bound here. 16 vector registers: a block of AVX2_ROWS rows keeps two accumulators each beside the four weight
+ * vectors and two broadcasts. */
+enum { AVX2_ROWS = 4 };
+
+static inline __m256 load_bf16x8(const uint16_t *values) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)values)), 16));
+}
+
+/* 8 floats rounded to bf16 (to nearest even, as torch rounds; a NaN stays a NaN). */
+static inline __m128i to_bf16x8(__m256 values) {
+    __m256i bits = _mm256_castps_si256(values);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
+    rounded = _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(values, values, _CMP_UNORD_Q)));
+    __m256i high = _mm256_srli_epi32(rounded, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+}
+
+/* The 16 rows' codes for input 2p (w[0]: rows 0..7, w[1]: rows 8..15) and 2p + 1 (w[2], w[3]), in fp32. */
+static inline void widen_pair(const uint8_t *codes, __m256 *w) {
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)codes);
+    __m256i first = _mm256_cvtepu8_epi32(bytes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, low));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, low));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
+}
+
+enum source { WIDEN, WIDEN_AND_KEEP, PANEL };
+
+/* out[r, 0..15] for `rows` (1..AVX2_ROWS) rows of x (fp32) times one tile, as multiply_block above; `panel` holds
+ * four vectors per input pair. */
+static inline __attribute__((always_inline)) void multiply_block(
+        const float *x, const float *sums, int64_t k, int rows, enum source source, const uint8_t *codes,
+        const uint16_t *scales, const uint16_t *zeros, __m256 *panel, uint16_t *out, int64_t n) {
+    int64_t groups = k / GROUP;
+    __m256 total[AVX2_ROWS][2];
+    for (int r = 0; r < rows; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
+    for (int64_t group = 0; group < groups; group++) {
+        if (source != PANEL) {
+            const char *ahead = (const char *)(codes + group * 16 * TILE) + PREFETCH_BYTES;
+            for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+        }
+        __m256 acc[AVX2_ROWS][2];
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t p = 16 * group; p < 16 * group + 16; p++) {
+            __m256 own[4];
+            __m256 *w = source == WIDEN ? own : panel + 4 * p;
+            if (source != PANEL) widen_pair(codes + p * TILE, w);
+            for (int r = 0; r < rows; r++) {
+                __m256 x0 = _mm256_broadcast_ss(x + r * k + 2 * p), x1 = _mm256_broadcast_ss(x + r * k + 2 * p + 1);
+                acc[r][0] = _mm256_fmadd_ps(w[2], x1, _mm256_fmadd_ps(w[0], x0, acc[r][0]));
+                acc[r][1] = _mm256_fmadd_ps(w[3], x1, _mm256_fmadd_ps(w[1], x0, acc[r][1]));
+            }
+        }
+        for (int half = 0; half < 2; half++) {
+            __m256 scale = load_bf16x8(scales + group * TILE + 8 * half), zero = load_bf16x8(zeros + group * TILE + 8 * half);
+            zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);  /* the codes' 8 moved here */
+            for (int r = 0; r < rows; r++)
+                total[r][half] = _mm256_fmadd_ps(zero, _mm256_set1_ps(sums[r * groups + group]),
+                                                 _mm256_fmadd_ps(acc[r][half], scale, total[r][half]));
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int half = 0; half < 2; half++) _mm_storeu_si128((__m128i *)(out + r * n + 8 * half), to_bf16x8(total[r][half]));
+}
+
+static void multiply_rows(const float *x, const float *sums, int64_t k, int rows, enum source source,
+                          const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, __m256 *panel,
+                          uint16_t *out, int64_t n) {
+    switch (source * 100 + rows) {
+#define BLOCK(S, R) case S * 100 + R: multiply_block(x, sums, k, R, S, codes, scales, zeros, panel, out, n); break;
+#define BLOCKS(S) BLOCK(S, 1) BLOCK(S, 2) BLOCK(S, 3) BLOCK(S, 4)
+        BLOCKS(WIDEN) BLOCK(WIDEN_AND_KEEP, AVX2_ROWS) BLOCKS(PANEL)
+#undef BLOCKS
+#undef BLOCK
+    }
+}
+
+/* Row `row` of x widened to fp32 into xf, and its sums over each group of inputs into sums. */
+static void widen_row(const uint16_t *x, int64_t row, int64_t k, float *xf, float *sums) {
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        __m256 sum = _mm256_setzero_ps();
+        for (int part = 0; part < GROUP; part += 8) {
+            __m256 values = load_bf16x8(x + row * k + g * GROUP + part);
+            _mm256_storeu_ps(xf + row * k + g * GROUP + part, values);
+            sum = _mm256_add_ps(sum, values);
+        }
+        __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        sums[row * (k / GROUP) + g] = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+    }
+}
+
+int available(void) { return 1; }
+
+int int4_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *codes, const uint16_t *scales,
+                const uint16_t *zeros, int64_t n, uint16_t *out, int threads) {
+    if (rows < 1 || k % GROUP || n % TILE) return -1;
+    int64_t tiles = n / TILE, pairs = k / 2, groups = k / GROUP;
+    float *sums = malloc(sizeof(float) * (size_t)(rows * groups));
+    float *xf = aligned_alloc(32, sizeof(float) * (size_t)(rows * k));
+    if (sums == NULL || xf == NULL) {
+        free(sums);
+        free(xf);
+        return -1;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) widen_row(x, r, k, xf, sums);
+        __m256 *panel = rows > AVX2_ROWS ? aligned_alloc(32, sizeof(__m256) * 4 * (size_t)pairs) : NULL;
+        if (rows > AVX2_ROWS && panel == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (rows > AVX2_ROWS && panel == NULL) continue;
+            const uint8_t *tile_codes = codes + t * pairs * TILE;
+            const uint16_t *tile_scales = scales + t * groups * TILE, *tile_zeros = zeros + t * groups * TILE;
+            for (int64_t r = 0; r < rows; r += AVX2_ROWS) {
+                int block = rows - r < AVX2_ROWS ? (int)(rows - r) : AVX2_ROWS;
+                enum source source = rows <= AVX2_ROWS ? WIDEN : r == 0 ? WIDEN_AND_KEEP : PANEL;
+                multiply_rows(xf + r * k, sums + r * groups, k, block, source, tile_codes, tile_scales,
+                              tile_zeros, panel, out + r * n + t * TILE, n);
+            }
+        }
+        free(panel);
+    }
+    free(sums);
+    free(xf);
     return failed ? -1 : 0;
 }
 

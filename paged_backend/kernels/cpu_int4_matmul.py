@@ -3,15 +3,16 @@
 torch's int4 kernel (`_weight_int4pack_mm_for_cpu`) is built for one row: past it, it widens the codes again
 for every few rows, so its rate stops growing with the rows and a few dozen rows took longer than a dense bf16
 matmul. The kernel in cpu_int4_matmul.c widens each code once per call and multiplies it with every row by
-AVX512-BF16 dot products, scaling each group's sums in fp32: faster than torch's kernel at every row count,
-and than the dense copy up to about 128 rows, past which the dense copy leads (docs/benchmarks.md has the
-times; `python benchmarks/cpu_int4_batch.py`).
+AVX512-BF16 dot products (on an AVX2 CPU, fp32 FMAs on the rows widened to fp32), scaling each group's sums in
+fp32: faster than torch's kernel at every row count, and than the dense copy up to about 128 rows, past which the
+dense copy leads (docs/benchmarks.md has the times; `python benchmarks/cpu_int4_batch.py`).
 
 Its arithmetic is torch's kernel's: the rows rounded to bf16, the weights (code - 8) * scale + zero in fp32
 (never rounded to bf16), products and sums in fp32, the output rounded to bf16. A row's output does not depend
 on the other rows of the call, so a request's tokens do not depend on what it is batched with.
 
-Needs AVX512-BF16 (`available()`); built on the user's machine like the other CPU kernels (cpu_build.py).
+Needs AVX512-BF16, or AVX2 with FMA (`available()`); built on the user's machine like the other CPU kernels
+(cpu_build.py).
 Elsewhere, without a compiler, or with `PAGED_BACKEND_CPU_KERNEL=0`, torch's kernel serves as before.
 """
 
@@ -96,7 +97,7 @@ def int4_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use, or None (switched off, no compiler, or a CPU without
-    AVX512-BF16: the first two said once)."""
+    AVX512-BF16 or AVX2: the first two said once)."""
     lib = cpu_build.load(SOURCE, declare, "int4 layers run through torch's kernel")
     return lib if lib is not None and lib.available() else None
 

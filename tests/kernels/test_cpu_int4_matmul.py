@@ -14,7 +14,7 @@ from paged_backend.model.quantized import int4_linear
 from paged_backend.model.quantized.int4_linear import Int4Linear, dequantize
 
 pytestmark = pytest.mark.skipif(cpu_int4_matmul.library() is None,
-                                reason="the int4 kernel needs AVX512-BF16 and a C compiler")
+                                reason="the int4 kernel needs AVX512-BF16 or AVX2, and a C compiler")
 
 BLOCK = 12  # the C kernel's ROW_BLOCK: more rows reuse the first block's widened codes
 

@@ -32,13 +32,12 @@ def random_linear(out_features: int = 48, in_features: int = 64, bias: bool = Tr
     return torch.nn.Linear(in_features, out_features, bias=bias)
 
 
-FP32_DENSE_ROWS = DENSE_ROWS[torch.float32]  # where an fp32 model's int4 layers switch to their dense copy
-assert KERNEL_DENSE_ROWS[torch.float32] == FP32_DENSE_ROWS  # the same with the compiled kernel or without
-
-
 def dense_rows(dtype: torch.dtype) -> int:
     """Where this machine's int4 layers of a `dtype` model switch to their dense copy."""
     return (KERNEL_DENSE_ROWS if cpu_int4_matmul.library() is not None else DENSE_ROWS)[dtype]
+
+
+FP32_DENSE_ROWS = dense_rows(torch.float32)  # where an fp32 model's int4 layers switch to their dense copy
 
 
 def threshold_rows(most: int) -> list[int]:

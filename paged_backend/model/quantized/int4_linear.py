@@ -14,10 +14,10 @@ weights streamed from memory as in a step falls behind past `DENSE_ROWS[torch.fl
 (docs/precision.md has the measured crossovers). The copy costs as much as the weights it replaces: on
 CPU this format buys decode speed, not memory.
 
-Where the CPU has AVX512-BF16, the engine's own compiled kernel (kernels/cpu_int4_matmul.py) takes every
-step up to `KERNEL_DENSE_ROWS` rows instead of torch's, from the same codes tiled for it: faster than torch's
-at every row count up to there (docs/benchmarks.md), with torch's arithmetic. torch's kernel stays for a layer
-made where it does not run, or inside `cpu_int4_matmul.switched_off()`.
+Where the CPU has AVX512-BF16 or AVX2, the engine's own compiled kernel (kernels/cpu_int4_matmul.py) takes
+every step up to `KERNEL_DENSE_ROWS` rows instead of torch's, from the same codes tiled for it: faster than
+torch's at every row count up to there (docs/benchmarks.md), with torch's arithmetic. torch's kernel stays for a
+layer made where it does not run, or inside `cpu_int4_matmul.switched_off()`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ GROUP_SIZE = 32  # weights per (scale, offset) pair along the input dimension, a
 # Steps of more rows multiply by the dense copy, by the copy's dtype (measured crossovers: docs/precision.md).
 DENSE_ROWS = {torch.bfloat16: 32, torch.float32: 24}
 # The same where the compiled kernel (kernels/cpu_int4_matmul.py) multiplies: it kept ahead of a dense bf16
-# matmul to about 128 rows (benchmarks/cpu_int4_batch.py). An fp32 model's large steps still multiply its own fp32 rows, unrounded.
-KERNEL_DENSE_ROWS = {torch.bfloat16: 128, torch.float32: 24}
+# matmul to about 128 rows (benchmarks/cpu_int4_batch.py). On an AVX2 CPU (an fp32 model) it led the fp32 copy to
+# about 48 rows at one thread and past 96 at two; past 64 rows the fp32 copy multiplies the rows unrounded.
+KERNEL_DENSE_ROWS = {torch.bfloat16: 128, torch.float32: 64}
 
 
 def can_quantize(linear: torch.nn.Linear) -> bool:
