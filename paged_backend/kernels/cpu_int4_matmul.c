@@ -20,6 +20,10 @@
 /* ROW_BLOCK rows take two accumulators each: 24 of the 32 vector registers. */
 enum { TILE = 16, GROUP = 32, ROW_BLOCK = 12, PREFETCH_BYTES = 1024 };
 
+/* Where a block of rows gets the tile's code vectors: widened from the codes (and kept in the panel for the
+ * next blocks, or not when there are none), or read back from the panel. */
+enum source { WIDEN, WIDEN_AND_KEEP, PANEL };
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -42,10 +46,6 @@ static inline __m512i widen_pair(const uint8_t *codes, __m512i code_values) {
     __m512i nibbles = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
     return _mm512_permutexvar_epi16(nibbles, code_values);
 }
-
-/* Where a block of rows gets the tile's code vectors: widened from the codes (and kept in the panel for the
- * next blocks, or not when there are none), or read back from the panel. */
-enum source { WIDEN, WIDEN_AND_KEEP, PANEL };
 
 /* out[r, 0..15] for `rows` (1..ROW_BLOCK) rows of x (bf16, `k` inputs each) times one tile; `sums` holds each
  * row's sum over each group of inputs (`k / 32` per row). Inlined with `rows` and `source` constants, so the
@@ -104,41 +104,16 @@ static void sum_groups(const uint16_t *x, int64_t row, int64_t k, float *sums) {
     }
 }
 
-int available(void) { return 1; }
+/* What the shared driver below needs from this build: rows per block, the panel's vectors per input pair, the
+ * rows as multiplied (bf16, read in place) and each row's group sums. */
+#define HAS_KERNEL
+enum { BLOCK_ROWS = ROW_BLOCK, PANEL_VECTORS = 1, ROWS_COPIED = 0 };
+typedef uint16_t row_t;
+typedef __m512i panel_t;
 
-/* out [rows, n] (bf16) = x [rows, k] (bf16, contiguous) times the tiled weight (n / 16 tiles; k a multiple of 32):
- * `codes` [n / 16, k / 2, 16] bytes, `scales` and `zeros` [n / 16, k / 32, 16] bf16. Returns 0, or -1 when
- * memory could not be allocated or the shapes are not the kernel's. */
-int int4_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *codes, const uint16_t *scales,
-                const uint16_t *zeros, int64_t n, uint16_t *out, int threads) {
-    if (rows < 1 || k % GROUP || n % TILE) return -1;
-    int64_t tiles = n / TILE, pairs = k / 2, groups = k / GROUP;
-    float *sums = malloc(sizeof(float) * (size_t)(rows * groups));
-    if (sums == NULL) return -1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) sum_groups(x, r, k, sums);
-        /* More rows than a block: the first block keeps the tile's code vectors for the others. */
-        __m512i *panel = rows > ROW_BLOCK ? aligned_alloc(64, sizeof(__m512i) * (size_t)pairs) : NULL;
-        if (rows > ROW_BLOCK && panel == NULL) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            if (rows > ROW_BLOCK && panel == NULL) continue;
-            const uint8_t *tile_codes = codes + t * pairs * TILE;
-            const uint16_t *tile_scales = scales + t * groups * TILE, *tile_zeros = zeros + t * groups * TILE;
-            for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
-                int block = rows - r < ROW_BLOCK ? (int)(rows - r) : ROW_BLOCK;
-                enum source source = rows <= ROW_BLOCK ? WIDEN : r == 0 ? WIDEN_AND_KEEP : PANEL;
-                multiply_rows(x + r * k, sums + r * groups, k, block, source, tile_codes, tile_scales,
-                              tile_zeros, panel, out + r * n + t * TILE, n);
-            }
-        }
-        free(panel);
-    }
-    free(sums);
-    return failed ? -1 : 0;
+static void prepare_row(const uint16_t *x, int64_t row, int64_t k, row_t *copy, float *sums) {
+    (void)copy;
+    sum_groups(x, row, k, sums);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -179,7 +154,6 @@ static inline void widen_pair(const uint8_t *codes, __m256 *w) {
     w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
 }
 
-enum source { WIDEN, WIDEN_AND_KEEP, PANEL };
 
 /* out[r, 0..15] for `rows` (1..AVX2_ROWS) rows of x (fp32) times one tile, as multiply_block above; `panel` holds
  * four vectors per input pair. */
@@ -245,42 +219,60 @@ static void widen_row(const uint16_t *x, int64_t row, int64_t k, float *xf, floa
     }
 }
 
+#define HAS_KERNEL
+enum { BLOCK_ROWS = AVX2_ROWS, PANEL_VECTORS = 4, ROWS_COPIED = 1 };
+typedef float row_t;
+typedef __m256 panel_t;
+
+static void prepare_row(const uint16_t *x, int64_t row, int64_t k, row_t *copy, float *sums) {
+    widen_row(x, row, k, copy, sums);
+}
+
+#endif
+
+#ifdef HAS_KERNEL
 int available(void) { return 1; }
 
+/* out [rows, n] (bf16) = x [rows, k] (bf16, contiguous) times the tiled weight (n / 16 tiles; k a multiple of 32):
+ * `codes` [n / 16, k / 2, 16] bytes, `scales` and `zeros` [n / 16, k / 32, 16] bf16. Returns 0, or -1 when
+ * memory could not be allocated or the shapes are not the kernel's. */
 int int4_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *codes, const uint16_t *scales,
                 const uint16_t *zeros, int64_t n, uint16_t *out, int threads) {
     if (rows < 1 || k % GROUP || n % TILE) return -1;
     int64_t tiles = n / TILE, pairs = k / 2, groups = k / GROUP;
     float *sums = malloc(sizeof(float) * (size_t)(rows * groups));
-    float *xf = aligned_alloc(32, sizeof(float) * (size_t)(rows * k));
-    if (sums == NULL || xf == NULL) {
+    /* The rows as this build multiplies them: x itself, or a copy widened to fp32. */
+    row_t *copy = ROWS_COPIED ? aligned_alloc(64, sizeof(row_t) * (size_t)(rows * k)) : NULL;
+    const row_t *xr = ROWS_COPIED ? copy : (const row_t *)(const void *)x;
+    if (sums == NULL || (ROWS_COPIED && copy == NULL)) {
         free(sums);
-        free(xf);
+        free(copy);
         return -1;
     }
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) widen_row(x, r, k, xf, sums);
-        __m256 *panel = rows > AVX2_ROWS ? aligned_alloc(32, sizeof(__m256) * 4 * (size_t)pairs) : NULL;
-        if (rows > AVX2_ROWS && panel == NULL) failed = 1;
+        for (int64_t r = 0; r < rows; r++) prepare_row(x, r, k, copy, sums);
+        /* More rows than a block: the first block keeps the tile's widened codes for the others. */
+        panel_t *panel = rows > BLOCK_ROWS ? aligned_alloc(64, sizeof(panel_t) * PANEL_VECTORS * (size_t)pairs) : NULL;
+        if (rows > BLOCK_ROWS && panel == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
-            if (rows > AVX2_ROWS && panel == NULL) continue;
+            if (rows > BLOCK_ROWS && panel == NULL) continue;
             const uint8_t *tile_codes = codes + t * pairs * TILE;
             const uint16_t *tile_scales = scales + t * groups * TILE, *tile_zeros = zeros + t * groups * TILE;
-            for (int64_t r = 0; r < rows; r += AVX2_ROWS) {
-                int block = rows - r < AVX2_ROWS ? (int)(rows - r) : AVX2_ROWS;
-                enum source source = rows <= AVX2_ROWS ? WIDEN : r == 0 ? WIDEN_AND_KEEP : PANEL;
-                multiply_rows(xf + r * k, sums + r * groups, k, block, source, tile_codes, tile_scales,
+            for (int64_t r = 0; r < rows; r += BLOCK_ROWS) {
+                int block = rows - r < BLOCK_ROWS ? (int)(rows - r) : BLOCK_ROWS;
+                enum source source = rows <= BLOCK_ROWS ? WIDEN : r == 0 ? WIDEN_AND_KEEP : PANEL;
+                multiply_rows(xr + r * k, sums + r * groups, k, block, source, tile_codes, tile_scales,
                               tile_zeros, panel, out + r * n + t * TILE, n);
             }
         }
         free(panel);
     }
     free(sums);
-    free(xf);
+    free(copy);
     return failed ? -1 : 0;
 }
 
