@@ -1,4 +1,5 @@
-/* Rows times an int4 weight (Q4_1 groups of 32) on a CPU with AVX512-BF16 (or AVX2 and FMA, at the end). See cpu_int4_matmul.py for when and why.
+/* Rows times an int4 weight (Q4_1 groups of 32) on a CPU with AVX512-BF16 (or AVX2, with the rows rounded to
+ * integers: at the end). See cpu_int4_matmul.py for when and why.
  *
  * The weight comes in tiles of 16 output rows: for each pair of inputs (2p, 2p+1), 16 bytes, byte j holding the
  * codes of output row 16t + j for input 2p (low nibble) and 2p + 1 (high nibble); beside them, per tile and
@@ -105,9 +106,9 @@ static void sum_groups(const uint16_t *x, int64_t row, int64_t k, float *sums) {
 }
 
 /* What the shared driver below needs from this build: rows per block, the panel's vectors per input pair, the
- * rows as multiplied (bf16, read in place) and each row's group sums. */
+ * rows as multiplied (bf16, read in place) and the floats kept per row and group (its sum). */
 #define HAS_KERNEL
-enum { BLOCK_ROWS = ROW_BLOCK, PANEL_VECTORS = 1, ROWS_COPIED = 0 };
+enum { BLOCK_ROWS = ROW_BLOCK, PANEL_VECTORS = 1, ROWS_COPIED = 0, FLOATS_PER_GROUP = 1, ROW_LEVELS = 0 };
 typedef uint16_t row_t;
 typedef __m512i panel_t;
 
@@ -118,15 +119,25 @@ static void prepare_row(const uint16_t *x, int64_t row, int64_t k, row_t *copy, 
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include <string.h>
 
-/* AVX2: the same layout and arithmetic with eight fp32 lanes and no bf16 dot product. The rows are widened to
- * fp32 once per call; per input pair the 16 rows' (code - 8) become four fp32 vectors (inputs 2p and 2p + 1,
- * output rows 0..7 and 8..15), and each row adds its two inputs (broadcast) times them by four FMAs: products
- * exact, sums in fp32, as above. The codes are taken as they are (0..15) and the 8 subtracted once per group, as
- * zero - 8 * scale in fp32: four integer subtractions fewer per pair, the widening being the one-row step's
- * bound here. 16 vector registers: a block of AVX2_ROWS rows keeps two accumulators each beside the four weight
- * vectors and two broadcasts. */
-enum { AVX2_ROWS = 4 };
+/* AVX2: the same layout, with integer products. AVX2 has no bf16 dot product, and widening every code to fp32
+ * for fp32 FMAs bound the one-row step (a one-row pass took as long on weights held in the caches). So each call
+ * rounds every row to integers per group of 32 inputs, v = round(x * LEVELS / max|x|) (x ~ v * step, step =
+ * max|x| / LEVELS in fp32, beside the group's exact fp32 sum), and splits each as v = 128 * high + low (high in
+ * -127..127, low in -64..63): two signed bytes. The codes, 0..15 as they are, multiply both by `vpmaddubsw`
+ * (unsigned times signed bytes, 32 a time, pairs summed in 16 bits) into exact integer sums, and a group adds
+ * scale * step * sum(code * v) + (zero - 8 * scale) * sum(x) in fp32. With LEVELS = 127 * 128 an input is off
+ * by at most max|x| / 32512: finer than the bf16 rows of the other build for all but the group's smallest
+ * inputs. (One byte per input, as llama.cpp rounds its activations, was faster still at many rows, but moved
+ * the default model's logits past the engine's own check against the dense forward.)
+ *
+ * Per two input pairs, the 16 rows' 32 bytes of codes become two vectors of (code 2p, code 2p + 1) byte pairs:
+ * rows 0..7 and 8..15, pair p in the low 128 bits and p + 1 in the high (`vpunpck*bw` work within the halves);
+ * a row's four inputs' high (or low) bytes are laid out to match. A 16-bit lane adds the 8 pairs of a group's
+ * half: at most 8 * 2 * 15 * 127, no overflow. 16 vector registers: a row takes four accumulators, so a block
+ * is two rows (with four, 32 rows took longer). */
+enum { AVX2_ROWS = 2, LEVELS = 127 * 128 };
 
 static inline __m256 load_bf16x8(const uint16_t *values) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)values)), 16));
@@ -143,24 +154,44 @@ static inline __m128i to_bf16x8(__m256 values) {
     return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
 }
 
-/* The 16 rows' codes for input 2p (w[0]: rows 0..7, w[1]: rows 8..15) and 2p + 1 (w[2], w[3]), in fp32. */
-static inline void widen_pair(const uint8_t *codes, __m256 *w) {
-    const __m256i low = _mm256_set1_epi32(0x0F);
-    __m128i bytes = _mm_loadu_si128((const __m128i *)codes);
-    __m256i first = _mm256_cvtepu8_epi32(bytes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, low));
-    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, low));
-    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
-    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
+/* Input pairs p and p + 1 of the 16 rows (32 bytes of codes) as byte pairs (code 2p, code 2p + 1):
+ * w[0] rows 0..7, w[1] rows 8..15, pair p in the low 128 bits and pair p + 1 in the high. */
+static inline void widen_pairs(const uint8_t *codes, __m256i *w) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)codes);
+    __m256i first = _mm256_and_si256(bytes, low), second = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    w[0] = _mm256_unpacklo_epi8(first, second);
+    w[1] = _mm256_unpackhi_epi8(first, second);
 }
 
+/* A row's inputs 4q..4q + 3 as stored by round_row() (their four high bytes, then their four low ones) laid out
+ * against widen_pairs(): parts[0] the high bytes, parts[1] the low, each with inputs (4q, 4q + 1) in every
+ * 16-bit lane of the low 128 bits and (4q + 2, 4q + 3) in the high. */
+static inline void spread_quad(const int8_t *quad, __m256i *parts) {
+    const __m256i high = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    const __m256i low = _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
+                                         6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7);
+    int64_t bytes;
+    memcpy(&bytes, quad, sizeof bytes);
+    __m256i all = _mm256_set1_epi64x(bytes);
+    parts[0] = _mm256_shuffle_epi8(all, high);
+    parts[1] = _mm256_shuffle_epi8(all, low);
+}
 
-/* out[r, 0..15] for `rows` (1..AVX2_ROWS) rows of x (fp32) times one tile, as multiply_block above; `panel` holds
- * four vectors per input pair. */
+/* 16 lanes of sums (lane j: a row's for pair p in the low half, p + 1 in the high) as the 8 rows' int32 sums. */
+static inline __m256i add_halves(__m256i sums) {
+    return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sums)),
+                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums, 1)));
+}
+
+/* out[r, 0..15] for `rows` (1..AVX2_ROWS) rows of x (round_row()'s bytes, 2k per row) times one tile, as
+ * multiply_block above; `steps` holds each row's (sum, step) per group; `panel` two vectors per two input pairs. */
 static inline __attribute__((always_inline)) void multiply_block(
-        const float *x, const float *sums, int64_t k, int rows, enum source source, const uint8_t *codes,
-        const uint16_t *scales, const uint16_t *zeros, __m256 *panel, uint16_t *out, int64_t n) {
+        const int16_t *x, const float *steps, int64_t k, int rows, enum source source, const uint8_t *codes,
+        const uint16_t *scales, const uint16_t *zeros, __m256i *panel, uint16_t *out, int64_t n) {
     int64_t groups = k / GROUP;
+    const int8_t *bytes = (const int8_t *)x;
     __m256 total[AVX2_ROWS][2];
     for (int r = 0; r < rows; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
     for (int64_t group = 0; group < groups; group++) {
@@ -168,70 +199,117 @@ static inline __attribute__((always_inline)) void multiply_block(
             const char *ahead = (const char *)(codes + group * 16 * TILE) + PREFETCH_BYTES;
             for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
         }
-        __m256 acc[AVX2_ROWS][2];
-        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        for (int64_t p = 16 * group; p < 16 * group + 16; p++) {
-            __m256 own[4];
-            __m256 *w = source == WIDEN ? own : panel + 4 * p;
-            if (source != PANEL) widen_pair(codes + p * TILE, w);
+        /* Per row, the high and the low bytes' sums for rows 0..7 and 8..15. */
+        __m256i high[AVX2_ROWS][2], low[AVX2_ROWS][2];
+        for (int r = 0; r < rows; r++) high[r][0] = high[r][1] = low[r][0] = low[r][1] = _mm256_setzero_si256();
+        for (int64_t q = 8 * group; q < 8 * group + 8; q++) {  /* input pairs 2q and 2q + 1 */
+            __m256i own[2];
+            __m256i *w = source == WIDEN ? own : panel + 2 * q;
+            if (source != PANEL) widen_pairs(codes + 2 * q * TILE, w);
             for (int r = 0; r < rows; r++) {
-                __m256 x0 = _mm256_broadcast_ss(x + r * k + 2 * p), x1 = _mm256_broadcast_ss(x + r * k + 2 * p + 1);
-                acc[r][0] = _mm256_fmadd_ps(w[2], x1, _mm256_fmadd_ps(w[0], x0, acc[r][0]));
-                acc[r][1] = _mm256_fmadd_ps(w[3], x1, _mm256_fmadd_ps(w[1], x0, acc[r][1]));
+                __m256i parts[2];
+                spread_quad(bytes + 2 * r * k + 8 * q, parts);
+                for (int half = 0; half < 2; half++) {
+                    high[r][half] = _mm256_add_epi16(high[r][half], _mm256_maddubs_epi16(w[half], parts[0]));
+                    low[r][half] = _mm256_add_epi16(low[r][half], _mm256_maddubs_epi16(w[half], parts[1]));
+                }
             }
         }
         for (int half = 0; half < 2; half++) {
             __m256 scale = load_bf16x8(scales + group * TILE + 8 * half), zero = load_bf16x8(zeros + group * TILE + 8 * half);
             zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);  /* the codes' 8 moved here */
-            for (int r = 0; r < rows; r++)
-                total[r][half] = _mm256_fmadd_ps(zero, _mm256_set1_ps(sums[r * groups + group]),
-                                                 _mm256_fmadd_ps(acc[r][half], scale, total[r][half]));
+            for (int r = 0; r < rows; r++) {
+                const float *row_steps = steps + 2 * (r * groups + group);
+                __m256i products = _mm256_add_epi32(_mm256_slli_epi32(add_halves(high[r][half]), 7), add_halves(low[r][half]));
+                total[r][half] = _mm256_fmadd_ps(zero, _mm256_set1_ps(row_steps[0]),
+                                                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(products),
+                                                                 _mm256_mul_ps(scale, _mm256_set1_ps(row_steps[1])),
+                                                                 total[r][half]));
+            }
         }
     }
     for (int r = 0; r < rows; r++)
         for (int half = 0; half < 2; half++) _mm_storeu_si128((__m128i *)(out + r * n + 8 * half), to_bf16x8(total[r][half]));
 }
 
-static void multiply_rows(const float *x, const float *sums, int64_t k, int rows, enum source source,
-                          const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, __m256 *panel,
+static void multiply_rows(const int16_t *x, const float *steps, int64_t k, int rows, enum source source,
+                          const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, __m256i *panel,
                           uint16_t *out, int64_t n) {
     switch (source * 100 + rows) {
-#define BLOCK(S, R) case S * 100 + R: multiply_block(x, sums, k, R, S, codes, scales, zeros, panel, out, n); break;
-#define BLOCKS(S) BLOCK(S, 1) BLOCK(S, 2) BLOCK(S, 3) BLOCK(S, 4)
+#define BLOCK(S, R) case S * 100 + R: multiply_block(x, steps, k, R, S, codes, scales, zeros, panel, out, n); break;
+#define BLOCKS(S) BLOCK(S, 1) BLOCK(S, 2)
         BLOCKS(WIDEN) BLOCK(WIDEN_AND_KEEP, AVX2_ROWS) BLOCKS(PANEL)
 #undef BLOCKS
 #undef BLOCK
     }
 }
 
-/* Row `row` of x widened to fp32 into xf, and its sums over each group of inputs into sums. */
-static void widen_row(const uint16_t *x, int64_t row, int64_t k, float *xf, float *sums) {
+static inline float add_lanes(__m256 values) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(values), _mm256_extractf128_ps(values, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+static inline float largest_lane(__m256 values) {
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(values), _mm256_extractf128_ps(values, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
+/* 32 int32 values (four vectors of 8, in order) saturated to bytes, in order. */
+static inline __m256i pack_bytes(const __m256i *values) {
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(values[0], values[1]), _mm256_packs_epi32(values[2], values[3]));
+    return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  /* the packs work per half */
+}
+
+/* Row `row` of x rounded per group (see above) into its 2k bytes of `rounded` (per four inputs, their high bytes
+ * then their low ones), and each group's (fp32 sum, step) into `steps`. */
+static void round_row(const uint16_t *x, int64_t row, int64_t k, int16_t *rounded, float *steps) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t g = 0; g < k / GROUP; g++) {
-        __m256 sum = _mm256_setzero_ps();
-        for (int part = 0; part < GROUP; part += 8) {
-            __m256 values = load_bf16x8(x + row * k + g * GROUP + part);
-            _mm256_storeu_ps(xf + row * k + g * GROUP + part, values);
-            sum = _mm256_add_ps(sum, values);
+        __m256 values[4], sum = _mm256_setzero_ps(), largest = _mm256_setzero_ps();
+        for (int part = 0; part < 4; part++) {
+            values[part] = load_bf16x8(x + row * k + g * GROUP + 8 * part);
+            sum = _mm256_add_ps(sum, values[part]);
+            largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, values[part]));
         }
-        __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-        half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        sums[row * (k / GROUP) + g] = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+        float most = largest_lane(largest);
+        __m256 inverse = _mm256_set1_ps(most > 0.0f ? (float)LEVELS / most : 0.0f);
+        __m256i high[4], low[4];
+        for (int part = 0; part < 4; part++) {
+            __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(values[part], inverse));
+            high[part] = _mm256_srai_epi32(_mm256_add_epi32(v, _mm256_set1_epi32(64)), 7);  /* round(v / 128) */
+            low[part] = _mm256_sub_epi32(v, _mm256_slli_epi32(high[part], 7));
+        }
+        __m256i highs = pack_bytes(high), lows = pack_bytes(low);
+        /* Per four inputs, four high bytes then four low: unpack works per 128-bit half (quads 0, 1, 4, 5 in the
+         * first vector, 2, 3, 6, 7 in the second). */
+        __m256i first = _mm256_unpacklo_epi32(highs, lows), second = _mm256_unpackhi_epi32(highs, lows);
+        int8_t *out = (int8_t *)(rounded + row * k + g * GROUP);
+        _mm256_storeu_si256((__m256i *)out, _mm256_permute2x128_si256(first, second, 0x20));
+        _mm256_storeu_si256((__m256i *)(out + 32), _mm256_permute2x128_si256(first, second, 0x31));
+        steps[2 * (row * (k / GROUP) + g)] = add_lanes(sum);
+        steps[2 * (row * (k / GROUP) + g) + 1] = most / (float)LEVELS;
     }
 }
 
+/* The driver's needs, as above: each row rounded to two bytes per input, a group's sum and step kept. */
 #define HAS_KERNEL
-enum { BLOCK_ROWS = AVX2_ROWS, PANEL_VECTORS = 4, ROWS_COPIED = 1 };
-typedef float row_t;
-typedef __m256 panel_t;
+enum { BLOCK_ROWS = AVX2_ROWS, PANEL_VECTORS = 1, ROWS_COPIED = 1, FLOATS_PER_GROUP = 2, ROW_LEVELS = LEVELS };
+typedef int16_t row_t;
+typedef __m256i panel_t;
 
-static void prepare_row(const uint16_t *x, int64_t row, int64_t k, row_t *copy, float *sums) {
-    widen_row(x, row, k, copy, sums);
+static void prepare_row(const uint16_t *x, int64_t row, int64_t k, row_t *copy, float *steps) {
+    round_row(x, row, k, copy, steps);
 }
 
 #endif
 
 #ifdef HAS_KERNEL
 int available(void) { return 1; }
+
+/* LEVELS where the rows are rounded to integers per group (the AVX2 build), 0 where they are multiplied as bf16. */
+int row_levels(void) { return ROW_LEVELS; }
 
 /* out [rows, n] (bf16) = x [rows, k] (bf16, contiguous) times the tiled weight (n / 16 tiles; k a multiple of 32):
  * `codes` [n / 16, k / 2, 16] bytes, `scales` and `zeros` [n / 16, k / 32, 16] bf16. Returns 0, or -1 when
@@ -240,9 +318,9 @@ int int4_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *codes
                 const uint16_t *zeros, int64_t n, uint16_t *out, int threads) {
     if (rows < 1 || k % GROUP || n % TILE) return -1;
     int64_t tiles = n / TILE, pairs = k / 2, groups = k / GROUP;
-    float *sums = malloc(sizeof(float) * (size_t)(rows * groups));
-    /* The rows as this build multiplies them: x itself, or a copy widened to fp32. */
-    row_t *copy = ROWS_COPIED ? aligned_alloc(64, sizeof(row_t) * (size_t)(rows * k)) : NULL;
+    float *sums = malloc(sizeof(float) * FLOATS_PER_GROUP * (size_t)(rows * groups));
+    /* The rows as this build multiplies them: x itself, or a copy rounded to integers. */
+    row_t *copy = ROWS_COPIED ? aligned_alloc(64, (sizeof(row_t) * (size_t)(rows * k) + 63) / 64 * 64) : NULL;
     const row_t *xr = ROWS_COPIED ? copy : (const row_t *)(const void *)x;
     if (sums == NULL || (ROWS_COPIED && copy == NULL)) {
         free(sums);
@@ -265,7 +343,7 @@ int int4_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *codes
             for (int64_t r = 0; r < rows; r += BLOCK_ROWS) {
                 int block = rows - r < BLOCK_ROWS ? (int)(rows - r) : BLOCK_ROWS;
                 enum source source = rows <= BLOCK_ROWS ? WIDEN : r == 0 ? WIDEN_AND_KEEP : PANEL;
-                multiply_rows(xr + r * k, sums + r * groups, k, block, source, tile_codes, tile_scales,
+                multiply_rows(xr + r * k, sums + r * groups * FLOATS_PER_GROUP, k, block, source, tile_codes, tile_scales,
                               tile_zeros, panel, out + r * n + t * TILE, n);
             }
         }
@@ -279,6 +357,8 @@ int int4_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *codes
 #else
 
 int available(void) { return 0; }
+
+int row_levels(void) { return 0; }
 
 int int4_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *codes, const uint16_t *scales,
                 const uint16_t *zeros, int64_t n, uint16_t *out, int threads) {

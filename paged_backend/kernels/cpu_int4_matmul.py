@@ -3,13 +3,17 @@
 torch's int4 kernel (`_weight_int4pack_mm_for_cpu`) is built for one row: past it, it widens the codes again
 for every few rows, so its rate stops growing with the rows and a few dozen rows took longer than a dense bf16
 matmul. The kernel in cpu_int4_matmul.c widens each code once per call and multiplies it with every row by
-AVX512-BF16 dot products (on an AVX2 CPU, fp32 FMAs on the rows widened to fp32), scaling each group's sums in
-fp32: faster than torch's kernel at every row count, and than the dense copy up to about 128 rows, past which the
-dense copy leads (docs/benchmarks.md has the times; `python benchmarks/cpu_int4_batch.py`).
+AVX512-BF16 dot products, scaling each group's sums in fp32: faster than torch's kernel at every row count, and
+than the dense copy up to about 128 rows, past which the dense copy leads (docs/benchmarks.md has the times;
+`python benchmarks/cpu_int4_batch.py`). Its arithmetic there is torch's kernel's: the rows rounded to bf16, the
+weights (code - 8) * scale + zero in fp32 (never rounded to bf16), products and sums in fp32, the output rounded
+to bf16.
 
-Its arithmetic is torch's kernel's: the rows rounded to bf16, the weights (code - 8) * scale + zero in fp32
-(never rounded to bf16), products and sums in fp32, the output rounded to bf16. A row's output does not depend
-on the other rows of the call, so a request's tokens do not depend on what it is batched with.
+On an AVX2 CPU (no bf16 dot product) the kernel rounds each row to integers per group of 32 inputs (16,256
+levels each side of zero, two bytes an input) and multiplies the codes by them in integers (`vpmaddubsw`): the
+widening of codes to fp32 bound the one-row step there, and byte products take fewer instructions. An input is
+off by at most 1/32,512 of its group's largest; `reference()` is that arithmetic in PyTorch. Either way a row's
+output does not depend on the other rows of the call, so a request's tokens do not depend on what it is batched with.
 
 Needs AVX512-BF16, or AVX2 with FMA (`available()`); built on the user's machine like the other CPU kernels
 (cpu_build.py).
@@ -54,6 +58,29 @@ def tile(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> TiledW
         return values.to(torch.bfloat16).view(tiles, TILE, -1).transpose(1, 2).contiguous()
 
     return TiledWeight(packed, by_tile(scale), by_tile(zero))
+
+
+def row_levels() -> int:
+    """The levels each side of zero the kernel here rounds a row's group of inputs to (the AVX2 build), or 0 where
+    it multiplies the rows as bf16 (or does not run)."""
+    lib = library()
+    return 0 if lib is None else lib.row_levels()
+
+
+def reference(rows: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+              levels: int) -> torch.Tensor:
+    """The AVX2 build's arithmetic, in fp64 before the output's rounding, on bf16 `rows [n, in]`, `codes [out,
+    in]` and bf16 `scale`, `zero [out, in / 32]`: each row's group of 32 inputs rounded to `v = round(x * (levels
+    / max|x|))` (fp32, ties to even), so `x ~ v * step` with `step = max|x| / levels`; a group adds
+    `scale * step * sum(code * v) + (zero - 8 * scale) * sum(x)`."""
+    x = rows.float().view(rows.shape[0], -1, 32)
+    largest = x.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, torch.full_like(largest, levels) / largest, torch.zeros_like(largest))
+    v = torch.round(x * inverse).double()
+    step = (largest / levels).double().squeeze(-1)  # [n, groups]
+    products = torch.einsum("ngi,ogi->nog", v, codes.double().view(codes.shape[0], -1, 32))
+    scale, zero = scale.double(), zero.double()
+    return (products * scale * step[:, None, :] + (zero - 8 * scale) * x.double().sum(-1)[:, None, :]).sum(-1)
 
 
 def untile(tiled: TiledWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,6 +132,8 @@ def library() -> ctypes.CDLL | None:
 def declare(lib: ctypes.CDLL) -> None:
     lib.available.argtypes = []
     lib.available.restype = ctypes.c_int
+    lib.row_levels.argtypes = []
+    lib.row_levels.restype = ctypes.c_int
     lib.int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.int4_matmul.restype = ctypes.c_int

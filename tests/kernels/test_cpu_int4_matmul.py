@@ -1,6 +1,7 @@
 """The compiled CPU int4 matmul (kernels/cpu_int4_matmul.py): bf16 rows times Q4_1-grouped int4 codes equal the
-fp32 product with the dequantized weight to within the bf16 rounding of the output, for row counts on both
-sides of the kernel's row blocks and shapes of one or many tiles and groups; a row's output does not depend on
+fp32 product with the dequantized weight to within the bf16 rounding of the output (the AVX2 build: its
+rounded-rows arithmetic, `reference()`, and the fp32 product to within that rounding's bound), for row counts on
+both sides of the kernel's row blocks and shapes of one or many tiles and groups; a row's output does not depend on
 the rows beside it; the tiled layout holds the codes, scales and zeros as given; Int4Linear multiplies through
 it at every row count up to its dense threshold, and a layer made with the kernel switched off has no tiles."""
 
@@ -34,9 +35,20 @@ def test_products_equal_the_fp32_product_to_within_the_outputs_rounding(rows: in
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
     got = cpu_int4_matmul.int4_matmul(x, *cpu_int4_matmul.tile(codes, scale, zero))
     assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
-    expected = x.double() @ dequantize(codes, scale, zero).double().T
-    # The weights in fp32 as torch's kernel takes them (not rounded to bf16), sums in fp32: the output's
-    # rounding to bf16 (2^-9 relative) is the error, with a margin for the fp32 sums.
+    product = x.double() @ dequantize(codes, scale, zero).double().T
+    levels = cpu_int4_matmul.row_levels()
+    if levels:
+        # Each input off by at most half its group's step (max|x| / levels): the product off by at most the
+        # weights' magnitudes times that, plus the output's rounding.
+        step = x.double().view(rows, -1, 32).abs().amax(-1) / levels  # [rows, groups]
+        magnitudes = dequantize(codes, scale, zero).double().abs().view(shape[0], -1, 32).sum(-1)  # [out, groups]
+        bound = (step / 2) @ magnitudes.T
+        assert ((got.double() - product).abs() <= bound + 2.0**-8 * product.abs()).all()
+        expected = cpu_int4_matmul.reference(x, codes, scale, zero, levels)
+    else:
+        expected = product
+    # The weights in fp32 (not rounded to bf16), sums in fp32: the output's rounding to bf16 (2^-9 relative) is
+    # the error, with a margin for the fp32 sums.
     tolerance = 2.0**-8 * expected.abs() + 1e-4 * expected.abs().max()
     assert ((got.double() - expected).abs() <= tolerance).all()
 

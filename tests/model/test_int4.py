@@ -83,7 +83,12 @@ def test_codes_come_back_exactly_where_bf16_holds_them() -> None:
     assert torch.equal(layer.weight_float(), codes.float() * 0.125 - 1.0)
     x = torch.randn(1, 64).bfloat16()
     small = layer(x.float())  # the int4 kernel
-    dense = F.linear(x.float(), codes.float() * 0.125 - 1.0)
+    if layer.tiles is not None and cpu_int4_matmul.row_levels():
+        # The AVX2 build rounds the row to integers: its own arithmetic, not the bf16 row's.
+        scale_and_zero = (scales.bfloat16(), (offsets + 8 * scales).bfloat16())
+        dense = cpu_int4_matmul.reference(x, codes, *scale_and_zero, cpu_int4_matmul.row_levels()).float()
+    else:
+        dense = F.linear(x.float(), codes.float() * 0.125 - 1.0)
     assert torch.allclose(small, dense, atol=1e-2 * dense.abs().max().item())
 
 
@@ -193,8 +198,11 @@ def test_llm_int4_quantizes_in_place_close_to_the_float_weights() -> None:
 def test_int4_compiles_once_for_small_and_large_steps() -> None:
     """Prompts the kernel takes and one past the dense threshold run without a recompile, and the compiled
     model gives the prompts' log-probabilities eager HF gives. Not greedy text: the kernel's rows are rounded
-    to bf16, so an fp32 ulp of difference in a fused norm can move a row by a bf16 step, and a random
-    model's greedy answers part at its near-ties."""
+    (to bf16, or per group on AVX2), so an fp32 ulp of difference in a fused norm can move a row by a rounding
+    step, and a random model's greedy answers part at its near-ties. Nor to the last few hundredths: a step
+    past the kernel's rows (the engine's batched prefill) multiplies the rows unrounded, where HF's own
+    per-prompt forward takes the kernel; this random model amplifies that rounding to up to 0.06 (measured,
+    with either rounding)."""
     torch._dynamo.reset()
     model = build("llama")
     quantize_weights(model, "int4")
@@ -209,7 +217,7 @@ def test_int4_compiles_once_for_small_and_large_steps() -> None:
     assert llm.engine.runner.forward_model.eager_steps == 0, "a step fitted no compiled graph and ran eagerly"
     for prompt, out, reference in zip(prompts, outs, expected):
         got = [entry[token].logprob for token, entry in zip(prompt[1:], out.prompt_logprobs[1:])]
-        assert got == pytest.approx(reference, rel=1e-2, abs=2e-2)  # unrelated logits would be far off
+        assert got == pytest.approx(reference, rel=1e-2, abs=5e-2)  # unrelated logits would be far off
         assert len(out.outputs[0].token_ids) == 8
 
 
