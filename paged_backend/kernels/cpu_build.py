@@ -1,11 +1,14 @@
 """Building the engine's CPU kernels: C sources compiled on the user's machine, once, and kept.
 
 A kernel's source (`cpu_*.c` beside this file) is compiled with the machine's C compiler (`$CC`, else `cc`)
-for the machine's own instructions (`-march=native`, OpenMP from torch's runtime). The library is kept
-under the cache folder (`kernels/<source name>-<key>.so`), keyed by the source, the compiler and the CPU's
-instruction sets, so a later process loads it; a cache folder that cannot be written gets a library built
-in a temporary folder, used and not kept. Without a compiler, or with `PAGED_BACKEND_CPU_KERNEL=0`, no
-kernel loads and their callers run PyTorch ops, as each says once.
+for the machine's own instructions (`-march=native`, OpenMP from torch's runtime). A torch op's C++ kernel
+(`cpu_*_op.cpp`: an op the dispatcher calls without entering Python) is compiled with the C++ compiler
+(`$CXX`, else `c++`) against torch's own headers and libraries (`load_op`). The library is kept under the
+cache folder (`kernels/<source name>-<key>.so`), keyed by the source, the compiler, the CPU's instruction sets
+and, for an op, torch's version, so a later process loads it; a cache folder that cannot be written gets a
+library built in a temporary folder, used and not kept. Without a compiler, or with
+`PAGED_BACKEND_CPU_KERNEL=0`, no kernel loads and their callers run PyTorch ops (an op, its Python kernel), as
+each says once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import torch
 
 from paged_backend.cache_folder import cache_dir, cpu_flags
 
@@ -59,12 +64,44 @@ def load(source: Path, declare: Callable[[ctypes.CDLL], None], what: str) -> cty
     return lib
 
 
+def load_op(source: Path, kernel_address: int, what: str) -> bool:
+    """Load the C++ op kernels built from `source` into torch's dispatcher, handing them the C kernel at
+    `kernel_address` (their `set_kernel`). False when they cannot be built or loaded (said once, naming `what`
+    runs instead)."""
+    try:
+        path = built_library(source)
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("the CPU op %s could not be built (%s); %s", source.name, describe(exc), what)
+        return False
+    ctypes.CDLL(str(path)).set_kernel(ctypes.c_void_p(kernel_address))
+    return True
+
+
+def compile_command(source: Path) -> list[str]:
+    """The command that compiles `source` (C, or an op's C++ against torch) to a shared library, less its
+    output path."""
+    if source.suffix == ".c":
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+        return [compiler, "-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", str(source)]
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise OSError("no C++ compiler (c++, g++ or $CXX) on PATH")
+    from torch.utils import cpp_extension  # imported here: it loads setuptools, which most processes never need
+
+    return [compiler, "-O2", "-std=c++20", "-shared", "-fPIC", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-I{folder}" for folder in cpp_extension.include_paths()), str(source),
+            *(f"-L{folder}" for folder in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
+
+
 def built_library(source: Path) -> Path:
     """The library for `source`, this compiler and this CPU, compiled now unless the cache folder has it."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
-    key = hashlib.sha256(repr((source.read_bytes(), compiler, platform.machine(), cpu_flags())).encode()).hexdigest()
+    command = compile_command(source)
+    key = hashlib.sha256(repr((source.read_bytes(), command, platform.machine(), cpu_flags(),
+                               torch.__version__)).encode()).hexdigest()
     target = cache_dir() / "kernels" / f"{source.stem}-{key[:16]}.so"
     if target.is_file():
         return target
@@ -75,9 +112,8 @@ def built_library(source: Path) -> Path:
         target = Path(tempfile.mkdtemp(prefix="paged-backend-kernel-")) / target.name
         handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(handle)
-    command = [compiler, "-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", str(source), "-o", partial]
     try:
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+        subprocess.run([*command, "-o", partial], check=True, capture_output=True, text=True, timeout=300)
         os.replace(partial, target)  # whole or not at all: a second process may be loading it
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -32,6 +32,7 @@ import torch
 from . import cpu_build
 
 SOURCE = Path(__file__).with_suffix(".c")
+OP_SOURCE = Path(__file__).with_name("cpu_int4_op.cpp")  # the op's kernel in C++
 TILE = 16  # output rows per tile of the kernel's layout
 SWITCH = cpu_build.Switch()  # switched_off(): torch's kernel inside the block (tests, benchmarks)
 switched_off = SWITCH.switched_off
@@ -124,9 +125,19 @@ def int4_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use, or None (switched off, no compiler, or a CPU without
-    AVX512-BF16 or AVX2: the first two said once)."""
+    AVX512-BF16 or AVX2: the first two said once). Where it loads, the op's kernel in C++ replaces its Python
+    one (cpu_int4_op.cpp says why) where that builds too."""
     lib = cpu_build.load(SOURCE, declare, "int4 layers run through torch's kernel")
-    return lib if lib is not None and lib.available() else None
+    if lib is None or not lib.available():
+        return None
+    global op_kernel
+    address = ctypes.cast(lib.int4_matmul, ctypes.c_void_p).value
+    _python_kernel._destroy()  # the dispatcher takes one CPU kernel per op: the C++ one, or this one again
+    if cpu_build.load_op(OP_SOURCE, address, "the int4 op calls its kernel through Python"):
+        op_kernel = "C++"
+    else:
+        register_python_kernel()
+    return lib
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -137,3 +148,27 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.int4_matmul.restype = ctypes.c_int
+
+
+# The op a compiled step calls for an int4 projection: registered through torch.library's low-level API, not
+# `custom_op`, whose Python wrapping made each call markedly slower (docs/benchmarks.md). Its CPU kernel is the
+# Python function int4_matmul() until library() loads the C++ one.
+_definition = torch.library.Library("paged_backend", "FRAGMENT")
+_definition.define("int4_matmul(Tensor rows, Tensor codes, Tensor scales, Tensor zeros) -> Tensor")
+int4_matmul_op = torch.ops.paged_backend.int4_matmul.default
+_python_kernel = torch.library.Library("paged_backend", "IMPL")
+op_kernel = "Python"  # which kernel the op runs on CPU
+
+
+def register_python_kernel() -> None:
+    global _python_kernel
+    _python_kernel = torch.library.Library("paged_backend", "IMPL")
+    _python_kernel.impl("int4_matmul", int4_matmul, "CPU")
+
+
+register_python_kernel()
+
+
+@torch.library.register_fake("paged_backend::int4_matmul")
+def _(rows, codes, scales, zeros):
+    return rows.new_empty(rows.shape[0], codes.shape[0] * TILE)

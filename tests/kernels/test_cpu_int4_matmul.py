@@ -7,6 +7,11 @@ it at every row count up to its dense threshold, and a layer made with the kerne
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -97,3 +102,31 @@ def test_stacked_layers_tile_as_their_members() -> None:
     stack = Int4Linear.stacked(layers)
     x = torch.randn(5, 64).bfloat16()
     assert torch.equal(stack(x), torch.cat([layer(x) for layer in layers], -1))
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="needs a C++ compiler")
+def test_the_op_runs_its_cpp_kernel_with_the_same_products() -> None:
+    assert cpu_int4_matmul.op_kernel == "C++"
+    codes, scale, zero = weight(48, 96)
+    tiled = cpu_int4_matmul.tile(codes, scale, zero)
+    x = torch.randn(2 * BLOCK + 3, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(cpu_int4_matmul.int4_matmul_op(x, *tiled), cpu_int4_matmul.int4_matmul(x, *tiled))
+    assert torch.equal(cpu_int4_matmul.int4_matmul_op(x[:, ::1].t().contiguous().t(), *tiled),
+                       cpu_int4_matmul.int4_matmul(x, *tiled))  # rows not contiguous
+    with pytest.raises(RuntimeError, match="bf16 rows"):
+        cpu_int4_matmul.int4_matmul_op(x.float(), *tiled)
+
+
+def test_without_a_cpp_compiler_the_op_runs_its_python_kernel(tmp_path) -> None:
+    script = """
+import torch
+from paged_backend.kernels import cpu_int4_matmul as k
+assert k.library() is not None and k.op_kernel == "Python", k.op_kernel
+codes = torch.randint(0, 16, (32, 64)); scale = torch.rand(32, 2).bfloat16(); zero = torch.rand(32, 2).bfloat16()
+tiled = k.tile(codes, scale, zero); x = torch.randn(3, 64).bfloat16()
+assert torch.equal(k.int4_matmul_op(x, *tiled), k.int4_matmul(x, *tiled))
+"""
+    env = {**os.environ, "CXX": "/bin/false", "PAGED_BACKEND_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "the CPU op cpu_int4_op.cpp could not be built" in run.stderr

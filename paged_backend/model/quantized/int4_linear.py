@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import cpu_int4_matmul
-from paged_backend.kernels.cpu_int4_matmul import TILE, TiledWeight
+from paged_backend.kernels.cpu_int4_matmul import TILE, TiledWeight, int4_matmul_op
 from paged_backend.model.quantized.quantized_linear import (
     COMPUTE_DTYPE,
     NEVER_DENSE,
@@ -187,16 +187,3 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
     """fp32 `[out, in]` weights as the kernel sees them: (code - 8) * scale + zero per group."""
     groups = codes.float().view(codes.shape[0], -1, GROUP_SIZE)
     return ((groups - 8) * scale.float()[..., None] + zero.float()[..., None]).view(codes.shape)
-
-
-# Registered through torch.library's low-level API, not `custom_op`: a compiled step calls it once per int4
-# projection, and custom_op's Python wrapping made each call markedly slower (docs/benchmarks.md).
-_library = torch.library.Library("paged_backend", "FRAGMENT")
-_library.define("int4_matmul(Tensor rows, Tensor codes, Tensor scales, Tensor zeros) -> Tensor")
-_library.impl("int4_matmul", cpu_int4_matmul.int4_matmul, "CPU")
-int4_matmul_op = torch.ops.paged_backend.int4_matmul.default
-
-
-@torch.library.register_fake("paged_backend::int4_matmul")
-def _(rows, codes, scales, zeros):
-    return rows.new_empty(rows.shape[0], codes.shape[0] * TILE)
