@@ -24,6 +24,6 @@ def test_every_package_folder_is_packaged() -> None:
 def test_every_source_file_beside_the_modules_is_package_data() -> None:
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     data = setuptools.get("package-data", {})
-    for source in (ROOT / "paged_backend").rglob("*.c"):
+    for source in [*(ROOT / "paged_backend").rglob("*.c"), *(ROOT / "paged_backend").rglob("*.cpp")]:
         package = ".".join(["paged_backend", *source.parent.relative_to(ROOT / "paged_backend").parts])
         assert any(source.match(pattern) for pattern in data.get(package, [])), source
