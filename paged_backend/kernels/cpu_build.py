@@ -71,7 +71,7 @@ def load_op(source: Path, kernel_address: int, what: str) -> bool:
     try:
         path = built_library(source)
         torch.ops.load_library(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+    except (OSError, ImportError, RuntimeError, subprocess.SubprocessError) as exc:  # ImportError: no setuptools
         logger.warning("the CPU op %s could not be built (%s); %s", source.name, describe(exc), what)
         return False
     ctypes.CDLL(str(path)).set_kernel(ctypes.c_void_p(kernel_address))
