@@ -195,6 +195,14 @@ static inline const int32_t *row_value_pairs(const int32_t *x, int r, int64_t k)
     return (const int32_t *)(row_bytes(x, r, k) + 2 * k);
 }
 
+/* One group's scales and shifted zeros (zero - 8 * scale: the codes are taken as 0..15) for output rows 0..7
+ * (half 0) or 8..15 of the tile. */
+static inline void load_group(const uint16_t *scales, const uint16_t *zeros, int64_t group, int half, __m256 *scale,
+                              __m256 *shifted_zero) {
+    *scale = load_bf16x8(scales + group * TILE + 8 * half);
+    *shifted_zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), *scale, load_bf16x8(zeros + group * TILE + 8 * half));
+}
+
 /* A row's total for 8 output rows plus one group: scale * step * products + (zero - 8 * scale) * sum(x), where
  * `shifted_zero` is zero - 8 * scale and `row_steps` the group's (sum, step). */
 static inline __m256 add_group(__m256 total, __m256i products, __m256 scale, __m256 shifted_zero, const float *row_steps) {
@@ -236,8 +244,8 @@ static inline __attribute__((always_inline)) void multiply_block(
             }
         }
         for (int half = 0; half < 2; half++) {
-            __m256 scale = load_bf16x8(scales + group * TILE + 8 * half), zero = load_bf16x8(zeros + group * TILE + 8 * half);
-            zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);  /* the codes' 8 moved here */
+            __m256 scale, zero;
+            load_group(scales, zeros, group, half, &scale, &zero);
             for (int r = 0; r < rows; r++) {
                 __m256i products = _mm256_add_epi32(_mm256_slli_epi32(add_halves(high[r][half]), 7), add_halves(low[r][half]));
                 total[r][half] = add_group(total[r][half], products, scale, zero, steps + 2 * (r * groups + group));
@@ -269,8 +277,8 @@ static inline __attribute__((always_inline)) void multiply_panel_block(
             }
         }
         for (int half = 0; half < 2; half++) {
-            __m256 scale = load_bf16x8(scales + group * TILE + 8 * half), zero = load_bf16x8(zeros + group * TILE + 8 * half);
-            zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
+            __m256 scale, zero;
+            load_group(scales, zeros, group, half, &scale, &zero);
             for (int r = 0; r < rows; r++)
                 total[r][half] = add_group(total[r][half], acc[r][half], scale, zero, steps + 2 * (r * groups + group));
         }

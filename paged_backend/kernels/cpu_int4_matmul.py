@@ -130,13 +130,13 @@ def library() -> ctypes.CDLL | None:
     lib = cpu_build.load(SOURCE, declare, "int4 layers run through torch's kernel")
     if lib is None or not lib.available():
         return None
-    global op_kernel
+    global op_kernel, _python_kernel
     address = ctypes.cast(lib.int4_matmul, ctypes.c_void_p).value
     _python_kernel._destroy()  # the dispatcher takes one CPU kernel per op: the C++ one, or this one again
     if cpu_build.load_op(OP_SOURCE, address, "the int4 op calls its kernel through Python"):
         op_kernel = "C++"
     else:
-        register_python_kernel()
+        _python_kernel = register_python_kernel()
     return lib
 
 
@@ -156,17 +156,16 @@ def declare(lib: ctypes.CDLL) -> None:
 _definition = torch.library.Library("paged_backend", "FRAGMENT")
 _definition.define("int4_matmul(Tensor rows, Tensor codes, Tensor scales, Tensor zeros) -> Tensor")
 int4_matmul_op = torch.ops.paged_backend.int4_matmul.default
-_python_kernel = torch.library.Library("paged_backend", "IMPL")
 op_kernel = "Python"  # which kernel the op runs on CPU
 
 
-def register_python_kernel() -> None:
-    global _python_kernel
-    _python_kernel = torch.library.Library("paged_backend", "IMPL")
-    _python_kernel.impl("int4_matmul", int4_matmul, "CPU")
+def register_python_kernel() -> torch.library.Library:
+    kernel = torch.library.Library("paged_backend", "IMPL")
+    kernel.impl("int4_matmul", int4_matmul, "CPU")
+    return kernel
 
 
-register_python_kernel()
+_python_kernel = register_python_kernel()
 
 
 @torch.library.register_fake("paged_backend::int4_matmul")

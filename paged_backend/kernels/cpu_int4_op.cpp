@@ -18,14 +18,13 @@ using Kernel = int (*)(const uint16_t *rows, int64_t count, int64_t k, const uin
                        const uint16_t *zeros, int64_t n, uint16_t *out, int threads);
 Kernel kernel = nullptr;
 
-constexpr int64_t TILE = 16;  // output rows per tile of the codes' layout
-
 at::Tensor int4_matmul(const at::Tensor &rows, const at::Tensor &codes, const at::Tensor &scales,
                        const at::Tensor &zeros) {
     TORCH_CHECK(kernel != nullptr, "paged_backend::int4_matmul: the C kernel's address was not set");
     TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kBFloat16, "int4_matmul takes bf16 rows [n, in]");
     at::Tensor x = rows.contiguous();
-    at::Tensor out = at::empty({x.size(0), codes.size(0) * TILE}, x.options());
+    // codes [tiles, in / 2, rows per tile]
+    at::Tensor out = at::empty({x.size(0), codes.size(0) * codes.size(2)}, x.options());
     int failed = kernel(static_cast<const uint16_t *>(x.data_ptr()), x.size(0), x.size(1),
                         static_cast<const uint8_t *>(codes.data_ptr()), static_cast<const uint16_t *>(scales.data_ptr()),
                         static_cast<const uint16_t *>(zeros.data_ptr()), out.size(1),
