@@ -24,6 +24,7 @@ from paged_backend.core.outputs import RequestOutput, failed_output
 from paged_backend.core.pooling import PoolingParams
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.engine import Engine, Prompt
+from paged_backend.kernels import openmp
 from paged_backend.entrypoints.engine_client import Sink
 from paged_backend.model.lora import LoRAAdapter, LoRASpec
 from paged_backend.sampling.sampling_params import SamplingParams
@@ -47,6 +48,9 @@ class AsyncEngine:
         self.wakeup = threading.Event()
         self.stopped = threading.Event()
         self.ids = itertools.count()
+        # The engine thread's OpenMP team must be the only one: this thread's, kept from loading the model,
+        # would make every step's parallel regions wake sleeping workers (see kernels/openmp.py).
+        openmp.release_thread_team()
         self.thread = threading.Thread(target=self.run_loop, name="paged-backend-engine", daemon=True)
         self.thread.start()
 
