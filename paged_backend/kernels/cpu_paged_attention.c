@@ -106,7 +106,11 @@ static inline void load_row(const void *base, int dtype, int64_t row, int d, con
 /* Keys are taken LANES at a time: a chunk of up to LANES consecutive positions of one cache block, widened
  * to fp32 once for all the item's rows, which are scored and summed in tiles of TILE rows (that many
  * independent sums in flight). GCC's vector extensions lower to AVX-512, AVX2 or SSE. */
+#ifdef __AVX512F__
 #define LANES 16
+#else
+#define LANES 8 /* a vector of 16 floats would be two AVX2 registers, spilled as the tiles' sums grow */
+#endif
 #define TILE 4
 #define AHEAD_CHUNKS 2
 typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
@@ -154,9 +158,14 @@ static Scratch make_scratch(int rows, int d, void **owner) {
 }
 
 static inline float sum_lanes(lanes_t v) {
+#if LANES == 16
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+#else
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+#endif
     return v[0] + v[1];
 }
 

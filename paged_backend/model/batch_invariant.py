@@ -12,7 +12,7 @@ Two parts of a step sum in an order its shape chooses, and this mode fixes both:
   and PEFT's layers, added later, are covered too). `choose_min_rows` finds at start-up, for each weight shape
   of the model, the smallest of MIN_ROWS_TRIED above which this CPU's kernel gives every row the same sums.
 - Attention. Every query row attends through the CPU kernel (cpu_paged_attention.c), which folds a row's keys
-  in chunks at fixed positions (16 keys, cut at block ends) in one order, whatever other rows the call holds;
+  in chunks at fixed positions (16 keys with AVX-512, else 8; cut at block ends) in one order, whatever other rows the call holds;
   SDPA's blocked kernel and the bucketed matmuls split by the call's shape instead.
 
 Everything else a step runs is per row already (norms, rotary, activations, the sampler). The compiled forward
