@@ -1,8 +1,11 @@
-/* A few rows times an int8 weight with one scale per output row, on CPU. See cpu_int8_matmul.py for when and why.
+/* Rows times an int8 weight with one scale per output row, on CPU. See cpu_int8_matmul.py for when and why.
  *
  * With one to four rows the product is a pass over the weight's bytes: each output row's codes are read once,
  * widened to fp32 in registers and multiplied with every input row (kept in fp32, a few KB), so the weight
- * streams from memory once, in order. The output rows are split into one contiguous range per thread of
+ * streams from memory once, in order. With more rows the output rows go QUAD at a time: their codes are widened
+ * to fp32 once, into a small per-thread panel, and multiplied with the input rows BLOCK_ROWS at a time, twelve
+ * sums in flight, so the widening is paid once per weight and the step is bound by the multiply-adds. Every
+ * output is the same fp32 sum in the same order either way. The output rows are split between the threads of
  * torch's OpenMP runtime (the same libgomp, loaded by torch first). Arithmetic in fp32. */
 
 #include <stdint.h>
@@ -10,7 +13,7 @@
 #include <string.h>
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-enum { MOST_ROWS = 4, PREFETCH_ROWS = 32 };
+enum { MOST_ROWS = 4, PREFETCH_ROWS = 32, QUAD = 4, BLOCK_ROWS = 3 };
 
 static float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -27,6 +30,7 @@ static float bf16_to_float(uint16_t h) {
 typedef __m512 vec;
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec vload(const float *x) { return _mm512_loadu_ps(x); }
+static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vcodes(const int8_t *c) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))); }
 static inline vec vfma(vec a, vec b, vec acc) { return _mm512_fmadd_ps(a, b, acc); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
@@ -36,6 +40,7 @@ static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 typedef __m256 vec;
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vload(const float *x) { return _mm256_loadu_ps(x); }
+static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec vcodes(const int8_t *c) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c))); }
 static inline vec vfma(vec a, vec b, vec acc) { return _mm256_fmadd_ps(a, b, acc); }
 static inline float vsum(vec v) {
@@ -64,15 +69,103 @@ static inline void pair_dots(const float *x, int64_t x_step, const int8_t *codes
         for (int r = 0; r < pairs; r++) acc[r] += x[r * x_step + i] * (float)codes[r * code_step + i];
 }
 
+/* Codes [QUAD, k] widened to fp32 into `panel` [QUAD, k]. */
+static void widen_quad(const int8_t *codes, int64_t k, float *panel) {
+    int64_t i = 0;
+#ifdef LANES
+    for (; i + LANES <= k; i += LANES)
+        for (int c = 0; c < QUAD; c++) vstore(panel + c * k + i, vcodes(codes + c * k + i));
+#endif
+    for (; i < k; i++)
+        for (int c = 0; c < QUAD; c++) panel[c * k + i] = (float)codes[c * k + i];
+}
+
+/* sums[r * QUAD + c] = x_r . panel_c for `rows` (1..BLOCK_ROWS) rows of x: per pair one vector sum over the
+ * inputs in order, folded at the end, as pair_dots sums them. Inlined with `rows` constant, so the twelve sums
+ * stay in registers. */
+static inline __attribute__((always_inline)) void quad_dots(const float *x, int rows, int64_t k, const float *panel,
+                                                            float *sums) {
+    int64_t i = 0;
+#ifdef LANES
+    vec a[BLOCK_ROWS][QUAD];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < QUAD; c++) a[r][c] = vzero();
+    for (; i + LANES <= k; i += LANES)
+        for (int c = 0; c < QUAD; c++) {
+            vec w = vload(panel + c * k + i);
+            for (int r = 0; r < rows; r++) a[r][c] = vfma(vload(x + r * k + i), w, a[r][c]);
+        }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < QUAD; c++) sums[r * QUAD + c] = vsum(a[r][c]);
+#else
+    for (int r = 0; r < rows * QUAD; r++) sums[r] = 0.0f;
+#endif
+    for (; i < k; i++)
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < QUAD; c++) sums[r * QUAD + c] += x[r * k + i] * panel[c * k + i];
+}
+
+static void quad_block(const float *x, int rows, int64_t k, const float *panel, float *sums) {
+    switch (rows) {
+    case 1: quad_dots(x, 1, k, panel, sums); break;
+    case 2: quad_dots(x, 2, k, panel, sums); break;
+    default: quad_dots(x, BLOCK_ROWS, k, panel, sums); break;
+    }
+}
+
+/* out [rows, n] = xf [rows, k] (fp32) times codes [n, k], scaled per output column, for more than MOST_ROWS rows.
+ * Returns 0, or 1 when a thread's panel could not be allocated. */
+static int multiply_many_rows(const float *xf, int rows, int64_t k, const int8_t *codes, const uint16_t *scales,
+                               int64_t n, float *out, int threads) {
+    const int64_t quads = n / QUAD;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *panel = malloc(sizeof(float) * QUAD * (size_t)k), sums[BLOCK_ROWS * QUAD];
+        if (panel == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < quads; q++) {
+            if (panel == NULL) continue;
+            const int64_t j = QUAD * q;
+            widen_quad(codes + j * k, k, panel);
+            float scale[QUAD];
+            for (int c = 0; c < QUAD; c++) scale[c] = bf16_to_float(scales[j + c]);
+            for (int r = 0; r < rows; r += BLOCK_ROWS) {
+                const int block = rows - r < BLOCK_ROWS ? rows - r : BLOCK_ROWS;
+                quad_block(xf + r * k, block, k, panel, sums);
+                for (int b = 0; b < block; b++)
+                    for (int c = 0; c < QUAD; c++) out[(r + b) * n + j + c] = sums[b * QUAD + c] * scale[c];
+            }
+        }
+        free(panel);
+#pragma omp for schedule(static)
+        for (int64_t j = QUAD * quads; j < n; j++) {  /* the last few output rows, input rows four at a time */
+            float acc[MOST_ROWS], scale = bf16_to_float(scales[j]);
+            for (int r = 0; r < rows; r += MOST_ROWS) {
+                const int block = rows - r < MOST_ROWS ? rows - r : MOST_ROWS;
+                pair_dots(xf + r * k, k, codes + j * k, 0, block, k, acc);
+                for (int b = 0; b < block; b++) out[(r + b) * n + j] = acc[b] * scale;
+            }
+        }
+    }
+    return failed;
+}
+
 /* out [rows, n] (fp32) = x [rows, k] (fp32 or bf16, contiguous) times codes [n, k] (int8, contiguous), each
- * output column j scaled by scales[j] (bf16). rows is 1..MOST_ROWS. Returns 0, or -1 when rows is out of range. */
+ * output column j scaled by scales[j] (bf16). Returns 0, or -1 when rows is out of range or memory could not be
+ * allocated. */
 int int8_matmul(const void *x, int x_dtype, int rows, int64_t k, const int8_t *codes, const uint16_t *scales,
                 int64_t n, float *out, int threads) {
-    if (rows < 1 || rows > MOST_ROWS) return -1;
+    if (rows < 1) return -1;
     float *xf = malloc(sizeof(float) * (size_t)(rows * k));
     if (xf == NULL) return -1;
     for (int64_t i = 0; i < rows * k; i++)
         xf[i] = x_dtype == DTYPE_BF16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    if (rows > MOST_ROWS) {
+        int failed = multiply_many_rows(xf, rows, k, codes, scales, n, out, threads);
+        free(xf);
+        return failed ? -1 : 0;
+    }
     /* One input row: output rows four at a time (four independent sums), the last few one by one. */
     int64_t quads = rows == 1 ? n / 4 : 0;
 #pragma omp parallel num_threads(threads)

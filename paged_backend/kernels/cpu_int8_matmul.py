@@ -3,9 +3,12 @@
 One stream's decode step multiplies one row by the int8 head (model/quantized/int8_linear.py: 49,152 x 576 for the default
 model, 28 MB of codes), a pass over memory that torch's `_weight_int8pack_mm` made well below what the machine's
 memory gives (docs/benchmarks.md). The kernel in cpu_int8_matmul.c streams each output row's codes once, in order,
-widens them in registers and multiplies them with the (at most MOST_ROWS) input rows kept in fp32, the output rows
-split between torch's threads. Its products are fp32 sums of the rows as given, where torch's kernel rounds the
-rows to bf16 first.
+widens them in registers and multiplies them with up to MOST_ROWS input rows kept in fp32, the output rows
+split between torch's threads. With more rows (a batched step on a CPU without AVX512-BF16) it widens four output
+rows' codes at a time into a small fp32 panel and multiplies them with the input rows three at a time: on the
+default model's head at 32 rows, 23 ms against 36 ms in torch's kernel and 38 ms by the dense fp32 copy (AMD EPYC
+with AVX2, 2 threads). Its products are fp32 sums of the rows as given, each output the same sum in the same order
+whatever the number of rows, where torch's kernel rounds the rows to bf16 first.
 
 On a CPU with AVX512-BF16 the same library multiplies any number of bf16 rows by the codes tiled 16 output rows at
 a time (`tile`), widened to bf16 once per block of 16 rows and multiplied by `vdpbf16ps`: on the default model's
@@ -27,7 +30,7 @@ import torch
 from . import cpu_build
 
 SOURCE = Path(__file__).with_suffix(".c")
-MOST_ROWS = 4  # the C kernel's limit; more rows go to the caller's other paths
+MOST_ROWS = 4  # rows the C kernel multiplies in one pass over the codes; more go through its panel
 TILE = 16  # output rows per tile of the tiled layout
 ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 SWITCH = cpu_build.Switch()  # switched_off(): torch's kernel inside the block (tests, benchmarks)
@@ -36,7 +39,7 @@ switched_off = SWITCH.switched_off
 
 def serves(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether the kernel multiplies these `rows [n, in]` by `codes [out, in]` with bf16 `scales [out]` here."""
-    return (not SWITCH.off and rows.device.type == "cpu" and rows.dim() == 2 and 1 <= rows.shape[0] <= MOST_ROWS
+    return (not SWITCH.off and rows.device.type == "cpu" and rows.dim() == 2 and rows.shape[0] >= 1
             and rows.dtype in ROW_DTYPES and codes.dtype == torch.int8 and codes.is_contiguous()
             and scales.dtype == torch.bfloat16 and scales.is_contiguous() and library() is not None)
 

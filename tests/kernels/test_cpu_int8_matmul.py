@@ -1,6 +1,7 @@
-"""The compiled CPU int8 matmul (kernels/cpu_int8_matmul.py): a few rows times int8 codes with a bf16 scale per
-output row equal the fp32 product of the rows and the dequantized weight, for every row count it takes and
-both row dtypes; it leaves what it does not take to torch's kernel; the int8 head gives the same logits
+"""The compiled CPU int8 matmul (kernels/cpu_int8_matmul.py): rows times int8 codes with a bf16 scale per output
+row equal the fp32 product of the rows and the dequantized weight, for a few rows (one pass over the codes) and
+many (through its panel), both row dtypes, and each row's outputs are the same whatever rows share its call;
+it leaves what it does not take to torch's kernel; the int8 head gives the same logits
 through it as through torch's kernel, to within bf16 rounding of the rows."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def weight(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Te
     return codes, scales
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1000, 576), (37, 100), (16, 1)])
 def test_products_equal_the_fp32_product_with_the_dequantized_weight(rows: int, dtype: torch.dtype,
@@ -35,9 +36,20 @@ def test_products_equal_the_fp32_product_with_the_dequantized_weight(rows: int, 
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * shape[1] ** 0.5)
 
 
+@pytest.mark.parametrize("shape", [(1000, 576), (37, 100)])
+def test_a_rows_outputs_are_the_same_alone_and_among_many(shape: tuple[int, int]) -> None:
+    """Past MOST_ROWS the rows go through the panel, in blocks of three: each output is still the sum the
+    one-pass path makes, in the same order, so batching never changes a row's logits."""
+    codes, scales = weight(*shape)
+    x = torch.randn(11, shape[1], generator=torch.Generator().manual_seed(2))
+    together = cpu_int8_matmul.int8_matmul(x, codes, scales)
+    for r in range(x.shape[0]):
+        assert torch.equal(together[r], cpu_int8_matmul.int8_matmul(x[r:r + 1], codes, scales)[0]), r
+
+
 def test_what_it_does_not_take_is_left_to_torch() -> None:
     codes, scales = weight(64, 32)
-    assert not cpu_int8_matmul.serves(torch.randn(5, 32), codes, scales)  # more rows than MOST_ROWS
+    assert not cpu_int8_matmul.serves(torch.randn(0, 32), codes, scales)
     assert not cpu_int8_matmul.serves(torch.randn(1, 32, dtype=torch.float16), codes, scales)
     assert not cpu_int8_matmul.serves(torch.randn(1, 32), codes.t().contiguous().t(), scales)
     assert not cpu_int8_matmul.serves(torch.randn(1, 32), codes, scales.float())

@@ -1,13 +1,13 @@
 """Int8 weight-only linear layers on CPU: the LM head of an int4 model (quantization.py).
 
 Each output row is rounded to int8 with its own scale (`max |w| / 127`). Small steps multiply by the
-codes: one to four rows through the compiled CPU kernel (kernels/cpu_int8_matmul.py) where it is built,
-else through torch's CPU int8 kernel (`_weight_int8pack_mm`, bf16 activations). On the default model's
-head torch's kernel beats the bf16 weight at a few rows and falls well behind it by 16, and the compiled
-kernel is faster still at one row (docs/precision.md has the measurements). So steps of more
-than `DENSE_ROWS[torch.bfloat16]` rows multiply by a dense bf16 copy of the same dequantized weight
-(quantized_linear.py). On a CPU without native bf16 the copy is fp32, and the kernel (rows rounded to
-bf16 for it, since it is far slower given fp32 rows) beats it up to `DENSE_ROWS[torch.float32]` rows.
+codes: through the compiled CPU kernel (kernels/cpu_int8_matmul.py) where it is built, else through
+torch's CPU int8 kernel (`_weight_int8pack_mm`, bf16 activations). On the default model's head torch's
+kernel beats the bf16 weight at a few rows and falls well behind it by 16, and the compiled kernel is
+faster still at one row (docs/precision.md has the measurements). So steps of more than
+`DENSE_ROWS[torch.bfloat16]` rows multiply by a dense bf16 copy of the same dequantized weight
+(quantized_linear.py). On a CPU without native bf16 the copy is fp32, and the compiled kernel beats it up
+to `DENSE_ROWS[torch.float32]` rows (23 ms against 38 ms at 32 rows; past 40 rows the copy is ahead).
 A step keeps logits for its sampling rows
 only, so the head sees one row per decoding sequence: one stream runs on the codes, a batch on the copy.
 A compiled forward calls the choice as one registered custom op (`paged_backend::int8_matmul`), which
@@ -73,7 +73,7 @@ class Int8Linear(QuantizedLinear):
 def int8_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor,
                 row_norms: torch.Tensor, tiled: torch.Tensor | None = None) -> torch.Tensor:
     """`rows [n, in]` times the weight `codes * scales[:, None]`, in the dtype of `rows`: through an int8
-    kernel for up to DENSE_ROWS rows of the dense copy's dtype (the compiled CPU kernel for a few rows,
+    kernel for up to DENSE_ROWS rows of the dense copy's dtype (the compiled CPU kernel,
     kernels/cpu_int8_matmul.py, where it is built; else torch's, on rows rounded to bf16), else through the
     copy `dense [out, in]`.
     fp32 rows through the kernel get the outputs that could be their row's largest recomputed in fp32
