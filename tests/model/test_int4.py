@@ -4,6 +4,8 @@ model's Q4_1 tensors load from its GGUF file exactly as transformers dequantizes
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from helpers.engine import hf_greedy, mixed_prompts, one_thread  # noqa: F401
 from helpers.models import build
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.kernels import cpu_int4_matmul
+from paged_backend.kernels import cpu_int4_matmul, cpu_int8_matmul
 from paged_backend.model.quantized import int4_linear, int8_linear
 from paged_backend.model.quantized.int4_linear import (
     DENSE_ROWS,
@@ -111,10 +113,11 @@ def test_int8_head_paths_multiply_by_the_dequantized_weight(dtype: torch.dtype, 
     assert torch.allclose(out.double(), expected, rtol=0, atol=tolerance * expected.abs().max().item())
 
 
-def test_an_fp32_int8_head_picks_the_dense_paths_largest_logit_at_near_ties() -> None:
-    """The kernel rounds rows and logits to bf16 (steps of 0.125 near 25), which flips greedy choices between
+@pytest.mark.parametrize("through", ["compiled kernel", "torch's kernel"])
+def test_an_fp32_int8_head_picks_the_dense_paths_largest_logit_at_near_ties(through: str) -> None:
+    """torch's kernel rounds rows and logits to bf16 (steps of 0.125 near 25), which flips greedy choices between
     logits closer than that; the outputs that may be a row's largest are recomputed in fp32, so the row's
-    argmax is the fp32 dense path's."""
+    argmax is the fp32 dense path's. The compiled kernel sums the fp32 rows as given and needs no such pass."""
     torch.manual_seed(0)
     linear = random_linear(out_features=64, in_features=64, bias=False)
     with torch.no_grad():
@@ -125,8 +128,10 @@ def test_an_fp32_int8_head_picks_the_dense_paths_largest_logit_at_near_ties() ->
     kernel = torch._weight_int8pack_mm(x.bfloat16(), head.codes, head.scales).float()
     assert (kernel.argmax(-1) != exact.argmax(-1)).sum() > 10  # the coin tosses this guards against
     assert (kernel - exact).abs().le(int8_linear.error_bound(x, kernel, head.row_norms) / 2).all()
+    path = cpu_int8_matmul.switched_off if through == "torch's kernel" else contextlib.nullcontext
     for rows in torch.split(x, int8_linear.DENSE_ROWS[torch.float32]):  # steps the kernel takes
-        out = head(rows)
+        with path():
+            out = head(rows)
         assert torch.equal(out.argmax(-1), F.linear(rows, head.dense).argmax(-1))
         largest = out.argmax(-1, keepdim=True)
         assert torch.allclose(out.gather(-1, largest), F.linear(rows, head.dense).gather(-1, largest), atol=1e-4)
