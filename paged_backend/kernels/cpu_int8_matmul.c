@@ -113,42 +113,19 @@ static void quad_block(const float *x, int rows, int64_t k, const float *panel, 
     }
 }
 
-/* out [rows, n] = xf [rows, k] (fp32) times codes [n, k], scaled per output column, for more than MOST_ROWS rows.
- * Returns 0, or 1 when a thread's panel could not be allocated. */
-static int multiply_many_rows(const float *xf, int rows, int64_t k, const int8_t *codes, const uint16_t *scales,
-                               int64_t n, float *out, int threads) {
-    const int64_t quads = n / QUAD;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        float *panel = malloc(sizeof(float) * QUAD * (size_t)k), sums[BLOCK_ROWS * QUAD];
-        if (panel == NULL) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t q = 0; q < quads; q++) {
-            if (panel == NULL) continue;
-            const int64_t j = QUAD * q;
-            widen_quad(codes + j * k, k, panel);
-            float scale[QUAD];
-            for (int c = 0; c < QUAD; c++) scale[c] = bf16_to_float(scales[j + c]);
-            for (int r = 0; r < rows; r += BLOCK_ROWS) {
-                const int block = rows - r < BLOCK_ROWS ? rows - r : BLOCK_ROWS;
-                quad_block(xf + r * k, block, k, panel, sums);
-                for (int b = 0; b < block; b++)
-                    for (int c = 0; c < QUAD; c++) out[(r + b) * n + j + c] = sums[b * QUAD + c] * scale[c];
-            }
-        }
-        free(panel);
-#pragma omp for schedule(static)
-        for (int64_t j = QUAD * quads; j < n; j++) {  /* the last few output rows, input rows four at a time */
-            float acc[MOST_ROWS], scale = bf16_to_float(scales[j]);
-            for (int r = 0; r < rows; r += MOST_ROWS) {
-                const int block = rows - r < MOST_ROWS ? rows - r : MOST_ROWS;
-                pair_dots(xf + r * k, k, codes + j * k, 0, block, k, acc);
-                for (int b = 0; b < block; b++) out[(r + b) * n + j] = acc[b] * scale;
-            }
-        }
+/* out[r * n + c] for the QUAD output rows of `codes` [QUAD, k] (scaled by `scales` [QUAD]) and every row of xf:
+ * the codes widened once into `panel`, then multiplied with the rows BLOCK_ROWS at a time. */
+static void multiply_quad(const float *xf, int rows, int64_t k, const int8_t *codes, const uint16_t *scales,
+                          float *panel, float *out, int64_t n) {
+    float sums[BLOCK_ROWS * QUAD], scale[QUAD];
+    widen_quad(codes, k, panel);
+    for (int c = 0; c < QUAD; c++) scale[c] = bf16_to_float(scales[c]);
+    for (int r = 0; r < rows; r += BLOCK_ROWS) {
+        const int block = rows - r < BLOCK_ROWS ? rows - r : BLOCK_ROWS;
+        quad_block(xf + r * k, block, k, panel, sums);
+        for (int b = 0; b < block; b++)
+            for (int c = 0; c < QUAD; c++) out[(r + b) * n + c] = sums[b * QUAD + c] * scale[c];
     }
-    return failed;
 }
 
 /* out [rows, n] (fp32) = x [rows, k] (fp32 or bf16, contiguous) times codes [n, k] (int8, contiguous), each
@@ -161,41 +138,50 @@ int int8_matmul(const void *x, int x_dtype, int rows, int64_t k, const int8_t *c
     if (xf == NULL) return -1;
     for (int64_t i = 0; i < rows * k; i++)
         xf[i] = x_dtype == DTYPE_BF16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-    if (rows > MOST_ROWS) {
-        int failed = multiply_many_rows(xf, rows, k, codes, scales, n, out, threads);
-        free(xf);
-        return failed ? -1 : 0;
-    }
-    /* One input row: output rows four at a time (four independent sums), the last few one by one. */
-    int64_t quads = rows == 1 ? n / 4 : 0;
-#pragma omp parallel num_threads(threads)
+    /* Output rows QUAD at a time: for one input row, four independent sums; past MOST_ROWS rows, through the
+     * panel. The output rows left over (all of them for 2..MOST_ROWS rows) one by one, MOST_ROWS rows at a time. */
+    const int many = rows > MOST_ROWS;
+    const int64_t quads = rows == 1 || many ? n / QUAD : 0;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float acc[MOST_ROWS];
+        float *panel = many ? malloc(sizeof(float) * QUAD * (size_t)k) : NULL;
+        if (many && panel == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < quads; q++) {
+            const int64_t j = QUAD * q;
+            if (many) {
+                if (panel != NULL) multiply_quad(xf, rows, k, codes + j * k, scales + j, panel, out + j, n);
+                continue;
+            }
 #ifdef LANES
             /* Ask for the codes PREFETCH_ROWS rows ahead: left to the hardware's prefetchers, a core's misses
              * in flight reached about half of the memory's rate (1.9 ms for the default model's head against
              * 1.0 ms with this, 2 threads of an AMD EPYC). Prefetching past the end reads nothing. */
-            const char *ahead = (const char *)(codes + (4 * q + PREFETCH_ROWS) * k);
-            for (int64_t b = 0; b < 4 * k; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+            const char *ahead = (const char *)(codes + (j + PREFETCH_ROWS) * k);
+            for (int64_t b = 0; b < QUAD * k; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
 #endif
-            pair_dots(xf, 0, codes + 4 * q * k, k, 4, k, acc);
-            for (int i = 0; i < 4; i++) out[4 * q + i] = acc[i] * bf16_to_float(scales[4 * q + i]);
+            pair_dots(xf, 0, codes + j * k, k, QUAD, k, acc);
+            for (int c = 0; c < QUAD; c++) out[j + c] = acc[c] * bf16_to_float(scales[j + c]);
         }
+        free(panel);
 #pragma omp for schedule(static)
-        for (int64_t j = 4 * quads; j < n; j++) {
+        for (int64_t j = QUAD * quads; j < n; j++) {
 #ifdef LANES
             const char *ahead = (const char *)(codes + (j + PREFETCH_ROWS) * k);
             for (int64_t b = 0; b < k; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
 #endif
-            pair_dots(xf, k, codes + j * k, 0, rows, k, acc);
-            float scale = bf16_to_float(scales[j]);
-            for (int r = 0; r < rows; r++) out[r * n + j] = acc[r] * scale;
+            const float scale = bf16_to_float(scales[j]);
+            for (int r = 0; r < rows; r += MOST_ROWS) {
+                const int block = rows - r < MOST_ROWS ? rows - r : MOST_ROWS;
+                pair_dots(xf + r * k, k, codes + j * k, 0, block, k, acc);
+                for (int b = 0; b < block; b++) out[(r + b) * n + j] = acc[b] * scale;
+            }
         }
     }
     free(xf);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* Several rows (up to any number) on a CPU with AVX512-BF16: the codes tiled 16 output rows at a time,

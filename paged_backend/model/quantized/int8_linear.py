@@ -8,8 +8,8 @@ faster still at one row (docs/precision.md has the measurements). So steps of mo
 `DENSE_ROWS[torch.bfloat16]` rows multiply by a dense bf16 copy of the same dequantized weight
 (quantized_linear.py). On a CPU without native bf16 the copy is fp32, and the compiled kernel beats it up
 to `DENSE_ROWS[torch.float32]` rows (23 ms against 38 ms at 32 rows; past 40 rows the copy is ahead).
-A step keeps logits for its sampling rows
-only, so the head sees one row per decoding sequence: one stream runs on the codes, a batch on the copy.
+A step keeps logits for its sampling rows only, so the head sees one row per decoding sequence: one stream
+and small batches run on the codes, larger batches on the copy.
 A compiled forward calls the choice as one registered custom op (`paged_backend::int8_matmul`), which
 takes it at run time: a branch on the kept rows inside the graph would double its graphs, and always
 taking the copy made a compiled one-stream step's head slower.
