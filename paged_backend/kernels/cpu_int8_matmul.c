@@ -29,6 +29,7 @@ static float bf16_to_float(uint16_t h) {
 #define LANES 16
 typedef __m512 vec;
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vset(float v) { return _mm512_set1_ps(v); }
 static inline vec vload(const float *x) { return _mm512_loadu_ps(x); }
 static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vcodes(const int8_t *c) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))); }
@@ -39,6 +40,7 @@ static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 #define LANES 8
 typedef __m256 vec;
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vset(float v) { return _mm256_set1_ps(v); }
 static inline vec vload(const float *x) { return _mm256_loadu_ps(x); }
 static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec vcodes(const int8_t *c) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c))); }
@@ -182,6 +184,144 @@ int int8_matmul(const void *x, int x_dtype, int rows, int64_t k, const int8_t *c
     }
     free(xf);
     return failed ? -1 : 0;
+}
+
+/* A checkpoint's 8-bit weight, `(codes - zeros) * scales` group by group along the inputs: codes int8, uint8 or
+ * fp8 (e4m3fn), one fp32 scale (and zero point) per output row and group of `group` inputs. Each output row's
+ * codes are read once per MOST_ROWS input rows, widened in registers and multiplied with the rows in fp32; a
+ * group's sums are scaled as they close, and its zero point is taken off as zero * scale * (the group's sum of
+ * the row's inputs). An fp8 byte 0x7f or 0xff (e4m3fn's NaN) reads as +-480: checkpoints hold finite weights. */
+enum { CODES_INT8 = 0, CODES_UINT8 = 1, CODES_FP8 = 2 };
+
+static float fp8_to_float(uint8_t c) {
+    /* e4m3fn: exponent bias 7, no infinities; exponent 0 holds the subnormals m / 8 * 2^-6. */
+    const uint32_t exponent = (c >> 3) & 15, mantissa = c & 7;
+    float magnitude = (float)mantissa / 512.0f;
+    if (exponent) {
+        const uint32_t bits = (exponent + 120) << 23 | mantissa << 20;
+        memcpy(&magnitude, &bits, sizeof magnitude);
+    }
+    return c & 0x80 ? -magnitude : magnitude;
+}
+
+static inline float code_value(const uint8_t *codes, int64_t i, int kind) {
+    if (kind == CODES_INT8) return (float)((const int8_t *)codes)[i];
+    return kind == CODES_UINT8 ? (float)codes[i] : fp8_to_float(codes[i]);
+}
+
+#if defined(LANES) && defined(__F16C__)
+/* LANES codes widened to fp32. An e4m3fn byte's bits shifted into an fp16's are the same number times 2^-8
+ * (subnormals included: fp16 keeps e4m3's 3 mantissa bits and 8 more exponent steps below), so fp16's own
+ * conversion and one multiply widen it. */
+static inline vec vcodes_of(const uint8_t *codes, int kind) {
+    if (kind == CODES_INT8) return vcodes((const int8_t *)codes);
+#if LANES == 16
+    if (kind == CODES_UINT8) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)codes));
+    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7f)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+#else
+    if (kind == CODES_UINT8) return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes)));
+    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)codes));
+    const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8),
+                                      _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7f)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+#endif
+}
+#define GROUP_LANES LANES
+#endif
+
+/* acc[r] = x_r . (weight row of `codes` [k]) for r < rows (1..MOST_ROWS), x_r = x + r * k; `xsums` [rows, groups]
+ * the rows' input sums per group where there are zero points. */
+static inline __attribute__((always_inline)) void group_dots(
+        const float *x, int rows, int64_t k, const uint8_t *codes, int kind, const float *scales, const float *zeros,
+        int64_t group, const float *xsums, int64_t groups, float *acc) {
+    float tail[MOST_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = 0.0f;
+#ifdef GROUP_LANES
+    vec total[MOST_ROWS] = {vzero(), vzero(), vzero(), vzero()};
+#endif
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t end = (g + 1) * group < k ? (g + 1) * group : k;
+        int64_t i = g * group;
+#ifdef GROUP_LANES
+        vec part[MOST_ROWS] = {vzero(), vzero(), vzero(), vzero()};
+        for (; i + GROUP_LANES <= end; i += GROUP_LANES) {
+            const vec w = vcodes_of(codes + i, kind);
+            for (int r = 0; r < rows; r++) part[r] = vfma(vload(x + r * k + i), w, part[r]);
+        }
+        for (int r = 0; r < rows; r++) total[r] = vfma(part[r], vset(scales[g]), total[r]);
+#endif
+        for (int r = 0; r < rows; r++) tail[r] = 0.0f;
+        for (; i < end; i++) {
+            const float w = code_value(codes, i, kind);
+            for (int r = 0; r < rows; r++) tail[r] += x[r * k + i] * w;
+        }
+        for (int r = 0; r < rows; r++) {
+            acc[r] += tail[r] * scales[g];
+            if (zeros != NULL) acc[r] -= zeros[g] * scales[g] * xsums[r * groups + g];
+        }
+    }
+#ifdef GROUP_LANES
+    for (int r = 0; r < rows; r++) acc[r] += vsum(total[r]);
+#endif
+}
+
+/* group_dots inlined with `rows` and `kind` constant, so the sums stay in registers and the widening is chosen once. */
+static void group_block(const float *x, int rows, int64_t k, const uint8_t *codes, int kind, const float *scales,
+                        const float *zeros, int64_t group, const float *xsums, int64_t groups, float *acc) {
+#define ROWS(R, KIND) group_dots(x, R, k, codes, KIND, scales, zeros, group, xsums, groups, acc)
+#define KINDS(R) switch (kind) { case CODES_INT8: ROWS(R, CODES_INT8); break; \
+                                 case CODES_UINT8: ROWS(R, CODES_UINT8); break; default: ROWS(R, CODES_FP8); }
+    switch (rows) {
+    case 1: KINDS(1); break;
+    case 2: KINDS(2); break;
+    case 3: KINDS(3); break;
+    default: KINDS(MOST_ROWS); break;
+    }
+#undef KINDS
+#undef ROWS
+}
+
+/* out [rows, n] (fp32) = x [rows, k] (fp32 or bf16, contiguous) times the weight above: `codes` [n, k] (one byte
+ * each, of `kind`), `scales` and `zeros` [n, groups] (fp32; zeros NULL where there are none), groups of `group`
+ * inputs (the last may be short). Returns 0, or -1 when rows or kind is out of range or memory could not be
+ * allocated. */
+int codes_matmul(const void *x, int x_dtype, int rows, int64_t k, const uint8_t *codes, int kind, const float *scales,
+                 const float *zeros, int64_t group, int64_t n, float *out, int threads) {
+    if (rows < 1 || kind < CODES_INT8 || kind > CODES_FP8 || group < 1) return -1;
+    const int64_t groups = (k + group - 1) / group;
+    float *xf = malloc(sizeof(float) * (size_t)(rows * k));
+    float *xsums = zeros != NULL ? calloc((size_t)(rows * groups), sizeof(float)) : NULL;
+    if (xf == NULL || (zeros != NULL && xsums == NULL)) {
+        free(xf);
+        free(xsums);
+        return -1;
+    }
+    for (int64_t i = 0; i < rows * k; i++)
+        xf[i] = x_dtype == DTYPE_BF16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    if (xsums != NULL)
+        for (int r = 0; r < rows; r++)
+            for (int64_t i = 0; i < k; i++) xsums[r * groups + i / group] += xf[r * k + i];
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        float acc[MOST_ROWS];
+#ifdef LANES
+        const char *ahead = (const char *)(codes + (j + PREFETCH_ROWS) * k);
+        for (int64_t b = 0; b < k; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+#endif
+        for (int r = 0; r < rows; r += MOST_ROWS) {
+            const int block = rows - r < MOST_ROWS ? rows - r : MOST_ROWS;
+            group_block(xf + r * k, block, k, codes + j * k, kind, scales + j * groups,
+                       zeros != NULL ? zeros + j * groups : NULL, group, xsums != NULL ? xsums + r * groups : NULL,
+                       groups, acc);
+            for (int b = 0; b < block; b++) out[(r + b) * n + j] = acc[b];
+        }
+    }
+    free(xf);
+    free(xsums);
+    return 0;
 }
 
 /* Several rows (up to any number) on a CPU with AVX512-BF16: the codes tiled 16 output rows at a time,

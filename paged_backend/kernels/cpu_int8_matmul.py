@@ -88,6 +88,35 @@ def int8_matmul_tiled(rows: torch.Tensor, tiled: torch.Tensor, scales: torch.Ten
     return out
 
 
+# A checkpoint's 8-bit codes, by dtype: what codes_matmul() takes (the C kernel's CODES_* kinds).
+CODE_KINDS = {torch.int8: 0, torch.uint8: 1, torch.float8_e4m3fn: 2}
+
+
+def serves_codes(rows: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Whether the kernel multiplies these `rows [n, in]` by a checkpoint's 8-bit `codes [out, in]` here."""
+    return (not SWITCH.off and rows.device.type == "cpu" and rows.dim() == 2 and rows.shape[0] >= 1
+            and rows.dtype in ROW_DTYPES and codes.dtype in CODE_KINDS and codes.is_contiguous()
+            and library() is not None)
+
+
+def codes_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 group_size: int) -> torch.Tensor:
+    """`rows [n, in]` times the weight `(codes - zeros) * scales` (`codes [out, in]` int8, uint8 or fp8 e4m3fn;
+    fp32 `scales` and `zeros [out, groups]`, zeros None where there are none; groups of `group_size` inputs, the
+    last possibly short), as fp32 `[n, out]`. The caller checked serves_codes()."""
+    rows = rows.contiguous()
+    scales = scales.float().contiguous()
+    zeros = None if zeros is None else zeros.float().contiguous()
+    out = torch.empty(rows.shape[0], codes.shape[0], dtype=torch.float32)
+    failed = library().codes_matmul(rows.data_ptr(), ROW_DTYPES[rows.dtype], rows.shape[0], rows.shape[1],
+                                    codes.data_ptr(), CODE_KINDS[codes.dtype], scales.data_ptr(),
+                                    None if zeros is None else zeros.data_ptr(), group_size, codes.shape[0],
+                                    out.data_ptr(), torch.get_num_threads())
+    if failed:
+        raise MemoryError("the 8-bit codes kernel could not allocate its rows")
+    return out
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use, or None (switched off, or no compiler: said once)."""
@@ -98,6 +127,10 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.int8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.int8_matmul.restype = ctypes.c_int
+    lib.codes_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_int]
+    lib.codes_matmul.restype = ctypes.c_int
     lib.tiled_available.argtypes = []
     lib.tiled_available.restype = ctypes.c_int
     lib.int8_matmul_tiled.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,

@@ -15,7 +15,7 @@ from helpers.quantized_checkpoints import corrupt, write_quantized
 from transformers import AutoModelForCausalLM
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.kernels import cpu_int4_matmul
+from paged_backend.kernels import cpu_int4_matmul, cpu_int8_matmul
 from paged_backend.model.quantized import checkpoint_quantizer
 from paged_backend.model.quantized.checkpoint_formats import CheckpointFormatError
 from paged_backend.model.quantized.checkpoint_layers import DequantizingLinear
@@ -160,6 +160,12 @@ def test_the_start_up_log_says_the_format_and_the_kernel(folders, caplog) -> Non
         load(folder)
     kernel = "the compiled int4 kernel" if cpu_int4_matmul.library() is not None else "torch's CPU int4 kernel"
     assert f"gptq (gptq, int4, groups of 32, symmetric); 14 linear layers through {kernel}" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=checkpoint_quantizer.__name__):
+        load(folders["gptq-8bit-g32"][0])
+    kernel = ("the compiled 8-bit codes kernel (steps of up to 128 rows; larger ones rebuild the weight)"
+              if cpu_int8_matmul.library() is not None else "a dequantizing matmul (the weight rebuilt per call)")
+    assert f"14 linear layers through {kernel}" in caplog.text
 
 
 def test_int4_layers_keep_one_copy_of_the_codes(folders) -> None:
