@@ -8,6 +8,7 @@
  * output is the same fp32 sum in the same order either way. The output rows are split between the threads of
  * torch's OpenMP runtime (the same libgomp, loaded by torch first). Arithmetic in fp32. */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -232,13 +233,17 @@ static inline vec vcodes_of(const uint8_t *codes, int kind) {
 #define GROUP_LANES LANES
 #endif
 
-/* acc[r] = x_r . (weight row of `codes` [k]) for r < rows (1..MOST_ROWS), x_r = x + r * k; `xsums` [rows, groups]
- * the rows' input sums per group where there are zero points. */
+/* The weight above, as pair_dots takes pairs: acc[p] = x_p . w_p for p < pairs (1..MOST_ROWS), x_p = x + p * x_step,
+ * w_p the weight row of codes + p * code_step with scales and zeros + p * group_step (`groups` each); `xsums` + p *
+ * xsum_step the row's input sums per group where there are zero points. One input row against several weight rows
+ * (x_step 0) or several input rows against one (code_step and group_step 0): each pair keeps its own sums, so the
+ * multiply-adds of the pairs do not wait on each other, and a pair's sums are the same in either arrangement. */
 static inline __attribute__((always_inline)) void group_dots(
-        const float *x, int rows, int64_t k, const uint8_t *codes, int kind, const float *scales, const float *zeros,
-        int64_t group, const float *xsums, int64_t groups, float *acc) {
+        const float *x, int64_t x_step, const uint8_t *codes, int64_t code_step, int kind, const float *scales,
+        const float *zeros, int64_t group_step, const float *xsums, int64_t xsum_step, int pairs, int64_t k,
+        int64_t group, int64_t groups, float *acc) {
     float tail[MOST_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = 0.0f;
+    for (int p = 0; p < pairs; p++) acc[p] = 0.0f;
 #ifdef GROUP_LANES
     vec total[MOST_ROWS] = {vzero(), vzero(), vzero(), vzero()};
 #endif
@@ -247,41 +252,50 @@ static inline __attribute__((always_inline)) void group_dots(
         int64_t i = g * group;
 #ifdef GROUP_LANES
         vec part[MOST_ROWS] = {vzero(), vzero(), vzero(), vzero()};
-        for (; i + GROUP_LANES <= end; i += GROUP_LANES) {
-            const vec w = vcodes_of(codes + i, kind);
-            for (int r = 0; r < rows; r++) part[r] = vfma(vload(x + r * k + i), w, part[r]);
-        }
-        for (int r = 0; r < rows; r++) total[r] = vfma(part[r], vset(scales[g]), total[r]);
+        for (; i + GROUP_LANES <= end; i += GROUP_LANES)
+            for (int p = 0; p < pairs; p++)
+                part[p] = vfma(vload(x + p * x_step + i), vcodes_of(codes + p * code_step + i, kind), part[p]);
+        for (int p = 0; p < pairs; p++) total[p] = vfma(part[p], vset(scales[p * group_step + g]), total[p]);
 #endif
-        for (int r = 0; r < rows; r++) tail[r] = 0.0f;
-        for (; i < end; i++) {
-            const float w = code_value(codes, i, kind);
-            for (int r = 0; r < rows; r++) tail[r] += x[r * k + i] * w;
-        }
-        for (int r = 0; r < rows; r++) {
-            acc[r] += tail[r] * scales[g];
-            if (zeros != NULL) acc[r] -= zeros[g] * scales[g] * xsums[r * groups + g];
-        }
+        if (i == end) continue;  /* the group's inputs fill whole vectors */
+        /* Fused multiply-adds by name: left to the compiler, whether a product is contracted into its sum depended
+         * on how this was inlined, and a row's sums differed alone and among others. */
+        for (int p = 0; p < pairs; p++) tail[p] = 0.0f;
+        for (; i < end; i++)
+            for (int p = 0; p < pairs; p++)
+                tail[p] = fmaf(x[p * x_step + i], code_value(codes + p * code_step, i, kind), tail[p]);
+        for (int p = 0; p < pairs; p++) acc[p] = fmaf(tail[p], scales[p * group_step + g], acc[p]);
     }
 #ifdef GROUP_LANES
-    for (int r = 0; r < rows; r++) acc[r] += vsum(total[r]);
+    for (int p = 0; p < pairs; p++) acc[p] += vsum(total[p]);
 #endif
+    /* The zero points, after the groups: acc -= sum over groups of zero * scale * (the group's input sum). */
+    if (zeros != NULL)
+        for (int p = 0; p < pairs; p++) {
+            float offset = 0.0f;
+            for (int64_t g = 0; g < groups; g++)
+                offset = fmaf(zeros[p * group_step + g] * scales[p * group_step + g], xsums[p * xsum_step + g], offset);
+            acc[p] -= offset;
+        }
 }
 
-/* group_dots inlined with `rows` and `kind` constant, so the sums stay in registers and the widening is chosen once. */
-static void group_block(const float *x, int rows, int64_t k, const uint8_t *codes, int kind, const float *scales,
-                        const float *zeros, int64_t group, const float *xsums, int64_t groups, float *acc) {
-#define ROWS(R, KIND) group_dots(x, R, k, codes, KIND, scales, zeros, group, xsums, groups, acc)
-#define KINDS(R) switch (kind) { case CODES_INT8: ROWS(R, CODES_INT8); break; \
-                                 case CODES_UINT8: ROWS(R, CODES_UINT8); break; default: ROWS(R, CODES_FP8); }
-    switch (rows) {
+/* group_dots inlined with `pairs` and `kind` constant, so the sums stay in registers and the widening is chosen
+ * once. */
+static void group_block(const float *x, int64_t x_step, const uint8_t *codes, int64_t code_step, int kind,
+                        const float *scales, const float *zeros, int64_t group_step, const float *xsums,
+                        int64_t xsum_step, int pairs, int64_t k, int64_t group, int64_t groups, float *acc) {
+#define PAIRS(P, KIND) group_dots(x, x_step, codes, code_step, KIND, scales, zeros, group_step, xsums, xsum_step, P, \
+                                  k, group, groups, acc)
+#define KINDS(P) switch (kind) { case CODES_INT8: PAIRS(P, CODES_INT8); break; \
+                                 case CODES_UINT8: PAIRS(P, CODES_UINT8); break; default: PAIRS(P, CODES_FP8); }
+    switch (pairs) {
     case 1: KINDS(1); break;
     case 2: KINDS(2); break;
     case 3: KINDS(3); break;
     default: KINDS(MOST_ROWS); break;
     }
 #undef KINDS
-#undef ROWS
+#undef PAIRS
 }
 
 /* out [rows, n] (fp32) = x [rows, k] (fp32 or bf16, contiguous) times the weight above: `codes` [n, k] (one byte
@@ -304,19 +318,36 @@ int codes_matmul(const void *x, int x_dtype, int rows, int64_t k, const uint8_t 
     if (xsums != NULL)
         for (int r = 0; r < rows; r++)
             for (int64_t i = 0; i < k; i++) xsums[r * groups + i / group] += xf[r * k + i];
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
+    /* One input row: output rows QUAD at a time, four independent sums; the output rows left over, and every
+     * output row of several input rows, one by one against MOST_ROWS input rows at a time. */
+    const int64_t quads = rows == 1 ? n / QUAD : 0;
+#pragma omp parallel num_threads(threads)
+    {
         float acc[MOST_ROWS];
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < quads; q++) {
+            const int64_t j = QUAD * q;
 #ifdef LANES
-        const char *ahead = (const char *)(codes + (j + PREFETCH_ROWS) * k);
-        for (int64_t b = 0; b < k; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+            const char *ahead = (const char *)(codes + (j + PREFETCH_ROWS) * k);
+            for (int64_t b = 0; b < QUAD * k; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
 #endif
-        for (int r = 0; r < rows; r += MOST_ROWS) {
-            const int block = rows - r < MOST_ROWS ? rows - r : MOST_ROWS;
-            group_block(xf + r * k, block, k, codes + j * k, kind, scales + j * groups,
-                       zeros != NULL ? zeros + j * groups : NULL, group, xsums != NULL ? xsums + r * groups : NULL,
-                       groups, acc);
-            for (int b = 0; b < block; b++) out[(r + b) * n + j] = acc[b];
+            group_block(xf, 0, codes + j * k, k, kind, scales + j * groups, zeros != NULL ? zeros + j * groups : NULL,
+                        groups, xsums, 0, QUAD, k, group, groups, acc);
+            for (int c = 0; c < QUAD; c++) out[j + c] = acc[c];
+        }
+#pragma omp for schedule(static)
+        for (int64_t j = QUAD * quads; j < n; j++) {
+#ifdef LANES
+            const char *ahead = (const char *)(codes + (j + PREFETCH_ROWS) * k);
+            for (int64_t b = 0; b < k; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+#endif
+            for (int r = 0; r < rows; r += MOST_ROWS) {
+                const int block = rows - r < MOST_ROWS ? rows - r : MOST_ROWS;
+                group_block(xf + r * k, k, codes + j * k, 0, kind, scales + j * groups,
+                            zeros != NULL ? zeros + j * groups : NULL, 0, xsums != NULL ? xsums + r * groups : NULL,
+                            groups, block, k, group, groups, acc);
+                for (int b = 0; b < block; b++) out[(r + b) * n + j] = acc[b];
+            }
         }
     }
     free(xf);

@@ -15,8 +15,14 @@ a time (`tile`), widened to bf16 once per block of 16 rows and multiplied by `vd
 head, its codes from memory, faster than the kernel above at one row and than the dense bf16 copy up to the tiled
 threshold (docs/benchmarks.md has the times). Same arithmetic: products exact, fp32 sums, the scale at the end.
 
+The same library multiplies rows by a checkpoint's 8-bit codes (`codes_matmul`: int8, uint8 or fp8 e4m3fn codes,
+a scale and a zero point per output row and group of inputs, model/quantized/checkpoint_layers.py): each output
+row's codes widened in registers, four output rows at a time for one input row, a group's sums scaled as it
+closes and the zero points taken off at the end. A layer calls it through the op `paged_backend::codes_matmul`,
+whose CPU kernel is C++ where that builds (cpu_codes_op.cpp), else codes_matmul_kernel() here.
+
 Built on the user's machine like the other CPU kernels (cpu_build.py); without a compiler, or with
-`PAGED_BACKEND_CPU_KERNEL=0`, torch's kernel serves as before.
+`PAGED_BACKEND_CPU_KERNEL=0`, torch's kernel serves the head as before, and 8-bit layers rebuild their weight.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ def int8_matmul_tiled(rows: torch.Tensor, tiled: torch.Tensor, scales: torch.Ten
 
 # A checkpoint's 8-bit codes, by dtype: what codes_matmul() takes (the C kernel's CODES_* kinds).
 CODE_KINDS = {torch.int8: 0, torch.uint8: 1, torch.float8_e4m3fn: 2}
+OP_SOURCE = Path(__file__).with_name("cpu_codes_op.cpp")
 
 
 def serves_codes(rows: torch.Tensor, codes: torch.Tensor) -> bool:
@@ -117,10 +124,42 @@ def codes_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     return out
 
 
+def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     group_size: int) -> torch.Tensor:
+    """fp32 `(codes - zeros) * scales`, `[out, in]`, from the per-group `scales` and `zeros [out, groups]`."""
+    in_features = codes.shape[1]
+    weight = codes.float()
+    if zeros is not None:
+        weight = weight - zeros.float().repeat_interleave(group_size, 1)[:, :in_features]
+    return weight * scales.float().repeat_interleave(group_size, 1)[:, :in_features]
+
+
+def codes_matmul_kernel(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                        group_size: int, kernel_rows: int) -> torch.Tensor:
+    """The op `codes_matmul`'s Python kernel: `rows [n, in]` times `dequantize_codes(...)`, in the dtype of
+    `rows`; through the compiled kernel for up to `kernel_rows` rows where it serves, else the weight rebuilt.
+    cpu_codes_op.cpp is the same in C++."""
+    if rows.shape[0] <= kernel_rows and serves_codes(rows, codes):
+        return codes_matmul(rows, codes, scales, zeros, group_size).to(rows.dtype)
+    return torch.nn.functional.linear(rows, dequantize_codes(codes, scales, zeros, group_size).to(rows.dtype))
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use, or None (switched off, or no compiler: said once)."""
-    return cpu_build.load(SOURCE, declare, "the int8 head runs through torch's kernel")
+    """The compiled kernel, built on first use, or None (switched off, or no compiler: said once). Where it
+    loads, the op `codes_matmul`'s kernel in C++ replaces its Python one (cpu_codes_op.cpp says why) where that
+    builds too."""
+    lib = cpu_build.load(SOURCE, declare, "the int8 head runs through torch's kernel")
+    if lib is None:
+        return None
+    global codes_op_kernel, _python_codes_kernel
+    address = ctypes.cast(lib.codes_matmul, ctypes.c_void_p).value
+    _python_codes_kernel._destroy()  # the dispatcher takes one CPU kernel per op: the C++ one, or this one again
+    if cpu_build.load_op(OP_SOURCE, address, "8-bit checkpoint layers call their kernel through Python"):
+        codes_op_kernel = "C++"
+    else:
+        _python_codes_kernel = register_python_codes_kernel()
+    return lib
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -136,3 +175,27 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.int8_matmul_tiled.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.int8_matmul_tiled.restype = ctypes.c_int
+
+
+# The op an 8-bit checkpoint layer calls (checkpoint_layers.py), registered through torch.library's low-level
+# API as the int4 op is (cpu_int4_matmul.py). Its CPU kernel is codes_matmul_kernel() until library() loads the
+# C++ one.
+_definition = torch.library.Library("paged_backend", "FRAGMENT")
+_definition.define("codes_matmul(Tensor rows, Tensor codes, Tensor scales, Tensor? zeros, int group_size, "
+                   "int kernel_rows) -> Tensor")
+codes_matmul_op = torch.ops.paged_backend.codes_matmul.default
+codes_op_kernel = "Python"  # which kernel the op runs on CPU
+
+
+def register_python_codes_kernel() -> torch.library.Library:
+    kernel = torch.library.Library("paged_backend", "IMPL")
+    kernel.impl("codes_matmul", codes_matmul_kernel, "CPU")
+    return kernel
+
+
+_python_codes_kernel = register_python_codes_kernel()
+
+
+@torch.library.register_fake("paged_backend::codes_matmul")
+def _(rows, codes, scales, zeros, group_size, kernel_rows):
+    return rows.new_empty(rows.shape[0], codes.shape[0])

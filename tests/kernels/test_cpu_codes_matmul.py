@@ -2,9 +2,16 @@
 times `(codes - zeros) * scales` with int8, uint8 and fp8 codes, groups of any size (the last short, or a whole
 row), with and without zero points, equal the fp64 product with the dequantized weight; each row's outputs are
 the same alone and among others; every fp8 byte reads as torch's own conversion says; a checkpoint layer takes the
-kernel for small steps and the rebuilt weight past CODES_KERNEL_ROWS, with the same products."""
+kernel for small steps and the rebuilt weight past CODES_KERNEL_ROWS, through the op's C++ kernel and through its
+Python one."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,18 +81,41 @@ def test_what_it_does_not_take_is_left_to_the_rebuilt_weight():
         assert not cpu_int8_matmul.serves_codes(torch.randn(1, 32), codes)
 
 
-def test_a_checkpoint_layer_takes_the_kernel_for_small_steps_only(monkeypatch: pytest.MonkeyPatch):
-    """A GPTQ-style 8-bit layer (uint8 codes, zero points, groups of 32): up to CODES_KERNEL_ROWS rows through the
-    kernel, more through the weight rebuilt; both the product with the file's weight."""
+def layer_and_weight() -> tuple[DequantizingLinear, tuple]:
+    """A GPTQ-style 8-bit layer (uint8 codes, zero points, groups of 32, a short last group) and its parts."""
     generator = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 256, (64, 96), generator=generator, dtype=torch.int16)
+    codes = torch.randint(0, 256, (64, 80), generator=generator, dtype=torch.int16)
     scales, zeros = torch.rand(64, 3, generator=generator) * 0.01, torch.full((64, 3), 128.0)
     layer = DequantizingLinear(QuantizedWeight(codes, scales, zeros, 32, 8), None, torch.float32)
-    calls = []
-    kernel = cpu_int8_matmul.codes_matmul
-    monkeypatch.setattr(cpu_int8_matmul, "codes_matmul", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
-    for rows in (1, CODES_KERNEL_ROWS, CODES_KERNEL_ROWS + 1):
-        x = torch.randn(rows, 96, generator=generator)
-        expected = x.double() @ dequantized(codes, scales, zeros, 32).T
-        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    assert calls == [1, CODES_KERNEL_ROWS]
+    return layer, (layer.codes, layer.scales, layer.zeros, 32)
+
+
+def assert_takes_the_kernel_for_small_steps_only(layer: DequantizingLinear, parts: tuple) -> None:
+    """Up to CODES_KERNEL_ROWS rows the kernel's products exactly, past them the rebuilt weight's."""
+    for rows in (1, 5, CODES_KERNEL_ROWS):
+        x = torch.randn(rows, 80, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(layer(x), cpu_int8_matmul.codes_matmul(x, *parts)), rows
+        assert torch.equal(layer(x.bfloat16()), cpu_int8_matmul.codes_matmul(x.bfloat16(), *parts).bfloat16()), rows
+    x = torch.randn(CODES_KERNEL_ROWS + 1, 80, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, cpu_int8_matmul.dequantize_codes(*parts)))
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="needs a C++ compiler")
+def test_a_checkpoint_layer_takes_the_kernel_for_small_steps_only_through_the_cpp_op():
+    assert cpu_int8_matmul.codes_op_kernel == "C++"
+    assert_takes_the_kernel_for_small_steps_only(*layer_and_weight())
+
+
+def test_without_a_cpp_compiler_the_op_runs_its_python_kernel(tmp_path):
+    script = """
+import sys
+sys.path.insert(0, %r)
+from paged_backend.kernels import cpu_int8_matmul as k
+from test_cpu_codes_matmul import assert_takes_the_kernel_for_small_steps_only, layer_and_weight
+assert k.library() is not None and k.codes_op_kernel == "Python", k.codes_op_kernel
+assert_takes_the_kernel_for_small_steps_only(*layer_and_weight())
+""" % str(Path(__file__).parent)
+    env = {**os.environ, "CXX": "/bin/false", "PAGED_BACKEND_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "the CPU op cpu_codes_op.cpp could not be built" in run.stderr

@@ -18,7 +18,7 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.kernels import cpu_int4_matmul, cpu_int8_matmul
 from paged_backend.model.quantized import checkpoint_quantizer
 from paged_backend.model.quantized.checkpoint_formats import CheckpointFormatError
-from paged_backend.model.quantized.checkpoint_layers import DequantizingLinear
+from paged_backend.model.quantized.checkpoint_layers import CODES_KERNEL_ROWS, DequantizingLinear
 from paged_backend.model.quantized.fused_projections import fuse_projections, groups_of
 from paged_backend.model.quantized.int4_linear import Int4Linear
 from paged_backend.model.quantized.quantized_linear import QuantizedLinear
@@ -163,8 +163,8 @@ def test_the_start_up_log_says_the_format_and_the_kernel(folders, caplog) -> Non
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=checkpoint_quantizer.__name__):
         load(folders["gptq-8bit-g32"][0])
-    kernel = ("the compiled 8-bit codes kernel (steps of up to 128 rows; larger ones rebuild the weight)"
-              if cpu_int8_matmul.library() is not None else "a dequantizing matmul (the weight rebuilt per call)")
+    kernel = (f"the compiled 8-bit codes kernel (steps of up to {CODES_KERNEL_ROWS} rows; larger ones rebuild the "
+              "weight)" if cpu_int8_matmul.library() is not None else "a dequantizing matmul (the weight rebuilt per call)")
     assert f"14 linear layers through {kernel}" in caplog.text
 
 

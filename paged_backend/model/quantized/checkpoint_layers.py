@@ -15,8 +15,10 @@ file's numbers and keeps the memory saving, but each call reads the weight about
 steps of up to CODES_KERNEL_ROWS rows multiply 8-bit and fp8 codes directly instead, through the compiled
 kernel (kernels/cpu_int8_matmul.c, `codes_matmul`): the codes widened in registers, group scales and zero points
 applied as each group's sums close, in fp32. On the default model's 3,072 x 576 gate/up codes in groups of 32
-(2 threads of an AMD EPYC with AVX2) one row took 0.28 ms there against 18-21 ms rebuilding the weight, 32 rows
-4.0 against 7-21 ms, 128 rows 16.6 against 30.6, and 256 rows 35.6 against 36.9: past that, the rebuild.
+(2 threads of an AMD EPYC with AVX2, three runs) one row took 0.12-0.20 ms there against 2.6-19 ms rebuilding the
+weight (whose 7 MB temporaries sometimes come from fresh pages, sometimes not), 32 rows 3.6-4.2 ms against
+5.5-21, 48 rows 5.6-7.7 against 6.1-17.5, and 64 rows 8.7-11.3 against 7.7-7.8: past CODES_KERNEL_ROWS, the
+rebuild.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from paged_backend.model.quantized.int4_linear import GROUP_SIZE, Int4Linear
 from paged_backend.model.quantized.quantized_linear import DENSE_DTYPES, QuantizedLinear, cast_to
 
 
-CODES_KERNEL_ROWS = 128  # steps of up to this many rows multiply 8-bit codes through the kernel (module docstring)
+CODES_KERNEL_ROWS = 48  # steps of up to this many rows multiply 8-bit codes through the kernel (module docstring)
 
 
 class DequantizingLinear(QuantizedLinear):
@@ -48,49 +50,26 @@ class DequantizingLinear(QuantizedLinear):
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", weight.scales.float().contiguous())
         self.register_buffer("zeros", None if weight.zeros is None else weight.zeros.float().contiguous())
+        if not self.nibbles:
+            cpu_int8_matmul.library()  # the op's C++ kernel loaded now: a graph being traced cannot load it
 
     def dequantized(self) -> torch.Tensor:
         codes = self.codes
         if self.nibbles:
             codes = torch.stack([codes & 0x0F, codes >> 4], -1).view(self.out_features, self.in_features)
-        return dequantize(codes, self.scales, self.zeros, self.group_size)
+        return cpu_int8_matmul.dequantize_codes(codes, self.scales, self.zeros, self.group_size)
 
     def quantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.nibbles or self.codes.device.type != "cpu":
             return cast_to(F.linear(rows, self.dequantized().to(rows.dtype)), rows.dtype)
-        # The registered op inside a graph being compiled (it chooses at run time, as int8_linear.py's does).
-        matmul = codes_matmul_op if torch.compiler.is_compiling() else codes_matmul
-        return matmul(rows, self.codes, self.scales, self.zeros, self.group_size)
+        # One op, eager or compiled: it chooses between the kernel and the rebuilt weight at run time, as
+        # int8_linear.py's does, and its kernel is C++ where that builds (kernels/cpu_codes_op.cpp).
+        return cpu_int8_matmul.codes_matmul_op(rows, self.codes, self.scales, self.zeros, self.group_size,
+                                               CODES_KERNEL_ROWS)
 
     def extra_repr(self) -> str:
         group = "row" if self.group_size >= self.in_features else self.group_size
         return f"{super().extra_repr()}, bits={self.bits}, group_size={group}"
-
-
-def codes_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 group_size: int) -> torch.Tensor:
-    """`rows [n, in]` times the weight `(codes - zeros) * scales` of one-byte `codes [out, in]`, in the dtype of
-    `rows`: through the compiled kernel for up to CODES_KERNEL_ROWS rows where it is built, else the weight
-    rebuilt in fp32 and multiplied."""
-    if rows.shape[0] <= CODES_KERNEL_ROWS and cpu_int8_matmul.serves_codes(rows, codes):
-        return cast_to(cpu_int8_matmul.codes_matmul(rows, codes, scales, zeros, group_size), rows.dtype)
-    return cast_to(F.linear(rows, dequantize(codes, scales, zeros, group_size).to(rows.dtype)), rows.dtype)
-
-
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int) -> torch.Tensor:
-    """fp32 `(codes - zeros) * scales`, `[out, in]`, from the per-group `scales` and `zeros [out, groups]`."""
-    weight = codes.float()
-    if zeros is not None:
-        weight = weight - expand_groups(zeros, group_size, codes.shape[1])
-    return weight * expand_groups(scales, group_size, codes.shape[1])
-
-
-codes_matmul_op = torch.library.custom_op("paged_backend::codes_matmul", codes_matmul, mutates_args=())
-
-
-@codes_matmul_op.register_fake
-def _(rows, codes, scales, zeros, group_size):
-    return rows.new_empty(rows.shape[0], codes.shape[0])
 
 
 def stored_codes(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, bool]:
