@@ -64,6 +64,33 @@ def load(source: Path, declare: Callable[[ctypes.CDLL], None], what: str) -> cty
     return lib
 
 
+class OpKernel:
+    """An op of the `paged_backend` library defined here, and its CPU kernel: `python_kernel` until load_cpp()
+    loads the C++ one (the dispatcher takes one CPU kernel per op). `language` says which runs."""
+
+    def __init__(self, schema: str, python_kernel: Callable) -> None:
+        self.name = schema.split("(", 1)[0]
+        self.python_kernel = python_kernel
+        self.definition = torch.library.Library("paged_backend", "FRAGMENT")
+        self.definition.define(schema)
+        self.op = getattr(torch.ops.paged_backend, self.name).default
+        self.language = "Python"
+        self.registration = self.register_python()
+
+    def register_python(self) -> torch.library.Library:
+        registration = torch.library.Library("paged_backend", "IMPL")
+        registration.impl(self.name, self.python_kernel, "CPU")
+        return registration
+
+    def load_cpp(self, source: Path, kernel_address: int, what: str) -> None:
+        """The C++ kernel built from `source` in the Python one's place (load_op), or the Python one kept."""
+        self.registration._destroy()
+        if load_op(source, kernel_address, what):
+            self.language = "C++"
+        else:
+            self.registration = self.register_python()
+
+
 def load_op(source: Path, kernel_address: int, what: str) -> bool:
     """Load the C++ op kernels built from `source` into torch's dispatcher, handing them the C kernel at
     `kernel_address` (their `set_kernel`). False when they cannot be built or loaded (said once, naming `what`

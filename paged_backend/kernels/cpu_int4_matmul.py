@@ -130,13 +130,8 @@ def library() -> ctypes.CDLL | None:
     lib = cpu_build.load(SOURCE, declare, "int4 layers run through torch's kernel")
     if lib is None or not lib.available():
         return None
-    global op_kernel, _python_kernel
-    address = ctypes.cast(lib.int4_matmul, ctypes.c_void_p).value
-    _python_kernel._destroy()  # the dispatcher takes one CPU kernel per op: the C++ one, or this one again
-    if cpu_build.load_op(OP_SOURCE, address, "the int4 op calls its kernel through Python"):
-        op_kernel = "C++"
-    else:
-        _python_kernel = register_python_kernel()
+    OP.load_cpp(OP_SOURCE, ctypes.cast(lib.int4_matmul, ctypes.c_void_p).value,
+                "the int4 op calls its kernel through Python")
     return lib
 
 
@@ -153,19 +148,8 @@ def declare(lib: ctypes.CDLL) -> None:
 # The op a compiled step calls for an int4 projection: registered through torch.library's low-level API, not
 # `custom_op`, whose Python wrapping made each call markedly slower (docs/benchmarks.md). Its CPU kernel is the
 # Python function int4_matmul() until library() loads the C++ one.
-_definition = torch.library.Library("paged_backend", "FRAGMENT")
-_definition.define("int4_matmul(Tensor rows, Tensor codes, Tensor scales, Tensor zeros) -> Tensor")
-int4_matmul_op = torch.ops.paged_backend.int4_matmul.default
-op_kernel = "Python"  # which kernel the op runs on CPU
-
-
-def register_python_kernel() -> torch.library.Library:
-    kernel = torch.library.Library("paged_backend", "IMPL")
-    kernel.impl("int4_matmul", int4_matmul, "CPU")
-    return kernel
-
-
-_python_kernel = register_python_kernel()
+OP = cpu_build.OpKernel("int4_matmul(Tensor rows, Tensor codes, Tensor scales, Tensor zeros) -> Tensor", int4_matmul)
+int4_matmul_op = OP.op
 
 
 @torch.library.register_fake("paged_backend::int4_matmul")

@@ -152,13 +152,8 @@ def library() -> ctypes.CDLL | None:
     lib = cpu_build.load(SOURCE, declare, "the int8 head runs through torch's kernel")
     if lib is None:
         return None
-    global codes_op_kernel, _python_codes_kernel
-    address = ctypes.cast(lib.codes_matmul, ctypes.c_void_p).value
-    _python_codes_kernel._destroy()  # the dispatcher takes one CPU kernel per op: the C++ one, or this one again
-    if cpu_build.load_op(OP_SOURCE, address, "8-bit checkpoint layers call their kernel through Python"):
-        codes_op_kernel = "C++"
-    else:
-        _python_codes_kernel = register_python_codes_kernel()
+    CODES_OP.load_cpp(OP_SOURCE, ctypes.cast(lib.codes_matmul, ctypes.c_void_p).value,
+                      "8-bit checkpoint layers call their kernel through Python")
     return lib
 
 
@@ -180,20 +175,9 @@ def declare(lib: ctypes.CDLL) -> None:
 # The op an 8-bit checkpoint layer calls (checkpoint_layers.py), registered through torch.library's low-level
 # API as the int4 op is (cpu_int4_matmul.py). Its CPU kernel is codes_matmul_kernel() until library() loads the
 # C++ one.
-_definition = torch.library.Library("paged_backend", "FRAGMENT")
-_definition.define("codes_matmul(Tensor rows, Tensor codes, Tensor scales, Tensor? zeros, int group_size, "
-                   "int kernel_rows) -> Tensor")
-codes_matmul_op = torch.ops.paged_backend.codes_matmul.default
-codes_op_kernel = "Python"  # which kernel the op runs on CPU
-
-
-def register_python_codes_kernel() -> torch.library.Library:
-    kernel = torch.library.Library("paged_backend", "IMPL")
-    kernel.impl("codes_matmul", codes_matmul_kernel, "CPU")
-    return kernel
-
-
-_python_codes_kernel = register_python_codes_kernel()
+CODES_OP = cpu_build.OpKernel("codes_matmul(Tensor rows, Tensor codes, Tensor scales, Tensor? zeros, int group_size, "
+                              "int kernel_rows) -> Tensor", codes_matmul_kernel)
+codes_matmul_op = CODES_OP.op
 
 
 @torch.library.register_fake("paged_backend::codes_matmul")

@@ -102,7 +102,7 @@ def assert_takes_the_kernel_for_small_steps_only(layer: DequantizingLinear, part
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="needs a C++ compiler")
 def test_a_checkpoint_layer_takes_the_kernel_for_small_steps_only_through_the_cpp_op():
-    assert cpu_int8_matmul.codes_op_kernel == "C++"
+    assert cpu_int8_matmul.CODES_OP.language == "C++"
     assert_takes_the_kernel_for_small_steps_only(*layer_and_weight())
 
 
@@ -112,7 +112,7 @@ import sys
 sys.path.insert(0, %r)
 from paged_backend.kernels import cpu_int8_matmul as k
 from test_cpu_codes_matmul import assert_takes_the_kernel_for_small_steps_only, layer_and_weight
-assert k.library() is not None and k.codes_op_kernel == "Python", k.codes_op_kernel
+assert k.library() is not None and k.CODES_OP.language == "Python", k.CODES_OP.language
 assert_takes_the_kernel_for_small_steps_only(*layer_and_weight())
 """ % str(Path(__file__).parent)
     env = {**os.environ, "CXX": "/bin/false", "PAGED_BACKEND_CACHE": str(tmp_path)}

@@ -106,7 +106,7 @@ def test_stacked_layers_tile_as_their_members() -> None:
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="needs a C++ compiler")
 def test_the_op_runs_its_cpp_kernel_with_the_same_products() -> None:
-    assert cpu_int4_matmul.op_kernel == "C++"
+    assert cpu_int4_matmul.OP.language == "C++"
     codes, scale, zero = weight(48, 96)
     tiled = cpu_int4_matmul.tile(codes, scale, zero)
     x = torch.randn(2 * BLOCK + 3, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -121,7 +121,7 @@ def test_without_a_cpp_compiler_the_op_runs_its_python_kernel(tmp_path) -> None:
     script = """
 import torch
 from paged_backend.kernels import cpu_int4_matmul as k
-assert k.library() is not None and k.op_kernel == "Python", k.op_kernel
+assert k.library() is not None and k.OP.language == "Python", k.OP.language
 codes = torch.randint(0, 16, (32, 64)); scale = torch.rand(32, 2).bfloat16(); zero = torch.rand(32, 2).bfloat16()
 tiled = k.tile(codes, scale, zero); x = torch.randn(3, 64).bfloat16()
 assert torch.equal(k.int4_matmul_op(x, *tiled), k.int4_matmul(x, *tiled))
