@@ -360,8 +360,8 @@ def quantized_checkpoints_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     s, ratios, files = r["summary"], r["ratios_over_int4"], r["file_mib"]
     names = {"gptq": f"GPTQ 4-bit, groups of {r['group_size']} (fp16 LM head)",
              "gptq-int8-head": "the same with its LM head made int8, as the int4 path's is",
-             "gptq-8bit": f"GPTQ 8-bit, groups of {r['group_size']} (dequantizing layer)",
-             "fp8": "compressed-tensors FP8, a scale per row (dequantizing layer)"}
+             "gptq-8bit": f"GPTQ 8-bit, groups of {r['group_size']} (`DequantizingLinear`)",
+             "fp8": "compressed-tensors FP8, a scale per row (`DequantizingLinear`)"}
     rows = [(f"one stream of {r['tokens']} greedy tokens, default model's shape: {label} vs the int4 path",
              f"{number(s[side]['tok_s'])} vs {number(s['int4']['tok_s'])} tok/s ({number(ratios[side], 2)}x)")
             for side, label in names.items()]

@@ -1,6 +1,6 @@
 """Quantized checkpoints of the default model against the engine's own int4 path: one-stream decode speed and
 memory, each side in its own process, rounds rotated. The checkpoints: GPTQ 4-bit (the int4 kernels), GPTQ 8-bit
-and FP8 (compressed-tensors, per row; both run the dequantizing layer). One more side loads the GPTQ 4-bit folder
+and FP8 (compressed-tensors, per row; both `DequantizingLinear`, whose decode steps run the 8-bit codes kernel). One more side loads the GPTQ 4-bit folder
 with its LM head made int8, as the int4 path's is: its difference to the int4 path is the linear layers' alone.
 
 Each checkpoint is the default model's weights rounded round-to-nearest (GPTQ symmetric in groups of
@@ -42,7 +42,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-# The checkpoints written, by side: GPTQ 4-bit (the int4 kernels), GPTQ 8-bit and FP8 (the dequantizing layer).
+# The checkpoints written, by side: GPTQ 4-bit (the int4 kernels), GPTQ 8-bit and FP8 (DequantizingLinear).
 CHECKPOINTS = {"gptq": ("gptq", {"bits": 4}), "gptq-8bit": ("gptq", {"bits": 8}),
                "fp8": ("ct-fp8", {"strategy": "channel"})}
 # Each checkpoint as it loads (its LM head in the model's dtype, as the checkpoint keeps it); the GPTQ 4-bit
