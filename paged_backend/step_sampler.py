@@ -50,7 +50,7 @@ class StepSampler:
             num_rows = len(request.spec_token_ids) + 1
             tokens = self.speculator.accept(request, sampled.token_ids[row : row + num_rows])
             if state is not None:
-                Speculator.rewind_generator(request, state, len(tokens))
+                Speculator.rewind_generator(request, state, len(tokens), logits.shape[-1])
             kept.append(tokens)
             rows.append(row)
             row += num_rows

@@ -1,7 +1,7 @@
 """Sampler: the next token of every sampling request in one vectorised pass over the batch.
 
-Greedy rows are an argmax. Random rows are drawn from their distribution by the inverse of its cumulative
-distribution at one uniform number (token_draw.py); a seeded request draws its number from its own
+Greedy rows are an argmax. Random rows use the exponential race (argmax of p / q with
+q ~ Exp(1)), which samples from p exactly; a seeded request draws its q row from its own
 generator, so its tokens do not depend on what else is in the batch.
 
 On a GPU the step waits for the device once, for the sampled ids (and the logprobs asked for, in
@@ -16,7 +16,6 @@ from typing import NamedTuple
 import torch
 
 from paged_backend.core.request import PenaltyState, Request
-from paged_backend.sampling import token_draw
 from paged_backend.sampling.grammar import GrammarMask, apply_bitmask
 
 
@@ -68,7 +67,11 @@ def pick_tokens(logits: torch.Tensor, requests: list[Request], drafts: DraftRows
     temps = on_device([r.params.temperature or 1.0 for r in requests], logits.device)
     scaled = filter_logits(logits / temps[:, None], requests)
     probs = torch.softmax(scaled, dim=-1)
-    sampled = token_draw.draw(probs, token_draw.uniforms([r.generator for r in requests], logits.device))
+    q = torch.empty_like(probs).exponential_()
+    for i, request in enumerate(requests):
+        if request.generator is not None:
+            q[i].exponential_(generator=request.generator)
+    sampled = (probs / q).argmax(dim=-1)
     if drafts is not None:
         rows = torch.tensor(drafts.rows, device=logits.device)
         sampled[rows] = verify_drafts(probs[rows], drafts, [requests[r] for r in drafts.rows])
@@ -102,19 +105,22 @@ def verify_drafts(p: torch.Tensor, drafts: DraftRows, requests: list[Request]) -
     """Rejection sampling of proposals x ~ q against the target's p: keep x with probability
     min(1, p(x) / q(x)), else draw from max(p - q, 0) normalised. The emitted token is distributed as p
     (and differs from x whenever x is rejected, since the residual is zero at a rejected x). A seeded
-    request draws its acceptance uniform and then its residual draw's from its own generator."""
+    request draws its uniform and its residual race from its own generator."""
     q = drafts.probs.to(p)
     x = torch.tensor(drafts.tokens, device=p.device)
     p_x = p.gather(1, x[:, None])[:, 0]
     q_x = q.gather(1, x[:, None])[:, 0]
-    generators = [r.generator for r in requests]
-    uniform = token_draw.uniforms(generators, p.device)
+    uniform = torch.rand(len(x), device=p.device)
     residual = (p - q).clamp_min(0)
     mass = residual.sum(dim=-1, keepdim=True)
-    residual = torch.where(mass > 0, residual, p)  # p == q: nothing is ever rejected
-    redrawn = token_draw.draw(residual, token_draw.uniforms(generators, p.device))
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)  # p == q: nothing is ever rejected
+    noise = torch.empty_like(residual).exponential_()
+    for i, request in enumerate(requests):
+        if request.generator is not None:
+            uniform[i] = torch.rand(1, generator=request.generator, device=p.device)[0]
+            noise[i].exponential_(generator=request.generator)
     accept = uniform * q_x < p_x
-    return torch.where(accept, x, redrawn)
+    return torch.where(accept, x, (residual / noise).argmax(dim=-1))
 
 
 def filter_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

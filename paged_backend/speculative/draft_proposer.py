@@ -43,7 +43,6 @@ from paged_backend.model.loading.model_loader import load_model
 from paged_backend.model.model_runner import ModelRunner
 from paged_backend.model.step_inputs import StepInputs
 from paged_backend.model.paged.paged_cache import KVShape, PagedCache
-from paged_backend.sampling import token_draw
 from paged_backend.sampling.sampler import filter_logits
 
 
@@ -193,8 +192,11 @@ def choose_tokens(logits: torch.Tensor, requests: list[Request]) -> tuple[list[i
         return tokens.tolist(), None
     temps = torch.tensor([r.params.temperature or 1.0 for r in requests], device=logits.device)
     probs = torch.softmax(filter_logits(logits / temps[:, None], requests), dim=-1)
-    generators = [None if g else r.generator for r, g in zip(requests, greedy)]
-    sampled = token_draw.draw(probs, token_draw.uniforms(generators, logits.device))
+    noise = torch.empty_like(probs).exponential_()
+    for i, request in enumerate(requests):
+        if request.generator is not None and not greedy[i]:
+            noise[i].exponential_(generator=request.generator)
+    sampled = (probs / noise).argmax(dim=-1)
     chosen = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
     return chosen.tolist(), [None if g else probs[i] for i, g in enumerate(greedy)]
 

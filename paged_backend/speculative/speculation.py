@@ -42,7 +42,6 @@ import numpy as np
 import torch
 
 from paged_backend.core.request import Request
-from paged_backend.sampling import token_draw
 from paged_backend.sampling.sampler import DraftRows
 from paged_backend.speculative.ngram_proposer import propose_ngram
 from paged_backend.speculative.speculative_config import SpeculativeConfig
@@ -175,12 +174,15 @@ class Speculator:
         return request.generator.get_state()
 
     @staticmethod
-    def rewind_generator(request: Request, state: torch.Tensor, num_kept: int) -> None:
-        """Leave the generator as if it had drawn for the kept tokens only (one uniform per sampled token,
-        the sampler's draw: token_draw.py), so the next step continues the stream it would have without
+    def rewind_generator(request: Request, state: torch.Tensor, num_kept: int, vocab: int) -> None:
+        """Leave the generator as if it had drawn for the kept tokens only (one noise row of the vocabulary
+        per sampled token, the sampler's draw), so the next step continues the stream it would have without
         speculation."""
-        request.generator.set_state(state)
-        token_draw.advance(request.generator, num_kept)
+        generator = request.generator
+        generator.set_state(state)
+        noise = torch.empty(vocab, dtype=torch.float32, device=generator.device)
+        for _ in range(num_kept):
+            noise.exponential_(generator=generator)
 
     # ------------------------------------------------------------ metrics
 
