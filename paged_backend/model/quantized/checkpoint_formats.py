@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from paged_backend.kernels import cpu_int8_matmul
+
 METHODS = ("gptq", "awq", "compressed-tensors")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column each 4-bit slot of an AWQ word holds, lowest bits first
 CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
@@ -103,11 +105,7 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 `[out, in]` in the ordered inputs' positions (input_order applied)."""
-        scales = expand_groups(self.scales, self.group_size, self.codes.shape[1])
-        codes = self.codes.float()
-        if self.zeros is not None:
-            codes = codes - expand_groups(self.zeros, self.group_size, self.codes.shape[1])
-        return codes * scales
+        return cpu_int8_matmul.dequantize_codes(self.codes, self.scales, self.zeros, self.group_size)
 
 
 def expand_groups(values: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
