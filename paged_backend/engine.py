@@ -27,6 +27,7 @@ from paged_backend.core.request_group import RequestGroup
 from paged_backend.core.scheduler import Scheduler
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.step_result import RequestUpdate, StepResult
+from paged_backend.image_prompts import ImagePrompts, text_tokenizer
 from paged_backend.input_processor import InputProcessor, Prompt
 from paged_backend.kv_offload.offloader import make_offloader
 from paged_backend.model.quantized import fused_projections
@@ -39,6 +40,8 @@ from paged_backend.model.paged.paged_cache import KVShape, PagedCache
 from paged_backend.model.paged.recurrent_state import hybrid_state
 from paged_backend.model.runner_start import start_runner
 from paged_backend.model.step_inputs import StepInputs
+from paged_backend.model.vision.families import family_of
+from paged_backend.model.vision.step_images import StepImages
 from paged_backend.output_processor import OutputProcessor
 from paged_backend import tracing
 from paged_backend.sampling.grammar_queue import GrammarQueue
@@ -68,7 +71,7 @@ class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer=None, config: EngineConfig | None = None,
                  publish_step: Callable[[StepInputs], None] | None = None) -> None:
         self.config = config = config or EngineConfig()
-        model = model_object(model)
+        model, (tokenizer, processor) = model_object(model), text_tokenizer(tokenizer)
         with caller_autocast_off(model):
             model, shape, fused, draft = prepare(model, tokenizer, config)
             self.plan = plan = plan_startup(config, read_facts(model, shape, draft))
@@ -90,12 +93,14 @@ class Engine:
             self.kv.offload = make_offloader(config, model, shape, plan.groups, self.cache, self.model_states.current())
             self.requests: dict[str, RequestGroup] = {}  # user's id -> its samples
             self.ids = itertools.count()
-            self._make_front_end(model.config)
+            self._make_front_end(model.config, processor)
 
-    def _make_front_end(self, model_config) -> None:
-        """What requests meet before and after the scheduler and the forward: the input checks, the grammar
-        queue, the step's sampler, the outputs."""
+    def _make_front_end(self, model_config, processor) -> None:
+        """What requests meet before and after the scheduler and the forward: the input checks (and images, with
+        `processor` when the model takes them), the grammar queue, the step's sampler, the outputs."""
         model = self.model
+        family = family_of(model_config) if not self.plan.tensor_parallel else None
+        self.runner.images = StepImages(model, family) if family is not None else None
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = find_eos_ids(model, self.tokenizer)
         self.hidden_size = model_config.get_text_config().hidden_size  # an embedding's size
@@ -103,7 +108,8 @@ class Engine:
         self.inputs = InputProcessor(self.tokenizer, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                      context_note=self.plan.context_note, hidden_size=self.hidden_size,
                                      embedding_sizes=self.embedding_sizes, eos_token_ids=self.eos_token_ids,
-                                     device=self.cache.kv.device)
+                                     device=self.cache.kv.device,
+                                     images=ImagePrompts(processor, model_config, self.model_name, family))
         self.grammar_queue = GrammarQueue(self.vocab_size)  # structured requests wait here for their grammar
         self.sampler = StepSampler(self.grammar_queue, self.speculator)
         self.output_processor = OutputProcessor()
@@ -149,12 +155,12 @@ class Engine:
         the calling thread's current span)."""
         params = params or SamplingParams()
         request_id = self._new_request_id(request_id)
-        text, token_ids = self.inputs.prompt_tokens(prompt, prompt_token_ids)
-        self.inputs.validate(token_ids, params)
+        text, token_ids, images = self.inputs.prompt_tokens(prompt, prompt_token_ids)
+        self.inputs.validate(token_ids, params, images)
         adapter = self.resolve_lora(lora)
         group = self.inputs.make_group(request_id, text, token_ids, params, stream=stream, arrival_time=arrival_time,
                                        cache_salt=cache_salt, logits_processor=logits_processor, adapter=adapter,
-                                       model_state=self.model_states.current())
+                                       model_state=self.model_states.current(), images=images)
         group.leader.metrics.timeline = tracing.start_timeline(trace_headers, self.model_name, params)
         for request in group.samples:
             self._enqueue(request)
@@ -168,7 +174,9 @@ class Engine:
         output carries it in `embedding`. ValueError, leaving the engine untouched, if it is invalid."""
         pooling = pooling or PoolingParams()
         request_id = self._new_request_id(request_id)
-        text, token_ids = self.inputs.prompt_tokens(prompt, prompt_token_ids)
+        text, token_ids, images = self.inputs.prompt_tokens(prompt, prompt_token_ids)
+        if images:
+            raise ValueError("an embedding request takes text or token ids, not images")
         self.inputs.validate_pooling(token_ids, pooling)
         request = self.inputs.make_pooling_request(request_id, text, token_ids, pooling, self.model_states.current())
         request.metrics.timeline = tracing.start_timeline(trace_headers, self.model_name, None, "embeddings")
@@ -342,6 +350,7 @@ class Engine:
             **self.runner_start.stats(),
             **self.plan.stats(),
             **(self.kv.offload.stats() if self.kv.offload is not None else {}),
+            **(self.runner.images.cache.stats.as_dict() if self.runner.images is not None else {}),
         }
 
     def _recurrent_stats(self) -> dict[str, float]:

@@ -10,33 +10,38 @@ what one engine does.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from paged_backend.core.image_span import ImageSpan
 from paged_backend.core.outputs import RequestMetrics
 from paged_backend.core.pooling import PoolingParams, check_pooling
 from paged_backend.core.request import LogitsProcessor, Request
 from paged_backend.core.request_group import RequestGroup
 from paged_backend.sampling.detokenizer import IncrementalDetokenizer
 from paged_backend.errors import check_context
+from paged_backend.image_prompts import ImagePrompts, ProcessedPrompt, check_images_allowed, is_image_prompt
 from paged_backend.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from paged_backend.model.lora import LoRAAdapter
 
-Prompt = str | Sequence[int]
+# Text, token ids, or a prompt with images (image_prompts.py: a mapping, or one already processed).
+Prompt = str | Sequence[int] | Mapping[str, Any] | ProcessedPrompt
 
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, *, max_model_len: int, vocab_size: int, context_note: str = "",
                  hidden_size: int = 0, embedding_sizes: Sequence[int] | None = None,
-                 eos_token_ids: frozenset[int] = frozenset(), device: torch.device | None = None) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), device: torch.device | None = None,
+                 images: ImagePrompts | None = None) -> None:
         """`context_note` says why the context is shorter than the model's positions, when it is; `hidden_size`
         and `embedding_sizes` bound an embedding's size; `eos_token_ids` and `device` (for seeded generators)
-        are what built requests need."""
+        are what built requests need; `images` reads prompts with images (None: every one is refused)."""
         self.tokenizer = tokenizer
+        self.images = images
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.context_note = context_note
@@ -49,19 +54,34 @@ class InputProcessor:
         self.can_constrain = tokenizer is not None
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(the text or None, the token ids) of a text or token-id prompt."""
+        """(the text or None, the token ids) of a prompt; one with images is processed (read_images)."""
+        if is_image_prompt(prompt):
+            processed = self.read_images(prompt)
+            return processed.text, processed.token_ids
         return tokenize_prompt(self.tokenizer, prompt)
 
-    def prompt_tokens(self, prompt: Prompt, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
-        """The prompt's text (None for token ids) and its tokens, tokenized here unless the caller already did."""
-        if prompt_token_ids is None:
-            return self.tokenize(prompt)
-        return (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
+    def read_images(self, prompt: Mapping[str, Any] | ProcessedPrompt) -> ProcessedPrompt:
+        """A prompt with images through the model's processor (once: a processed prompt is returned as is)."""
+        if self.images is None:
+            raise ValueError("this engine takes no prompts with images")
+        return self.images.read(prompt)
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def prompt_tokens(self, prompt: Prompt, prompt_token_ids: list[int] | None
+                      ) -> tuple[str | None, list[int], tuple[ImageSpan, ...]]:
+        """The prompt's text (None for token ids), its tokens, tokenized here unless the caller already did, and
+        its images."""
+        if is_image_prompt(prompt):
+            processed = self.read_images(prompt)
+            return processed.text, processed.token_ids, processed.images
+        if prompt_token_ids is None:
+            return (*self.tokenize(prompt), ())
+        return (prompt if isinstance(prompt, str) else None), list(prompt_token_ids), ()
+
+    def validate(self, token_ids: list[int], params: SamplingParams, images: Sequence[ImageSpan] = ()) -> None:
         check_request(token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                       has_tokenizer=self.tokenizer is not None, can_constrain=self.can_constrain,
                       context_note=self.context_note)
+        check_images_allowed(images, params)
 
     def validate_pooling(self, token_ids: list[int], pooling: PoolingParams) -> None:
         check_pooling(token_ids, pooling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
@@ -71,7 +91,7 @@ class InputProcessor:
     def make_group(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, *,
                    stream: bool, arrival_time: float | None, cache_salt: str | None,
                    logits_processor: LogitsProcessor | None, adapter: LoRAAdapter | None,
-                   model_state: int) -> RequestGroup:
+                   model_state: int, images: tuple[ImageSpan, ...] = ()) -> RequestGroup:
         """The request group of a validated prompt: params.num_samples samples (derived seeds), its prompt
         truncated as the params ask (the one place prompts are truncated). A ranked group (best_of > n) is
         never streamed."""
@@ -82,8 +102,9 @@ class InputProcessor:
         for index in range(samples):
             sample_params = params if samples == 1 else params.for_sample(index)
             internal_id = request_id if samples == 1 else f"{request_id}#{index}"
-            self.make_request(group, internal_id, text, token_ids, sample_params, metrics, stream and not group.ranked,
-                              cache_salt, logits_processor, adapter, model_state)
+            request = self.make_request(group, internal_id, text, token_ids, sample_params, metrics,
+                                        stream and not group.ranked, cache_salt, logits_processor, adapter, model_state)
+            request.images = images
         return group
 
     def make_pooling_request(self, request_id: str, text: str | None, token_ids: list[int], pooling: PoolingParams,

@@ -1,7 +1,7 @@
 """KVCacheManager: gives each request the blocks its tokens need, shares cached prefixes, frees.
 
-Automatic prefix caching: every full block is hashed in a chain (its parent's hash, its tokens,
-and for the first block the request's cache salt, LoRA adapter and the model's state: its weights and PEFT adapters) and registered in the pool once computed. A new
+Automatic prefix caching: every full block is hashed in a chain (its parent's hash, its tokens and the images
+among them, and for the first block the request's cache salt, LoRA adapter and the model's state: its weights and PEFT adapters) and registered in the pool once computed. A new
 request first takes the longest run of cached blocks matching its tokens and starts computing
 after them; its last token is always computed, so there are logits to sample from.
 
@@ -24,6 +24,7 @@ import struct
 from typing import TYPE_CHECKING
 
 from paged_backend.core.block_pool import BlockHash, BlockKey, BlockPool
+from paged_backend.core.image_span import block_images
 from paged_backend.core.kv_cache_groups import CacheGroups, one_group
 from paged_backend.core.layer_specs import LayerSpec
 from paged_backend.core.request import Request
@@ -216,20 +217,24 @@ class KVCacheManager:
             hashes.append(block_hash)
 
     def prompt_key(self, request: Request) -> int | None:
-        """A key equal for requests whose whole prompt would have the same K/V (its tokens, and the first block's
-        salt, adapter and model state), or None where the prefix cache could not share them (off, prompt logprobs
+        """A key equal for requests whose whole prompt would have the same K/V (its tokens and images, and the first
+        block's salt, adapter and model state), or None where the prefix cache could not share them (off, prompt logprobs
         wanted, no full block)."""
         if (not self.enable_prefix_caching or request.prompt_logprobs is not None
                 or request.num_prompt_tokens <= self.block_size):
             return None
-        return hash((self.block_key(request, 0, None), tuple(request.prompt_token_ids)))
+        images = tuple((image.digest, image.start) for image in request.images)
+        return hash((self.block_key(request, 0, None), tuple(request.prompt_token_ids), images))
 
     def block_key(self, request: Request, index: int, parent: BlockHash | None) -> BlockKey:
-        """Block `index` of the request: its parent's hash, its tokens, and (first block only) the salt, the
+        """Block `index` of the request: its parent's hash, its tokens (with the images inside it), and (first block
+        only) the salt, the
         adapter's registration id (unique, so a re-registered name never reuses its predecessor's K/V) and
         the model's state (model_state.py)."""
         bs = self.block_size
         tokens = tuple(request.token_slice(index * bs, (index + 1) * bs))
+        if request.images:  # placeholder tokens alone do not tell one image from another
+            tokens += block_images(request.images, index * bs, (index + 1) * bs)
         if index:
             return parent, tokens, None, None, None
         lora = request.lora.id if request.lora is not None else None

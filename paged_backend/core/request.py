@@ -13,6 +13,7 @@ from paged_backend.core.outputs import Logprob, RequestMetrics, SampleLogprobs
 from paged_backend.core.request_group import RequestGroup
 
 if TYPE_CHECKING:
+    from paged_backend.core.image_span import ImageSpan
     from paged_backend.core.pooling import PoolingParams
     from paged_backend.model.lora import LoRAAdapter
     from paged_backend.sampling.detokenizer import IncrementalDetokenizer
@@ -88,6 +89,7 @@ class Request:
     # A pooling request (core/pooling.py): its prompt's final hidden states become an embedding; nothing is sampled.
     pooling: PoolingParams | None = None
     pooled: torch.Tensor | None = None  # while it runs: the sum (mean) or the last row of its hidden states so far
+    images: tuple[ImageSpan, ...] = ()  # a vision-language prompt's images, in prompt order (image_span.py)
 
     def __post_init__(self) -> None:
         if self.group is None:

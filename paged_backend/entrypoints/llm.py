@@ -13,6 +13,7 @@ from paged_backend.config import EngineConfig
 from paged_backend.core.outputs import RequestOutput
 from paged_backend.core.pooling import PoolingParams
 from paged_backend.engine import Engine, Prompt
+from paged_backend.image_prompts import ProcessedPrompt, check_images_allowed, is_image_prompt
 from paged_backend.entrypoints.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
@@ -256,6 +257,8 @@ class LLM:
         loras = loras or [None] * len(prompts)
         processors = processors or [None] * len(prompts)
 
+        prompts = processed_images(engine.inputs.read_images, prompts, params)  # once, before anything is queued
+
         def check(token_ids: list[int], p: SamplingParams, lora: LoRASpec | None) -> None:
             engine.inputs.validate(token_ids, p)
             engine.resolve_lora(lora)
@@ -282,7 +285,7 @@ class LLM:
 
 
 def normalise_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str) or is_image_prompt(prompts):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
@@ -299,6 +302,20 @@ def normalise_params(params: SamplingParams | Sequence[SamplingParams] | None, n
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def processed_images(read: Callable[[Prompt], ProcessedPrompt], prompts: list[Prompt],
+                     params: list[SamplingParams]) -> list[Prompt]:
+    """The prompts, those with images through the processor (`read`) and checked against their params; ValueError
+    naming the index of one refused."""
+    processed = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        try:
+            processed.append(read(prompt) if is_image_prompt(prompt) else prompt)
+            check_images_allowed(getattr(processed[-1], "images", ()), p)
+        except ValueError as exc:
+            raise ValueError(f"prompt {i}: {exc}") from None
+    return processed
 
 
 def checked_token_ids(tokenize: Callable[[Prompt], tuple[str | None, list[int]]],

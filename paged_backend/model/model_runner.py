@@ -31,6 +31,7 @@ from paged_backend.model.paged.recurrent_state import RecurrentState, RecurrentS
 from paged_backend.model.quantized.small_step_linear import small_step_linear
 from paged_backend.model.paged.step_context import LoRAStep, StepContext, step_context
 from paged_backend.model.step_inputs import StepInputs
+from paged_backend.model.vision.step_images import StepImages
 from paged_backend.sampling.prompt_logprobs import PromptSpan, wanted_targets
 
 class ModelRunner:
@@ -51,6 +52,7 @@ class ModelRunner:
         self.recurrent = recurrent  # a hybrid model's recurrent-layer state, when it has one
         self.invariant_rows: int | None = None  # batch-invariant steps: the rows every F.linear is padded to
         self.invariant_attention: tuple | None = None  # and each layer's attention record, marked batch-invariant
+        self.images: StepImages | None = None  # a vision-language model's image rows (step_images.py)
 
     def make_batch_invariant(self, min_rows: int) -> None:
         """Run every step batch-invariantly (batch_invariant.py): each `F.linear` on at least `min_rows` rows and every
@@ -72,8 +74,10 @@ class ModelRunner:
         carrying proposed tokens), then those of `inputs.prompt_spans`.
         The caller holds `torch.inference_mode()` over this and the sampling that follows."""
         inputs = self.prepare_inputs(batch)
-        # A step with pooling requests runs unpadded and eagerly (_forward_pooling): a captured graph has no hook.
-        size = self.padding.size_for(inputs) if self.padding is not None and inputs.pooling is None else None
+        # A step with pooling requests runs unpadded and eagerly (_forward_pooling): a captured graph has no hook;
+        # so does a step with image rows, whose graph would take token ids.
+        padded = self.padding is not None and inputs.pooling is None and inputs.inputs_embeds is None
+        size = self.padding.size_for(inputs) if padded else None
         if size is not None:  # before publishing: every tensor-parallel rank runs the same padded step
             inputs = self.padding.pad(inputs, size)
         if self.publish is not None:
@@ -84,6 +88,10 @@ class ModelRunner:
         with step_context(self._context(inputs.metadata, inputs.group_metadata, inputs.lora, inputs.recurrent)):
             if inputs.pooling is not None:
                 return self._forward_pooling(inputs)
+            if inputs.inputs_embeds is not None:
+                with self.linear_rows(inputs.input_ids.shape[-1]):
+                    return self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices,
+                                          inputs.metadata, eager=True, inputs_embeds=inputs.inputs_embeds)
             logits = self.graphs.replay(inputs) if self.graphs is not None and inputs.real_rows is not None else None
             if logits is None:
                 # Eager only: the compiled forward has its own matmul choices.
@@ -105,22 +113,23 @@ class ModelRunner:
         try:
             with self.linear_rows(inputs.input_ids.shape[-1]):
                 logits = self.run_model(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata,
-                                        eager=True)
+                                        eager=True, inputs_embeds=inputs.inputs_embeds)
         finally:
             handle.remove()
         inputs.pooling.reduce(captured[-1][0])
         return logits
 
     def run_model(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
-                  metadata: AttentionMetadata, eager: bool = False) -> torch.Tensor:
+                  metadata: AttentionMetadata, eager: bool = False, inputs_embeds: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         """The packed forward `[1, T]` -> the logits rows `logits_indices`, inside a step context for `metadata`;
-        `eager` runs the model itself even when a compiled forward exists."""
-        extra = {}
+        `eager` runs the model itself even when a compiled forward exists; `inputs_embeds` (a step with image rows,
+        eager) replace the token ids."""
+        extra: dict = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         if self.single_row and not eager and input_ids.shape[-1] == 1:
             extra["paged_single_row"] = single_row_step(metadata, self.cache.kv)
         forward = partial(compilation.logits_of, self.model) if eager else self.forward_model
         logits = forward(
-            input_ids=input_ids,
             position_ids=position_ids,
             cache=self.cache,
             use_cache=True,
@@ -225,8 +234,9 @@ class ModelRunner:
             logits_rows = np.concatenate([logits_rows, span_rows])
         elif not sampling:  # only partial prompt chunks: keep one row so the forward's shape is valid
             logits_rows = query_start_loc[-1:] - 1
+        input_ids = self.to_device(token_ids)[None]
         return StepInputs(
-            input_ids=self.to_device(token_ids)[None],
+            input_ids=input_ids,
             position_ids=self.to_device(positions)[None],
             logits_indices=self.to_device(logits_rows),
             sampling_requests=[requests[i] for i in sampling],
@@ -237,6 +247,8 @@ class ModelRunner:
                             if self.cache.grouped else None),
             pooling=pooling_rows(requests, starts, ends, query_start_loc, self.to_device),
             recurrent=self._recurrent_step(requests, starts, query_start_loc),
+            inputs_embeds=(self.images.input_embeds(requests, starts, ends, query_start_loc, input_ids)
+                           if self.images is not None else None),
         )
 
     def _recurrent_step(self, requests: list[Request], starts: np.ndarray, query_start_loc: np.ndarray

@@ -33,3 +33,6 @@ class StepInputs(NamedTuple):
     pooling: PoolingRows | None = None
     # A hybrid model's step (recurrent_state.py): each sequence's segment, progress and state slot. None: no state.
     recurrent: RecurrentStep | None = None
+    # A step of a vision-language model with image placeholders: its input embeddings [1, T, hidden], image rows in
+    # place (step_images.py), run eagerly instead of `input_ids`. None: the token ids alone.
+    inputs_embeds: torch.Tensor | None = None

@@ -21,6 +21,8 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
     AutoTokenizer,
     DistributedConfig,
     PretrainedConfig,
@@ -41,6 +43,7 @@ from paged_backend.model.loading.default_model import (
 from paged_backend.model.loading.precision import preferred_dtype
 from paged_backend.model.paged.recurrent_state import is_all_attention_hybrid
 from paged_backend.model.quantized.checkpoint_quantizer import check_quantization_method
+from paged_backend.model.vision.families import family_of
 
 # Each of these has a decoder-only *ForCausalLM whose attention module calls
 # ALL_ATTENTION_FUNCTIONS.get_interface (checked in transformers 5.24's and 5.25's
@@ -53,9 +56,10 @@ from paged_backend.model.quantized.checkpoint_quantizer import check_quantizatio
 # embedding), attention sinks (gpt_oss, passed as `s_aux`), chunked attention (llama4_text, read from
 # `config.layer_types`; its attention temperature tuning caps the context, model_check.temperature_tuning_limit).
 # Some types load another family's class: exaone, internlm3 and iquestcoder a LlamaForCausalLM, param2moe and
-# sarvam_moe a Glm4MoeForCausalLM (GPT-SW3's config is a GPT2Config, model_type "gpt2"). Two multimodal types
-# run on text alone (the engine feeds token ids only, never images): gemma3 (Gemma3ForConditionalGeneration,
-# Gemma 3 4B and larger) and fuyu (FuyuForCausalLM, a Persimmon language model).
+# sarvam_moe a Glm4MoeForCausalLM (GPT-SW3's config is a GPT2Config, model_type "gpt2"). Multimodal types:
+# llava (LlavaForConditionalGeneration) takes images (model/vision/families.py); gemma3
+# (Gemma3ForConditionalGeneration, Gemma 3 4B and larger) and fuyu (FuyuForCausalLM, a Persimmon language model)
+# run on text alone, their images refused with the reason.
 INTERFACE_TYPES: frozenset[str] = frozenset(
     {
         "llama",
@@ -125,6 +129,7 @@ INTERFACE_TYPES: frozenset[str] = frozenset(
         "jais2",
         "kolibri1",
         "laguna",
+        "llava",
         "mellum",
         "minicpm5_moe",
         "minimax_m2",
@@ -458,7 +463,8 @@ def _load_pretrained(
         extra["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
     else:
         extra["device_map"] = target
-    return AutoModelForCausalLM.from_pretrained(source, dtype=_resolve_dtype(dtype, target), **extra)
+    auto = AutoModelForImageTextToText if family_of(config) is not None else AutoModelForCausalLM
+    return auto.from_pretrained(source, dtype=_resolve_dtype(dtype, target), **extra)
 
 
 def _is_baichuan_folder(source: str | Path) -> bool:
@@ -538,6 +544,8 @@ def _load_tokenizer(
     if source is None or (isinstance(source, Path) and not _has_tokenizer_files(source)):
         return None
     try:
+        if _takes_images(source):  # its processor: the tokenizer and what makes images into placeholders
+            return AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
         return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as exc:
         if not _is_baichuan_folder(source):
@@ -547,6 +555,14 @@ def _load_tokenizer(
             "without that code, but the tokenizer needs trust_remote_code=True (which runs only the tokenizer's "
             "code) or a tokenizer passed as tokenizer="
         ) from exc
+
+
+def _takes_images(source: str | Path) -> bool:
+    """Whether the model at `source` is of a vision family the engine runs images for."""
+    try:
+        return family_of(AutoConfig.from_pretrained(source)) is not None
+    except (OSError, ValueError):
+        return False
 
 
 def _has_tokenizer_files(folder: Path) -> bool:

@@ -1,0 +1,127 @@
+"""Prompts with images: a text and its images made, by the model's HF processor, into token ids with the image
+placeholders expanded and one `ImageSpan` per image.
+
+A prompt with images is a mapping, vLLM's form: `{"prompt": text, "multi_modal_data": {"image": image or [images]}}`
+with the images as the processor takes them (PIL images, arrays, tensors) and the text holding the model's image
+token where each image goes (the processor's chat template puts it there for chat). The processor expands each
+image token to the image's placeholders; each image's span takes, in order, as many of them as its family says
+the image fills. An image's digest hashes what the vision encoder reads of it (the processed pixels, which carry
+the processor's settings), so equal images share their encoding and their prefix-cache blocks, and different ones
+never do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig
+
+from paged_backend.core.image_span import ImageSpan
+from paged_backend.model.vision.families import ImageInputs, VisionFamily, refusal
+
+MAX_IMAGES = 32  # per prompt
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt with images after the processor: what the engine queues."""
+
+    text: str
+    token_ids: list[int]
+    images: tuple[ImageSpan, ...]
+
+
+def is_image_prompt(prompt: object) -> bool:
+    return isinstance(prompt, (Mapping, ProcessedPrompt))
+
+
+class ImagePrompts:
+    """Reads prompts with images for one model: its processor, its family, its image token."""
+
+    def __init__(self, processor: Any, config: PretrainedConfig, model_name: str, family: VisionFamily | None) -> None:
+        """`family`: the model's vision family where the engine runs its images (None: every image is refused)."""
+        self.processor = processor
+        self.config = config
+        self.family = family
+        self.model_name = model_name
+
+    def read(self, prompt: Mapping | ProcessedPrompt) -> ProcessedPrompt:
+        """The processed prompt; ValueError naming what is wrong (no images taken by this model, a bad image, more
+        images than placeholders)."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        text, images = prompt_parts(prompt)
+        if self.family is None:
+            raise ValueError(refusal(self.config, self.model_name))
+        if self.processor is None:
+            raise ValueError(f"{self.model_name}: a prompt with images needs the model's processor; pass the "
+                             "transformers processor (AutoProcessor) as the tokenizer")
+        try:
+            processed = self.processor(text=text, images=list(images) or None, return_tensors="pt")
+        except (ValueError, TypeError, OSError) as exc:
+            raise ValueError(f"the processor refused the prompt's images: {exc}") from None
+        token_ids = processed["input_ids"][0].tolist()
+        if not images:
+            return ProcessedPrompt(text, token_ids, ())
+        per_image = self.family.split(processed, len(images))
+        return ProcessedPrompt(text, token_ids, self.spans(token_ids, per_image))
+
+    def spans(self, token_ids: list[int], per_image: list[ImageInputs]) -> tuple[ImageSpan, ...]:
+        """Each image's span: its share, in order, of the prompt's image placeholders."""
+        placeholders = np.flatnonzero(np.asarray(token_ids) == self.config.image_token_id)
+        counts = [self.family.tokens_of(self.config, image) for image in per_image]
+        if sum(counts) != len(placeholders):
+            raise ValueError(f"the prompt has {len(placeholders)} image placeholder tokens where its {len(per_image)} "
+                             f"images fill {sum(counts)}: put the image token once per image in the text")
+        bounds = np.cumsum([0, *counts])
+        return tuple(ImageSpan(placeholders[bounds[i]:bounds[i + 1]], image_digest(image), image)
+                     for i, image in enumerate(per_image))
+
+
+def prompt_parts(prompt: Mapping) -> tuple[str, list[Any]]:
+    """(text, images) of a prompt mapping; ValueError for what is not one."""
+    unknown = set(prompt) - {"prompt", "multi_modal_data"}
+    if unknown:
+        raise ValueError(f"a prompt mapping takes 'prompt' and 'multi_modal_data', not {sorted(unknown)}")
+    text = prompt.get("prompt")
+    if not isinstance(text, str):
+        raise ValueError("a prompt with images needs its text as 'prompt' (a string with the image token where "
+                         "each image goes)")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, Mapping) or set(data) - {"image"}:
+        raise ValueError("'multi_modal_data' takes 'image': an image or a list of images")
+    images = data.get("image", [])
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if len(images) > MAX_IMAGES:
+        raise ValueError(f"{len(images)} images in one prompt; at most {MAX_IMAGES}")
+    return text, images
+
+
+def image_digest(inputs: ImageInputs) -> int:
+    """128 bits of hash over an image's encoder inputs (names, dtypes, shapes and values)."""
+    h = hashlib.blake2b(digest_size=16)
+    for key in sorted(inputs):
+        tensor = inputs[key].detach().contiguous().cpu()
+        h.update(f"{key}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return int.from_bytes(h.digest(), "little")
+
+
+def text_tokenizer(tokenizer_or_processor: Any) -> tuple[Any, Any]:
+    """(the tokenizer, the processor or None) of what a caller passed as the tokenizer: a transformers processor
+    (which carries a tokenizer) stands for both."""
+    inner = getattr(tokenizer_or_processor, "tokenizer", None)
+    if inner is not None and hasattr(tokenizer_or_processor, "image_processor"):
+        return inner, tokenizer_or_processor
+    return tokenizer_or_processor, None
+
+
+def check_images_allowed(images: Sequence[ImageSpan], params: Any) -> None:
+    """Options that cannot run on a prompt with images (its truncation would cut an image's placeholders)."""
+    if images and getattr(params, "truncate_prompt_tokens", None) is not None:
+        raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")

@@ -1,0 +1,66 @@
+"""Tiny vision-language models built in-process, with their processors: a word-level tokenizer holding the
+image token, the family's image processor sized to the tiny vision tower, and seeded random images."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers as tf
+from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<image>"]
+WORDS = "user assistant describe the image what is in this picture a cat dog red green blue sky and two".split()
+VOCAB = 300
+IMAGE_SIZE, PATCH = 32, 8
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} :{% if m['content'] is string %} {{ m['content'] }}"
+                 "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %} <image>"
+                 "{% else %} {{ part['text'] }}{% endif %}{% endfor %}{% endif %} \n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+def word_tokenizer() -> tf.PreTrainedTokenizerFast:
+    words = SPECIALS + sorted(set(WORDS)) + ["\n", ":"]
+    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    tokenizer = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(SPECIALS)
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                      pad_token="<pad>", unk_token="<unk>",
+                                      extra_special_tokens={"image_token": "<image>"}, chat_template=CHAT_TEMPLATE)
+
+
+def tiny_llava(seed: int = 0) -> tuple[tf.LlavaForConditionalGeneration, tf.LlavaProcessor]:
+    """A LLaVA of a 2-layer CLIP tower (16 image tokens) and a 2-layer Llama, fp32, with its processor."""
+    tokenizer = word_tokenizer()
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    config = tf.LlavaConfig(
+        vision_config=tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH,
+                                          projection_dim=32),
+        text_config=tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        image_token_index=image_token, image_seq_length=(IMAGE_SIZE // PATCH) ** 2,
+        vision_feature_select_strategy="default", vision_feature_layer=-2)
+    torch.manual_seed(seed)
+    model = tf.LlavaForConditionalGeneration(config).to(torch.float32).eval()
+    image_processor = tf.LlavaImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                                crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH,
+                                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                  image_token="<image>", chat_template=CHAT_TEMPLATE)
+    return model, processor
+
+
+def random_image(seed: int, height: int = 40, width: int = 48) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def hf_greedy(model, processor, text: str, images: list, max_new_tokens: int) -> list[int]:
+    """HF generate's greedy new tokens for one prompt with images, forced to run `max_new_tokens` (eos banned)."""
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()

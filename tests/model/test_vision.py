@@ -1,0 +1,162 @@
+"""Vision-language models through the engine: images encoded by the model's own tower, their rows merged at the
+placeholders, the language model paged; HF generate's greedy tokens with the same pixels (fp32) as the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.vision import hf_greedy, random_image, tiny_llava
+
+from paged_backend import LLM, SamplingParams
+
+TOKENS = 8
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+ONE = "user : <image> \n describe the image assistant :"
+TWO = "user : what is in this picture <image> and <image> \n assistant :"
+TEXT = "user : describe the sky \n assistant :"
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return tiny_llava()
+
+
+def image_prompt(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def test_one_image_alone_equals_hf(llava) -> None:
+    model, processor = llava
+    image = random_image(1)
+    llm = LLM(model, processor)
+    assert tokens(llm.generate(image_prompt(ONE, image), GREEDY)) == [hf_greedy(model, processor, ONE, [image], TOKENS)]
+
+
+def test_mixed_batch_with_chunked_prefill_and_preemption_equals_hf(llava) -> None:
+    """Text-only and image requests in one batch; chunks of 12 tokens cut through every 16-token image, and a
+    cache of 12 blocks of 4 preempts requests, which recompute their images' rows from the encoder cache."""
+    model, processor = llava
+    cases = [(ONE, [random_image(1)]), (TWO, [random_image(2), random_image(3, 64, 32)]), (TEXT, []),
+             (ONE, [random_image(4, 32, 32)]), (TWO, [random_image(5), random_image(1)])]
+    expected = [hf_greedy(model, processor, text, images, TOKENS) for text, images in cases]
+    llm = LLM(model, processor, block_size=4, num_kv_blocks=24, max_num_batched_tokens=12, max_num_seqs=4,
+              preemption_mode="recompute")
+    got = tokens(llm.generate([image_prompt(text, images) for text, images in cases], GREEDY))
+    assert got == expected
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_a_repeated_image_is_encoded_once_and_shares_its_blocks(llava) -> None:
+    model, processor = llava
+    image = random_image(7)
+    llm = LLM(model, processor, block_size=4)
+    first = tokens(llm.generate(image_prompt(ONE, [image]), GREEDY))
+    before = llm.engine.stats()
+    again = tokens(llm.generate(image_prompt(ONE, [image.copy()]), GREEDY))
+    after = llm.engine.stats()
+    assert again == first
+    assert (before["images_encoded"], after["images_encoded"]) == (1, 1)
+    assert after["encoder_cache_hits"] == before["encoder_cache_hits"]  # the whole prompt came from the prefix cache
+    prompt_blocks = len(processor(text=ONE, images=[image])["input_ids"][0]) // 4
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == 4 * prompt_blocks
+
+
+def test_a_different_image_with_the_same_text_shares_no_image_block(llava) -> None:
+    """Without the image's digest in the block keys, the second prompt (equal tokens) would take the first one's
+    image blocks and answer about the first image."""
+    model, processor = llava
+    first_image, second_image = random_image(8), random_image(9)
+    llm = LLM(model, processor, block_size=4)
+    llm.generate(image_prompt(ONE, [first_image]), GREEDY)
+    before = llm.engine.stats()["prefix_cache_hit_tokens"]
+    got = tokens(llm.generate(image_prompt(ONE, [second_image]), GREEDY))
+    hit = llm.engine.stats()["prefix_cache_hit_tokens"] - before
+    ids = processor(text=ONE, images=[second_image], return_tensors="pt")["input_ids"][0].tolist()
+    assert hit == 4 * (ids.index(model.config.image_token_id) // 4)  # the text blocks before the image only
+    assert got == [hf_greedy(model, processor, ONE, [second_image], TOKENS)]
+    assert llm.engine.stats()["images_encoded"] == 2
+
+
+def test_the_encoder_cache_is_bounded_and_re_encodes_what_it_dropped(llava) -> None:
+    model, processor = llava
+    llm = LLM(model, processor, enable_prefix_caching=False)
+    cache = llm.engine.runner.images.cache
+    cache.max_bytes = 16 * 64 * 4  # one image's rows (16 tokens of 64 fp32)
+    images = [random_image(10), random_image(11)]
+    expected = [hf_greedy(model, processor, ONE, [image], TOKENS) for image in images]
+    for _ in range(2):
+        assert tokens(llm.generate([image_prompt(ONE, [image]) for image in images], GREEDY)) == expected
+    assert len(cache) == 1 and cache.bytes <= cache.max_bytes
+    # The first batch encodes both, keeping the second; the second batch finds it and encodes the first again.
+    stats = llm.engine.stats()
+    assert (stats["images_encoded"], stats["encoder_cache_hits"]) == (3, 1)
+
+
+@pytest.mark.parametrize(("prompt", "error"), [
+    (image_prompt(ONE, [random_image(1), random_image(2)]), "processor refused.*1 <image> tokens and 2 images"),
+    (image_prompt(TWO, [random_image(1)]), "processor refused.*2 <image> tokens and 1 images"),
+    ({"prompt": ONE, "multi_modal_data": {"video": []}}, "'multi_modal_data' takes 'image'"),
+    ({"prompt": ONE, "images": []}, "not ['images']"),
+    ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": []}}, "not ['prompt_token_ids']"),
+    (image_prompt(ONE, ["not an image"]), "processor refused"),
+])
+def test_bad_prompts_with_images_are_refused_and_the_batch_runs_on(llava, prompt, error) -> None:
+    model, processor = llava
+    llm = LLM(model, processor)
+    with pytest.raises(ValueError, match=r"prompt 1: .*" + error.replace("[", r"\[")):
+        llm.generate([image_prompt(ONE, [random_image(1)]), prompt], GREEDY)
+    assert llm.engine.stats()["num_waiting"] == 0  # nothing of the batch was queued
+    assert tokens(llm.generate(image_prompt(ONE, [random_image(1)]), GREEDY)) == [
+        hf_greedy(model, processor, ONE, [random_image(1)], TOKENS)]
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_a_processor_that_expands_images_to_other_counts_is_refused(llava) -> None:
+    """A processor whose placeholders per image differ from what the vision tower gives: refused up front, rather
+    than rows landing on the wrong positions."""
+    model, processor = llava
+    wrong = type(processor)(image_processor=processor.image_processor, tokenizer=processor.tokenizer, patch_size=8,
+                            vision_feature_select_strategy="default", num_additional_image_tokens=2,
+                            image_token="<image>")
+    llm = LLM(model, wrong)
+    with pytest.raises(ValueError, match="the prompt has 17 image placeholder tokens where its 1 images fill 16"):
+        llm.generate(image_prompt(ONE, [random_image(1)]), GREEDY)
+
+
+def test_truncating_a_prompt_with_images_is_refused(llava) -> None:
+    model, processor = llava
+    llm = LLM(model, processor)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens cannot cut a prompt with images"):
+        llm.generate(image_prompt(ONE, [random_image(1)]), SamplingParams(max_tokens=2, truncate_prompt_tokens=8))
+
+
+def test_a_text_only_model_refuses_images_naming_it() -> None:
+    from helpers.server import build_chat_tokenizer, tiny_llama
+
+    tokenizer = build_chat_tokenizer(["describe the image"] * 3)
+    llm = LLM(tiny_llama(tokenizer), tokenizer)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM \(model_type='llama'\) does not take images: it is a "
+                                         "text-only model"):
+        llm.generate(image_prompt("describe the image", [random_image(1)]), GREEDY)
+
+
+def test_images_without_the_processor_are_refused(llava) -> None:
+    model, processor = llava
+    llm = LLM(model, processor.tokenizer)
+    with pytest.raises(ValueError, match="needs the model's processor"):
+        llm.generate(image_prompt(ONE, [random_image(1)]), GREEDY)
+    assert tokens(llm.generate(TEXT, GREEDY)) == [hf_greedy(model, processor, TEXT, [], TOKENS)]
+
+
+def test_embedding_requests_refuse_images(llava) -> None:
+    model, processor = llava
+    llm = LLM(model, processor)
+    with pytest.raises(ValueError, match="embedding request takes text or token ids, not images"):
+        llm.engine.add_pooling_request(image_prompt(ONE, [random_image(1)]))
