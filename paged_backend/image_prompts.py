@@ -2,7 +2,7 @@
 placeholders expanded and one `ImageSpan` per image.
 
 A prompt with images is a mapping, vLLM's form: `{"prompt": text, "multi_modal_data": {"image": image or [images]}}`
-with the images as the processor takes them (PIL images, arrays, tensors) and the text holding the model's image
+with the images as PIL images, arrays, tensors, bytes or data URLs (image_sources.py) and the text holding the model's image
 token where each image goes (the processor's chat template puts it there for chat). The processor expands each
 image token to the image's placeholders; each image's span takes, in order, as many of them as its family says
 the image fills. An image's digest hashes what the vision encoder reads of it (the processed pixels, which carry
@@ -22,6 +22,7 @@ import torch
 from transformers import PretrainedConfig
 
 from paged_backend.core.image_span import ImageSpan
+from paged_backend.image_sources import read_image
 from paged_backend.model.vision.families import ImageInputs, VisionFamily, refusal
 
 MAX_IMAGES = 32  # per prompt
@@ -50,19 +51,17 @@ class ImagePrompts:
         self.family = family
         self.model_name = model_name
 
-    def read(self, prompt: Mapping | ProcessedPrompt) -> ProcessedPrompt:
+    def read(self, prompt: Mapping | ProcessedPrompt, add_special_tokens: bool = True) -> ProcessedPrompt:
         """The processed prompt; ValueError naming what is wrong (no images taken by this model, a bad image, more
-        images than placeholders)."""
+        images than placeholders). `add_special_tokens` False: the text already has them (a rendered chat)."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
-        text, images = prompt_parts(prompt)
-        if self.family is None:
-            raise ValueError(refusal(self.config, self.model_name))
-        if self.processor is None:
-            raise ValueError(f"{self.model_name}: a prompt with images needs the model's processor; pass the "
-                             "transformers processor (AutoProcessor) as the tokenizer")
+        text, sources = prompt_parts(prompt)
+        self.check_takes_images()
+        images = [read_image(source, f"image {i}") for i, source in enumerate(sources)]
         try:
-            processed = self.processor(text=text, images=list(images) or None, return_tensors="pt")
+            processed = self.processor(text=text, images=images or None, return_tensors="pt",
+                                       add_special_tokens=add_special_tokens)
         except (ValueError, TypeError, OSError) as exc:
             raise ValueError(f"the processor refused the prompt's images: {exc}") from None
         token_ids = processed["input_ids"][0].tolist()
@@ -70,6 +69,18 @@ class ImagePrompts:
             return ProcessedPrompt(text, token_ids, ())
         per_image = self.family.split(processed, len(images))
         return ProcessedPrompt(text, token_ids, self.spans(token_ids, per_image))
+
+    @property
+    def takes_images(self) -> bool:
+        return self.family is not None and self.processor is not None
+
+    def check_takes_images(self) -> None:
+        """ValueError naming the model unless the engine runs images for it (its family, with its processor)."""
+        if self.family is None:
+            raise ValueError(refusal(self.config, self.model_name))
+        if self.processor is None:
+            raise ValueError(f"{self.model_name}: a prompt with images needs the model's processor; pass the "
+                             "transformers processor (AutoProcessor) as the tokenizer")
 
     def spans(self, token_ids: list[int], per_image: list[ImageInputs]) -> tuple[ImageSpan, ...]:
         """Each image's span: its share, in order, of the prompt's image placeholders."""
@@ -117,6 +128,10 @@ def text_tokenizer(tokenizer_or_processor: Any) -> tuple[Any, Any]:
     (which carries a tokenizer) stands for both."""
     inner = getattr(tokenizer_or_processor, "tokenizer", None)
     if inner is not None and hasattr(tokenizer_or_processor, "image_processor"):
+        # A vision model's chat template is often the processor's alone; every chat front end renders with the
+        # tokenizer's.
+        if not getattr(inner, "chat_template", None) and getattr(tokenizer_or_processor, "chat_template", None):
+            inner.chat_template = tokenizer_or_processor.chat_template
         return inner, tokenizer_or_processor
     return tokenizer_or_processor, None
 

@@ -66,6 +66,10 @@ class InputProcessor:
             raise ValueError("this engine takes no prompts with images")
         return self.images.read(prompt)
 
+    def image_prompts(self) -> ImagePrompts | None:
+        """What reads a chat's images, where the engine runs images for its model (else image parts are refused)."""
+        return self.images if self.images is not None and self.images.family is not None else None
+
     def prompt_tokens(self, prompt: Prompt, prompt_token_ids: list[int] | None
                       ) -> tuple[str | None, list[int], tuple[ImageSpan, ...]]:
         """The prompt's text (None for token ids), its tokens, tokenized here unless the caller already did, and

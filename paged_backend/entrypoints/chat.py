@@ -21,6 +21,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from paged_backend.image_sources import is_image_part, source_of
+
 Message = dict[str, Any]
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -51,13 +53,16 @@ class UnsupportedContent(ChatInputError):
 
 def render_chat(tokenizer: Any, messages: list[Message], tools: list[dict[str, Any]] | None = None, *,
                 add_generation_prompt: bool = True, chat_template: str | None = None,
-                template_kwargs: dict[str, Any] | None = None, tokenize: bool = True) -> list[int] | str:
-    """The conversation as prompt token ids (or its text with `tokenize=False`) under the tool policy."""
+                template_kwargs: dict[str, Any] | None = None, tokenize: bool = True,
+                images: list[Any] | None = None) -> list[int] | str:
+    """The conversation as prompt token ids (or its text with `tokenize=False`) under the tool policy. With an
+    `images` list, image parts are taken: the template gets an `{"type": "image"}` part where each was (and puts
+    the model's image token there), and the list gets their sources, in order; without one they are refused."""
     template = chat_template or (getattr(tokenizer, "chat_template", None) if tokenizer is not None else None)
     if not template:
         raise ChatInputError("this model has no chat template")
     native = renders_tools(tokenizer, chat_template)
-    converted = [convert_message(m, i, native) for i, m in enumerate(messages)]
+    converted = [convert_message(m, i, native, images) for i, m in enumerate(messages)]
     if tools and not native:
         converted = add_tool_prompt(converted, tools)
     try:
@@ -94,11 +99,13 @@ def probe_renders_tools(tokenizer: Any, chat_template: str | None) -> bool:
         return isinstance(template, str) and "tools" in template
 
 
-def convert_message(message: Message, index: int, native_tools: bool) -> Message:
+def convert_message(message: Message, index: int, native_tools: bool, images: list[Any] | None = None) -> Message:
     role = message.get("role")
     if role not in ROLES:
         raise ChatInputError(f"messages[{index}].role must be one of {sorted(ROLES)}, got {role!r}",
                              f"messages.{index}.role")
+    if images is not None and role == "user" and any(is_image_part(p) for p in message.get("content") or ()):
+        return {"role": role, "content": parts_with_images(message["content"], index, images)}
     content = text_of(message.get("content"), index)
     if role == "developer":
         return {"role": "system", "content": content}
@@ -129,6 +136,23 @@ def text_of(content: Any, index: int) -> str:
         return "".join(parts)
     raise ChatInputError(f"messages[{index}].content must be a string or a list of parts",
                          f"messages.{index}.content")
+
+
+def parts_with_images(content: list[Any], index: int, images: list[Any]) -> list[dict[str, Any]]:
+    """A user message's parts as transformers' chat templates take them (text parts and bare image parts), its
+    images' sources appended to `images`."""
+    parts = []
+    for number, part in enumerate(content):
+        if is_image_part(part):
+            try:
+                images.append(source_of(part))
+            except ValueError as exc:
+                raise ChatInputError(f"messages[{index}].content[{number}]: {exc}",
+                                     f"messages.{index}.content.{number}") from None
+            parts.append({"type": "image"})
+        else:
+            parts.append({"type": "text", "text": text_of([part], index)})
+    return parts
 
 
 def assistant_with_calls(content: str, tool_calls: Any, native: bool) -> Message:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from paged_backend.image_prompts import ImagePrompts, ProcessedPrompt
 from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
@@ -69,6 +70,12 @@ class ChatTurn:
     params: SamplingParams  # the caller's, with the answer's grammar and the markers' decoding
     processor: LogitsProcessor | None  # closes the thinking after the budget; None without one
     reader: AnswerReader  # splits the answer: reasoning, content, tool calls
+    images: ProcessedPrompt | None = None  # a conversation with images: the prompt and its images, processed
+
+    @property
+    def engine_prompt(self) -> list[int] | ProcessedPrompt:
+        """What the engine is given: the prompt's ids, or the processed prompt with its images."""
+        return self.images if self.images is not None else self.prompt_ids
 
 
 def build_chat_turn(tokenizer: Any, messages: list[Message], params: SamplingParams | None = None, *,
@@ -79,7 +86,8 @@ def build_chat_turn(tokenizer: Any, messages: list[Message], params: SamplingPar
                     template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
                     add_generation_prompt: bool = True, eos_token_ids: Sequence[int] = (),
                     keep_markers: bool = True,
-                    check_prompt: Callable[[list[int], SamplingParams], list[int]] | None = None) -> ChatTurn:
+                    check_prompt: Callable[[list[int], SamplingParams], list[int]] | None = None,
+                    image_prompts: ImagePrompts | None = None) -> ChatTurn:
     """The turn of `messages` (OpenAI-shaped) on this tokenizer's template (or `chat_template`).
 
     `tools` are shown unless `tool_choice` is "none"; a forced choice (required, any, a tool's name) holds
@@ -89,15 +97,23 @@ def build_chat_turn(tokenizer: Any, messages: list[Message], params: SamplingPar
     budget to the answer whether or not the reader splits the thinking off (`split_reasoning`);
     `tool_parser` None reads no calls. `keep_markers` False leaves `params`' decoding as given (the
     front end recovers the markers itself); `check_prompt` refuses a prompt the engine cannot run and
-    returns the ids it will run."""
+    returns the ids it will run; `image_prompts` (a model the engine runs images for) takes the image parts of
+    user messages through the model's processor."""
     params = params or SamplingParams()
     shown = tools if tools and tool_choice != "none" else None
     forced = refused_as(TOOLS, forced_tool_spec, shown or [], tool_choice, parallel_tool_calls, tool_parser)
     grammar = forced or refused_as(RESPONSE_FORMAT, response_format_spec, response_format) or params.structured_outputs
+    images: list[Any] | None = [] if image_prompts is not None else None
     prompt_text = render_chat(tokenizer, with_json_instruction(messages, response_format), shown,
                               add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                              template_kwargs=template_kwargs, tokenize=False)
-    prompt_ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+                              template_kwargs=template_kwargs, tokenize=False, images=images)
+    processed = None
+    if images:
+        processed = image_prompts.read({"prompt": prompt_text, "multi_modal_data": {"image": images}},
+                                       add_special_tokens=False)
+        prompt_ids = processed.token_ids
+    else:
+        prompt_ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
     opened = reasoning is not None and reasoning.opens_thinking(prompt_tail(tokenizer, prompt_ids))
     reader = AnswerReader(reasoning if split_reasoning else None, opened, tool_parser if shown else None, shown,
                           forced is not None, parallel_tool_calls)
@@ -109,7 +125,7 @@ def build_chat_turn(tokenizer: Any, messages: list[Message], params: SamplingPar
     if check_prompt is not None:
         prompt_ids = check_prompt(prompt_ids, params)
     processor = thinking_processor(tokenizer, reasoning, thinking_budget, opened)
-    return ChatTurn(prompt_text, prompt_ids, params, processor, reader)
+    return ChatTurn(prompt_text, prompt_ids, params, processor, reader, processed)
 
 
 def refused_as(part: str, build: Callable[..., Any], *args: Any) -> Any:

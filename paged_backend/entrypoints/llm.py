@@ -216,7 +216,7 @@ class LLM:
         turns = [self.chat_turn(c, p, add_generation_prompt, tools, chat_template_kwargs or {}, thinking_token_budget)
                  for c, p in zip(conversations, params)]
         processors = [turn.processor for turn in turns] if thinking_token_budget is not None else None
-        outputs = self.run([turn.prompt_ids for turn in turns], [turn.params for turn in turns], use_tqdm, None,
+        outputs = self.run([turn.engine_prompt for turn in turns], [turn.params for turn in turns], use_tqdm, None,
                            processors)
         if self.reasoning is not None:
             marked = any(marker in self.tokenizer.all_special_tokens for marker in self.reasoning.markers)
@@ -234,7 +234,8 @@ class LLM:
         try:
             return build_chat_turn(self.tokenizer, conversation, params, tools=tools, reasoning=self.reasoning,
                                    thinking_budget=budget, template_kwargs=template_kwargs,
-                                   add_generation_prompt=add_generation_prompt, keep_markers=False)
+                                   add_generation_prompt=add_generation_prompt, keep_markers=False,
+                                   image_prompts=self.engine.inputs.image_prompts())
         except NeedsReasoningModel:
             raise ValueError("thinking_token_budget needs a reasoning model: pass LLM(..., reasoning_parser=...)") from None
 

@@ -27,7 +27,7 @@ def word_tokenizer() -> tf.PreTrainedTokenizerFast:
     tokenizer.add_special_tokens(SPECIALS)
     return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
                                       pad_token="<pad>", unk_token="<unk>",
-                                      extra_special_tokens={"image_token": "<image>"}, chat_template=CHAT_TEMPLATE)
+                                      extra_special_tokens={"image_token": "<image>"})
 
 
 def tiny_llava(seed: int = 0) -> tuple[tf.LlavaForConditionalGeneration, tf.LlavaProcessor]:

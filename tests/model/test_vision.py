@@ -104,7 +104,9 @@ def test_the_encoder_cache_is_bounded_and_re_encodes_what_it_dropped(llava) -> N
     ({"prompt": ONE, "multi_modal_data": {"video": []}}, "'multi_modal_data' takes 'image'"),
     ({"prompt": ONE, "images": []}, "not ['images']"),
     ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": []}}, "not ['prompt_token_ids']"),
-    (image_prompt(ONE, ["not an image"]), "processor refused"),
+    (image_prompt(ONE, ["not an image"]), "image 0: 'not an image' is not a data URL"),
+    (image_prompt(ONE, [b"not an image"]), "image 0: not a readable image"),
+    (image_prompt(ONE, [3]), "image 0: expected a PIL image, an array, bytes or a data URL, got int"),
 ])
 def test_bad_prompts_with_images_are_refused_and_the_batch_runs_on(llava, prompt, error) -> None:
     model, processor = llava
@@ -160,3 +162,69 @@ def test_embedding_requests_refuse_images(llava) -> None:
     llm = LLM(model, processor)
     with pytest.raises(ValueError, match="embedding request takes text or token ids, not images"):
         llm.engine.add_pooling_request(image_prompt(ONE, [random_image(1)]))
+
+
+def chat_with_images(*images) -> list[dict]:
+    parts = [{"type": "text", "text": "what is in this picture"}]
+    parts += [{"type": "image_url", "image_url": {"url": image}} for image in images]
+    return [{"role": "user", "content": parts}]
+
+
+def data_url(image) -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_chat_with_image_parts_equals_hf_on_the_processor_template(llava) -> None:
+    """OpenAI-shaped image parts (data URLs) through LLM.chat: the processor's chat template (the tokenizer has
+    none) puts the image token where each part was; the tokens equal HF generate on the same rendered text."""
+    model, processor = llava
+    images = [random_image(12), random_image(13, 30, 50)]
+    llm = LLM(model, processor)
+    got = tokens(llm.chat([chat_with_images(data_url(images[0])), chat_with_images(*map(data_url, images))],
+                          GREEDY))
+    for output, shown in zip(got, ([images[0]], images)):
+        messages = [{"role": "user", "content": [{"type": "text", "text": "what is in this picture"}]
+                     + [{"type": "image"} for _ in shown]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert text.count("<image>") == len(shown)
+        inputs = processor(text=text, images=shown, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
+        assert output == out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize(("url", "error"), [
+    ("https://example.com/cat.png", "is not a data URL; images are sent inline"),
+    ("data:image/png;base64,@@@", "its data URL is not valid base64"),
+    ("data:image/png;base64,aGVsbG8=", "image 0: not a readable image"),
+])
+def test_chat_refuses_images_it_cannot_read(llava, url, error) -> None:
+    model, processor = llava
+    llm = LLM(model, processor)
+    with pytest.raises(ValueError, match=error):
+        llm.chat(chat_with_images(url), GREEDY)
+    assert llm.engine.stats()["num_waiting"] == 0
+
+
+def test_chat_with_an_image_on_a_text_only_model_is_refused() -> None:
+    from helpers.server import build_chat_tokenizer, tiny_llama
+
+    tokenizer = build_chat_tokenizer(["what is in this picture"] * 3)
+    llm = LLM(tiny_llama(tokenizer), tokenizer)
+    with pytest.raises(ValueError, match="content part of type 'image_url': this is a text-only model"):
+        llm.chat(chat_with_images(data_url(random_image(1))), GREEDY)
+
+
+def test_an_image_of_too_many_pixels_is_refused(llava, monkeypatch) -> None:
+    from paged_backend import image_sources
+
+    model, processor = llava
+    monkeypatch.setattr(image_sources, "MAX_PIXELS", 40 * 48 - 1)
+    llm = LLM(model, processor)
+    with pytest.raises(ValueError, match="image 0: 48x40 pixels, more than 1919"):
+        llm.chat(chat_with_images(data_url(random_image(1))), GREEDY)
