@@ -49,9 +49,11 @@ from transformers.generation.utils import GenerationMixin
 from paged_backend.config import EngineConfig
 from paged_backend.core.outputs import RequestOutput
 from paged_backend.engine import Engine
+from paged_backend.image_prompts import ProcessedPrompt
 from paged_backend.model.adapters import adapter_for
 from paged_backend.model.loading.model_check import give_attention_back, switch_to_paged_attention
 from paged_backend.model.paged.attention import ATTENTION_NAME
+from paged_backend.model.vision.families import family_of
 from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 from paged_backend.speculative.speculative_config import SpeculativeConfig
@@ -171,6 +173,10 @@ class GenerateJob:
     speculative_config: dict | None = None  # prompt_lookup_num_tokens / assistant_model: the engine's speculation
     vocabulary: Any = None  # the tokenizer structured outputs are constrained over, when asked for
     loras: list[str | None] | None = None  # per row, the LoRA adapter of a PEFT mixed-batch call
+    # A call with images: the processor's image outputs (pixel_values and what goes with them), dealt out to the
+    # rows in order (ImagePrompts.rows_with_images); each distinct row repeated `repeats` times.
+    image_inputs: dict[str, torch.Tensor] | None = None
+    repeats: int = 1
 
     @property
     def needs_hook(self) -> bool:
@@ -210,6 +216,7 @@ def prepare_job(
     input_ids, input_name, attention_mask, model_kwargs = prep.prompt_inputs(model, inputs, config, model_kwargs)
     if input_name != "input_ids":
         raise NotImplementedError(f"{input_name} is not supported with cache_implementation='paged'; pass input_ids")
+    image_inputs = take_image_inputs(model, model_kwargs)
     refuse_model_kwargs(model_kwargs)
     input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
     attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
@@ -223,7 +230,18 @@ def prepare_job(
     job.vocabulary = tokenizer if structured is not None else None
     job.processors = [row_processors(model, config, job, i, logits_processor) for i in range(len(job.prompts))]
     job.speculative_config = speculative_config
+    job.image_inputs, job.repeats = image_inputs, config.num_return_sequences
     return job
+
+
+def take_image_inputs(model: PreTrainedModel, model_kwargs: dict) -> dict[str, torch.Tensor] | None:
+    """A vision-language call's image inputs, taken out of the model's keyword arguments (the engine gives each
+    row its images); None without pixel_values or for a model whose images the engine does not run (its
+    pixel_values are then refused with the other arguments)."""
+    family = family_of(model.config)
+    if family is None or model_kwargs.get("pixel_values") is None:
+        return None
+    return {key: model_kwargs.pop(key) for key in family.image_keys if model_kwargs.get(key) is not None}
 
 
 def take_prompt_lookup(config: GenerationConfig) -> dict | None:
@@ -521,12 +539,13 @@ class PagedGenerator:
     def submit(self, job: GenerateJob) -> JobState:
         if job.vocabulary is not None:
             self.engine.enable_structured_outputs(job.vocabulary)
+        prompts = self.with_images(job)
         for prompt, params in zip(job.prompts, job.params):
             self.engine.inputs.validate(prompt, params)  # every row is checked before any is queued
         state = JobState(job)
         # Rows whose processors, criteria or streamer read the tokens so far need every token as it comes.
         stream = job.needs_hook or bool(job.criteria) or job.streamer is not None
-        for i, (prompt, params) in enumerate(zip(job.prompts, job.params)):
+        for i, (prompt, params) in enumerate(zip(prompts, job.params)):
             row = Row(state, i, self.new_request_id())
             self.engine.add_request(prompt, params, request_id=row.request_id, stream=stream,
                                     logits_processor=self.hook(row) if job.needs_hook else None,
@@ -534,6 +553,13 @@ class PagedGenerator:
             state.rows.append(row)
             self.rows[row.request_id] = row
         return state
+
+    def with_images(self, job: GenerateJob) -> list[list[int]] | list[ProcessedPrompt]:
+        """The rows as the engine takes them: token ids, or with their images (a call with pixel_values)."""
+        if job.image_inputs is None:
+            return job.prompts
+        distinct = self.engine.inputs.images.rows_with_images(job.prompts[::job.repeats], job.image_inputs)
+        return [prompt for prompt in distinct for _ in range(job.repeats)]
 
     def hook(self, row: Row) -> Callable[[list[int], torch.Tensor], torch.Tensor]:
         """HF processors shape the row's distribution before the engine samples from it; the engine turns

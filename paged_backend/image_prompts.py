@@ -32,7 +32,7 @@ MAX_IMAGES = 32  # per prompt
 class ProcessedPrompt:
     """A prompt with images after the processor: what the engine queues."""
 
-    text: str
+    text: str | None  # None: given as token ids (generate's rows)
     token_ids: list[int]
     images: tuple[ImageSpan, ...]
 
@@ -73,6 +73,30 @@ class ImagePrompts:
     @property
     def takes_images(self) -> bool:
         return self.family is not None and self.processor is not None
+
+    def rows_with_images(self, rows: list[list[int]], image_inputs: Mapping[str, torch.Tensor]) -> list[ProcessedPrompt]:
+        """Token-id rows whose image placeholders are already expanded (what a processor gave `generate`), with the
+        batch's images (`image_inputs`: the processor's image outputs, one entry per image along the first axis)
+        dealt out in order: each row takes as many as its placeholders hold."""
+        if self.family is None:
+            raise ValueError(refusal(self.config, self.model_name))
+        first = next(iter(image_inputs.values()))
+        per_image = self.family.split(image_inputs, first.shape[0])
+        prompts, taken = [], 0
+        for index, row in enumerate(rows):
+            wanted = int((np.asarray(row) == self.config.image_token_id).sum())
+            count, filled = 0, 0
+            while filled < wanted and taken + count < len(per_image):
+                filled += self.family.tokens_of(self.config, per_image[taken + count])
+                count += 1
+            if filled != wanted:
+                raise ValueError(f"row {index} has {wanted} image placeholder tokens, which the images given do not "
+                                 "fill in order")
+            prompts.append(ProcessedPrompt(None, list(row), self.spans(row, per_image[taken:taken + count])))
+            taken += count
+        if taken != len(per_image):
+            raise ValueError(f"{len(per_image)} images for {taken} images' placeholders in the rows")
+        return prompts
 
     def check_takes_images(self) -> None:
         """ValueError naming the model unless the engine runs images for it (its family, with its processor)."""

@@ -44,6 +44,7 @@ from pydantic import ConfigDict
 
 from paged_backend.entrypoints.answer_reader import AnswerReader
 from paged_backend.entrypoints.chat_turn import JSON_FORMATS, ChatTurn, NeedsReasoningModel, build_chat_turn
+from paged_backend.image_prompts import ProcessedPrompt
 from paged_backend.entrypoints.reasoning import (
     AUTO,
     ReasoningStream,
@@ -254,8 +255,8 @@ class ChatPaged(PagedOptions, BaseChatModel):
             raise ValueError("ChatPaged needs a tokenizer with a chat template; pass tokenizer=...")
         return tokenizer
 
-    def encode(self, call: PreparedCall) -> list[int]:
-        return call.turn.prompt_ids
+    def encode(self, call: PreparedCall) -> list[int] | ProcessedPrompt:
+        return call.turn.engine_prompt
 
     def prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any],
                 streaming: bool = False) -> PreparedCall:
@@ -268,7 +269,7 @@ class ChatPaged(PagedOptions, BaseChatModel):
         budget = kwargs.pop("thinking_token_budget", self.thinking_token_budget)
         timeout = self.call_timeout(kwargs)
         lora = self.call_lora(kwargs)
-        conversation = to_chat_dicts(messages)
+        conversation = to_chat_dicts(messages, images=self.async_engine.image_prompts is not None)
         if response_format is not None and response_format.get("type") not in JSON_FORMATS:
             raise NotImplementedError(f"response_format type {response_format.get('type')!r}")
         shown_tools = tools if tool_choice != "none" else []
@@ -284,7 +285,8 @@ class ChatPaged(PagedOptions, BaseChatModel):
                                    reasoning=resolve_reasoning_parser(self.reasoning_parser, self.tokenizer_),
                                    tool_parser=resolve_tool_parser(self.tool_call_parser, self.tokenizer_),
                                    thinking_budget=budget, template_kwargs=template_kwargs,
-                                   chat_template=self.chat_template, eos_token_ids=self.async_engine.eos_token_ids)
+                                   chat_template=self.chat_template, eos_token_ids=self.async_engine.eos_token_ids,
+                                   image_prompts=self.async_engine.image_prompts)
         except NeedsReasoningModel:
             raise ValueError("thinking_token_budget needs a reasoning model: set reasoning_parser") from None
         own_parser = (self.tool_call_parser in (None, AUTO)

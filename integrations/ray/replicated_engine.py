@@ -73,6 +73,7 @@ class ReplicatedAsyncEngine:
         self.max_model_len = self.front.max_model_len
         self.vocab_size = self.front.vocab_size
         self.eos_token_ids = self.front.eos_token_ids
+        self.image_prompts = None  # replicas take no images yet: their prompts travel as token ids
         self.request_timeout_s = request_timeout_s
         self.max_attempts = max_attempts
         self.owns_replicas = owns_replicas

@@ -50,7 +50,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     reader, prompt_ids = turn.reader, turn.prompt_ids
     processor = then(bias_processor(state.client, body.logit_bias), turn.processor)
     request_id = new_id("chatcmpl")
-    jobs = [Job(0, prompt_ids, with_choices(turn.params, body.n), processor, lora)]
+    jobs = [Job(0, prompt_ids, with_choices(turn.params, body.n), processor, lora, turn.images)]
     if body.stream:
         events = stream_chat(state, body, reader, jobs, len(prompt_ids), request_id)
         return StreamingResponse(events, media_type="text/event-stream")

@@ -51,7 +51,7 @@ def route_turn(state: ServerState, messages: list[Message], params: SamplingPara
         try:
             return build_chat_turn(state.tokenizer, messages, params, reasoning=state.reasoning_parser,
                                    tool_parser=state.tool_parser, eos_token_ids=state.client.eos_token_ids,
-                                   check_prompt=fits, **inputs)
+                                   check_prompt=fits, image_prompts=state.client.image_prompts, **inputs)
         except UnsupportedContent as exc:
             raise not_supported(exc.field, "text-only model") from None
         except ChatInputError as exc:

@@ -20,6 +20,7 @@ from fastapi import Request
 
 from paged_backend.core.outputs import RequestOutput
 from paged_backend.core.request import LogitsProcessor
+from paged_backend.image_prompts import ProcessedPrompt
 from paged_backend.entrypoints.engine_client import EngineClient
 from paged_backend.sampling.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ class Job:
     params: SamplingParams
     processor: LogitsProcessor | None = None  # the request's logits processor (logit_bias)
     lora: str | None = None  # the LoRA adapter the request's `model` names (None: the base model)
+    images: ProcessedPrompt | None = None  # a conversation with images: its processed prompt (run instead of the ids)
 
     @property
     def choices(self) -> range:
@@ -77,7 +79,8 @@ async def pump(client: EngineClient, job: Job, request_id: str,
                queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]]) -> None:
     reported: set[int] = set()  # samples whose finished output has been passed on
     try:
-        async for output in client.generate(job.prompt_ids, job.params, request_id=request_id,
+        prompt = job.images if job.images is not None else job.prompt_ids
+        async for output in client.generate(prompt, job.params, request_id=request_id,
                                              logits_processor=job.processor, lora=job.lora):
             for sample, choice_output in split_samples(output, job.params.n, reported):
                 queue.put_nowait((job.index + sample, choice_output))

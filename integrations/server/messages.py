@@ -157,7 +157,9 @@ async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
 # ------------------------------------------------------------------ the request as a conversation
 
 
-def chat_messages(system: str | list[dict[str, Any]] | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chat_messages(system: str | list[dict[str, Any]] | None, messages: list[dict[str, Any]],
+                  images: bool = False) -> list[dict[str, Any]]:
+    """The request's conversation as chat messages; `images`: the engine takes image blocks (else refused)."""
     converted = [{"role": "system", "content": block_text(system, "system")}] if system else []
     for i, message in enumerate(messages):
         role = message.get("role")
@@ -167,20 +169,23 @@ def chat_messages(system: str | list[dict[str, Any]] | None, messages: list[dict
         if isinstance(content, str):
             converted.append({"role": role, "content": content})
         elif isinstance(content, list):
-            converted.extend(user_turn(content, i) if role == "user" else [assistant_turn(content, i)])
+            converted.extend(user_turn(content, i, images) if role == "user" else [assistant_turn(content, i)])
         else:
             raise bad_request(f"messages.{i}.content: must be a string or a list of content blocks",
                               f"messages.{i}.content")
     return converted
 
 
-def user_turn(blocks: list[Any], index: int) -> list[dict[str, Any]]:
-    """Tool results become tool messages (in order), the text one user turn after them."""
+def user_turn(blocks: list[Any], index: int, images: bool = False) -> list[dict[str, Any]]:
+    """Tool results become tool messages (in order), the text (and images, where the engine takes them) one user
+    turn after them."""
     turns, texts = [], []
     for j, block in enumerate(blocks):
         kind = kind_of(block, f"messages.{index}.content.{j}")
         if kind == "text":
-            texts.append(str(block.get("text", "")))
+            texts.append({"type": "text", "text": str(block.get("text", ""))})
+        elif kind == "image" and images:
+            texts.append(block)
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise bad_request(f"messages.{index}.content.{j}.tool_use_id: Field required",
@@ -190,8 +195,10 @@ def user_turn(blocks: list[Any], index: int) -> list[dict[str, Any]]:
         else:
             raise not_supported(f"messages.{index}.content.{j}", f"content block of type {kind!r} in a user turn "
                                 "(this text-only model takes text and tool_result)")
-    if texts:
-        turns.append({"role": "user", "content": "".join(texts)})
+    if any(part["type"] == "image" for part in texts):
+        turns.append({"role": "user", "content": texts})
+    elif texts:
+        turns.append({"role": "user", "content": "".join(part["text"] for part in texts)})
     return turns
 
 
@@ -325,7 +332,7 @@ async def create_message(state: ServerState, body: MessagesRequest, http_request
     thinking = thinking_of(state, body.thinking)
     tools = chat_tools(body.tools)
     choice, parallel = chat_tool_choice(body.tool_choice, tools)
-    messages = chat_messages(body.system, body.messages)
+    messages = chat_messages(body.system, body.messages, images=state.client.image_prompts is not None)
     check_tools(tools if choice != "none" else None, "tools.{}.input_schema")
     params = build_params(OPENAI, sampling_options(body), max_tokens=body.max_tokens)
     turn = route_turn(state, messages, params, MESSAGES_FIELDS, tools=tools,
@@ -333,7 +340,7 @@ async def create_message(state: ServerState, body: MessagesRequest, http_request
                       template_kwargs=thinking.template_kwargs)
     reader = turn.reader
     message_id = f"msg_{uuid.uuid4().hex}"
-    jobs = [Job(0, turn.prompt_ids, turn.params, turn.processor, lora)]
+    jobs = [Job(0, turn.prompt_ids, turn.params, turn.processor, lora, turn.images)]
     if body.stream:
         return StreamingResponse(stream_message(state, body, jobs, message_id, reader),
                                  media_type="text/event-stream")

@@ -32,6 +32,7 @@ from paged_backend.core.outputs import RequestOutput
 
 from paged_backend.entrypoints.answer_reader import AnswerReader, Pieces, cut_off
 from paged_backend.entrypoints.structured import chosen_tool_name
+from paged_backend.image_sources import is_image_part
 from paged_backend.entrypoints.tool_calls.answer_calls import ToolCall
 from paged_backend.entrypoints.tool_calls.base import CallDelta, new_call_id
 from .chat_turn import TurnFields, check_tools, route_turn
@@ -147,7 +148,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 async def create_response(state: ServerState, store: ResponseStore, body: ResponsesRequest, http_request: Request):
     body.check_supported()
     lora = state.check_model(body.model)
-    turn = translate(body, store)
+    turn = translate(body, store, images=state.client.image_prompts is not None)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + turn.conversation
     thinking = reasoning_thinking(state, body.reasoning)
     turn.as_summary = summary_wanted(body.reasoning)
@@ -156,7 +157,7 @@ async def create_response(state: ServerState, store: ResponseStore, body: Respon
                            parallel_tool_calls=body.parallel_tool_calls, response_format=response_format(turn),
                            thinking_budget=thinking.budget, template_kwargs=thinking.template_kwargs)
     turn.prompt_ids, turn.reader = chat_turn.prompt_ids, chat_turn.reader
-    jobs = [Job(0, turn.prompt_ids, chat_turn.params, chat_turn.processor, lora)]
+    jobs = [Job(0, turn.prompt_ids, chat_turn.params, chat_turn.processor, lora, chat_turn.images)]
     if body.stream:
         return StreamingResponse(stream_response(state, store, turn, jobs), media_type="text/event-stream")
     finals = await collect_finals(http_request, state.client, jobs, turn.response_id, state.metrics)
@@ -210,7 +211,8 @@ RESPONSES_FIELDS = TurnFields(messages="input", response_format="text.format", t
 # ------------------------------------------------------------------ the request as a conversation
 
 
-def translate(body: ResponsesRequest, store: ResponseStore) -> Turn:
+def translate(body: ResponsesRequest, store: ResponseStore, images: bool = False) -> Turn:
+    """The request as a turn; `images`: the engine takes `input_image` parts (else they are refused)."""
     earlier: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         entry = store.get(body.previous_response_id)
@@ -222,11 +224,11 @@ def translate(body: ResponsesRequest, store: ResponseStore) -> Turn:
     tools = chat_tools(body.tools)
     check_tools(tools, "tools.{}.parameters")
     return Turn(body=body, response_id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()),
-                conversation=earlier + input_messages(body.input), tools=tools,
+                conversation=earlier + input_messages(body.input, images), tools=tools,
                 tool_choice=chat_tool_choice(body.tool_choice, tools), text_format=text_format(body.text))
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(items: str | list[dict[str, Any]], images: bool = False) -> list[dict[str, Any]]:
     """`input` as chat messages: text is one user turn; function calls join the assistant turn before them."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
@@ -236,7 +238,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append(message_of(item, i))
+            messages.append(message_of(item, i, images))
         elif kind == "function_call":
             add_call(messages, item, i)
         elif kind == "function_call_output":
@@ -250,12 +252,17 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def message_of(item: dict[str, Any], index: int) -> dict[str, Any]:
+def message_of(item: dict[str, Any], index: int, images: bool = False) -> dict[str, Any]:
     role = item.get("role")
     if role not in ("user", "assistant", "system", "developer"):
         raise bad_request(f"input[{index}].role must be user, assistant, system or developer, got {role!r}",
                           f"input.{index}.role")
-    return {"role": role, "content": text_of(item.get("content"), f"input.{index}.content")}
+    content = item.get("content")
+    if images and role == "user" and isinstance(content, list) and any(is_image_part(p) for p in content):
+        return {"role": role, "content": [part if is_image_part(part) else
+                                          {"type": "text", "text": text_of([part], f"input.{index}.content")}
+                                          for part in content]}
+    return {"role": role, "content": text_of(content, f"input.{index}.content")}
 
 
 def text_of(content: Any, where: str) -> str:

@@ -24,6 +24,7 @@ from paged_backend.core.outputs import RequestOutput, failed_output
 from paged_backend.core.pooling import PoolingParams
 from paged_backend.core.request import LogitsProcessor
 from paged_backend.engine import Engine, Prompt
+from paged_backend.image_prompts import ProcessedPrompt, is_image_prompt
 from paged_backend.kernels import openmp
 from paged_backend.entrypoints.engine_client import Sink
 from paged_backend.model.lora import LoRAAdapter, LoRASpec
@@ -43,6 +44,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.eos_token_ids = engine.eos_token_ids
+        self.image_prompts = engine.inputs.image_prompts()
         self.commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.sinks: dict[str, Sink] = {}
         self.wakeup = threading.Event()
@@ -97,12 +99,15 @@ class AsyncEngine:
         """Validate in the caller's thread (a bad request raises here), then queue it for the engine.
         `logits_processor` runs on the engine thread (see `Engine.add_request`); `lora` names an adapter."""
         params = params or SamplingParams()
+        if is_image_prompt(prompt):  # its images through the processor once, here
+            prompt = self.engine.inputs.read_images(prompt)
         text, token_ids = self.tokenize(prompt)
-        self.engine.inputs.validate(token_ids, params)
+        self.engine.inputs.validate(token_ids, params, getattr(prompt, "images", ()))
         adapter = self.engine.resolve_lora(lora)
         request_id = request_id if request_id is not None else f"async-{next(self.ids)}"
-        self.commands.put(("add", (request_id, text if text is not None else token_ids, token_ids, params, sink,
-                                   logits_processor, adapter, tracing.current_headers())))
+        queued = prompt if isinstance(prompt, ProcessedPrompt) else text if text is not None else token_ids
+        self.commands.put(("add", (request_id, queued, token_ids, params, sink, logits_processor, adapter,
+                                   tracing.current_headers())))
         self.wakeup.set()
         return request_id
 

@@ -36,7 +36,7 @@ from paged_backend.sampling.sampling_params import SamplingParams
 from paged_backend.sampling.structured_outputs import StructuredOutputsParams
 
 from .answer_reader import AnswerReader
-from .chat import Message, render_chat
+from .chat import ChatInputError, Message, render_chat
 from .reasoning import ReasoningParser, after_thinking, budget_processor, prompt_tail
 from .reasoning.budget import LogitsProcessor
 from .structured import add_json_instruction, forced_tool_spec, response_format_spec
@@ -109,8 +109,11 @@ def build_chat_turn(tokenizer: Any, messages: list[Message], params: SamplingPar
                               template_kwargs=template_kwargs, tokenize=False, images=images)
     processed = None
     if images:
-        processed = image_prompts.read({"prompt": prompt_text, "multi_modal_data": {"image": images}},
-                                       add_special_tokens=False)
+        try:
+            processed = image_prompts.read({"prompt": prompt_text, "multi_modal_data": {"image": images}},
+                                           add_special_tokens=False)
+        except ValueError as exc:  # an image no one can read, or a model that takes none: the messages' fault
+            raise ChatInputError(str(exc)) from None
         prompt_ids = processed.token_ids
     else:
         prompt_ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])

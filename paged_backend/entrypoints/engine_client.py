@@ -9,7 +9,8 @@ they are not clients of a shared engine.)
 
 Every member is safe to call from any thread: requests and aborts are queued for whatever steps the
 engine, and `stats()` is answered by that stepper, never read while it steps. The limits
-(`max_model_len`, `vocab_size`, `eos_token_ids`) and `tokenizer` are fixed when the client is built.
+(`max_model_len`, `vocab_size`, `eos_token_ids`), `tokenizer` and `image_prompts` are fixed when the client is
+built.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Any, Protocol, runtime_checkable
 from paged_backend.core.outputs import RequestOutput
 from paged_backend.core.pooling import PoolingParams
 from paged_backend.core.request import LogitsProcessor
+from paged_backend.image_prompts import ImagePrompts, ProcessedPrompt
 from paged_backend.model.lora import LoRASpec
 from paged_backend.sampling.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | ProcessedPrompt
 Sink = Callable[[RequestOutput], None]
 
 
@@ -33,6 +35,9 @@ class EngineClient(Protocol):
     max_model_len: int  # prompt + output tokens one request may hold
     vocab_size: int  # token ids run 0 .. vocab_size - 1
     eos_token_ids: frozenset[int]  # the tokens that end a request unless it ignores EOS
+    # What reads a chat's images (image_prompts.py) where the engine runs images for its model; None: images are
+    # refused. A prompt it made (a ProcessedPrompt) is a prompt `generate` and `submit` take.
+    image_prompts: ImagePrompts | None
 
     # ------------------------------------------------------------ requests
 

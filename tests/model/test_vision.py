@@ -228,3 +228,35 @@ def test_an_image_of_too_many_pixels_is_refused(llava, monkeypatch) -> None:
     llm = LLM(model, processor)
     with pytest.raises(ValueError, match="image 0: 48x40 pixels, more than 1919"):
         llm.chat(chat_with_images(data_url(random_image(1))), GREEDY)
+
+
+def test_generate_with_pixel_values_on_the_paged_cache_equals_hf(llava) -> None:
+    """`model.generate(**processor(...), cache_implementation="paged")` on a padded batch: rows without an image,
+    with one and with two, the images dealt out to the rows in order; num_return_sequences repeats each row's."""
+    import paged_backend  # noqa: F401  (enables cache_implementation="paged")
+
+    model, processor = llava
+    processor.tokenizer.padding_side = "left"
+    texts = [TWO, TEXT, ONE]
+    images = [random_image(41), random_image(42, 30, 60), random_image(43)]
+    inputs = processor(text=texts, images=images, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        reference = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
+        paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
+                               cache_implementation="paged")
+    assert paged.tolist() == reference.tolist()
+    with torch.no_grad():
+        repeated = model.generate(**inputs, max_new_tokens=TOKENS, do_sample=True, top_k=1, num_return_sequences=2,
+                                  min_new_tokens=TOKENS, cache_implementation="paged")  # top_k=1: the greedy tokens
+    assert repeated.tolist() == reference.repeat_interleave(2, dim=0).tolist()
+
+
+def test_generate_refuses_pixel_values_that_do_not_fill_the_rows(llava) -> None:
+    import paged_backend  # noqa: F401
+
+    model, processor = llava
+    inputs = processor(text=[ONE], images=[random_image(44)], return_tensors="pt")
+    two = torch.cat([inputs["pixel_values"], inputs["pixel_values"]])
+    with pytest.raises(ValueError, match="2 images for 1 images' placeholders in the rows"):
+        model.generate(input_ids=inputs["input_ids"], pixel_values=two, max_new_tokens=2,
+                       cache_implementation="paged")

@@ -52,6 +52,7 @@ class FakeClient:
         self.max_model_len = 64
         self.vocab_size = 1000
         self.eos_token_ids = frozenset({0})
+        self.image_prompts = None
         self.answer, self.error = answer, error
         self.loras = list(loras or [])
         self.requests: list[tuple[list[int], SamplingParams, Any]] = []
