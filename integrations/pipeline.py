@@ -1,10 +1,11 @@
-"""PagedTextGenerationPipeline: transformers' text-generation pipeline, with every input of a call in one
-continuous batch on the paged engine.
+"""PagedTextGenerationPipeline and PagedImageTextToTextPipeline: transformers' text-generation and
+image-text-to-text pipelines, with every input of a call in one continuous batch on the paged engine.
 
-The stock pipeline calls `generate` once per batch of `batch_size` inputs. This subclass keeps the stock
-`preprocess`, `postprocess` and generation-kwargs handling, but turns each preprocessed input into an
-engine job and submits them together (pulled lazily from lists, datasets and generators), returning the
-outputs in input order. `batch_size` and `num_workers` have no effect here: the engine schedules the batch.
+The stock pipelines call `generate` once per batch of `batch_size` inputs. These subclasses keep the stock
+`preprocess`, `postprocess` and generation-kwargs handling, but turn each preprocessed input into an
+engine job and submit them together (pulled lazily from lists, datasets and generators), returning the
+outputs in input order (`ContinuousBatching`). `batch_size` and `num_workers` have no effect here: the engine
+schedules the batch. An image input's pixels reach the engine with its job (transformers_generate.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import TextGenerationPipeline
+from transformers import ImageTextToTextPipeline, TextGenerationPipeline
 from transformers.utils import ModelOutput
 
 from paged_backend.config import EngineConfig
@@ -28,10 +29,12 @@ from .transformers_generate import (
 )
 
 TASK = "text-generation"
+IMAGE_TASK = "image-text-to-text"
 
 
-class PagedTextGenerationPipeline(TextGenerationPipeline):
-    """`pipeline("text-generation", model=m, pipeline_class=PagedTextGenerationPipeline)`.
+class ContinuousBatching:
+    """What both pipelines share: every input of a call an engine job, all in flight together. A subclass says how
+    a preprocessed input becomes a job (`start_forward`) and its output the stock `_forward`'s (`finish_forward`).
 
     Extra constructor arguments: `engine_config` (an EngineConfig for the model's engine, built on first
     use and shared with `generate(cache_implementation="paged")`) and `max_rows` (how many generated rows
@@ -70,6 +73,10 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
         for output in generator.run(jobs(), self.max_rows):
             model_outputs = self.finish_forward(contexts.popleft(), output)
             yield self.postprocess(model_outputs, **postprocess_params)
+
+
+class PagedTextGenerationPipeline(ContinuousBatching, TextGenerationPipeline):
+    """`pipeline("text-generation", model=m, pipeline_class=PagedTextGenerationPipeline)`."""
 
     def start_forward(self, model_inputs: dict, generate_kwargs: dict) -> tuple[GenerateJob, dict]:
         """The stock `_forward` up to its `generate` call, which becomes an engine job."""
@@ -122,14 +129,39 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
         return model_outputs
 
 
-def pipeline(task: str = TASK, model: Any = None, tokenizer: Any = None, **kwargs: Any) -> PagedTextGenerationPipeline:
-    """`transformers.pipeline(task, model, ..., pipeline_class=PagedTextGenerationPipeline)`; model None
-    loads the default model (paged_backend.DEFAULT_MODEL)."""
-    if task != TASK:
-        raise ValueError(f"paged_backend.pipeline supports the {TASK!r} task only, got {task!r}")
+class PagedImageTextToTextPipeline(ContinuousBatching, ImageTextToTextPipeline):
+    """`pipeline("image-text-to-text", model=m, processor=p, pipeline_class=PagedImageTextToTextPipeline)`."""
+
+    def start_forward(self, model_inputs: dict, forward_params: dict) -> tuple[GenerateJob, dict]:
+        """The stock `_forward` up to its `generate` call, which becomes an engine job with the input's images."""
+        model_inputs = dict(self._ensure_tensor_on_device(model_inputs, device=self.device))
+        prompt_text = model_inputs.pop("text")
+        generate_kwargs = self._prepare_generate_kwargs(dict(forward_params.get("generate_kwargs") or {}),
+                                                        return_dict_in_generate=False)
+        with torch.no_grad():
+            job = prepare_job(self.model, **model_inputs, **generate_kwargs)
+        return job, {"input_ids": model_inputs["input_ids"], "prompt_text": prompt_text}
+
+    def finish_forward(self, context: dict, output: Any) -> dict:
+        """The stock `_forward` after its `generate` call: `[in_b, n, L]` when an input has several sequences."""
+        input_ids, generated = context["input_ids"], output
+        if generated.ndim == 2 and generated.shape[0] > input_ids.shape[0]:
+            generated = generated.reshape(input_ids.shape[0], -1, generated.shape[-1])
+        return {"generated_sequence": generated, "prompt_text": context["prompt_text"], "input_ids": input_ids}
+
+
+PIPELINES = {TASK: PagedTextGenerationPipeline, IMAGE_TASK: PagedImageTextToTextPipeline}
+
+
+def pipeline(task: str = TASK, model: Any = None, tokenizer: Any = None,
+             **kwargs: Any) -> PagedTextGenerationPipeline | PagedImageTextToTextPipeline:
+    """`transformers.pipeline(task, model, ..., pipeline_class=...)` for the text-generation and
+    image-text-to-text tasks; model None loads the default model (paged_backend.DEFAULT_MODEL)."""
+    if task not in PIPELINES:
+        raise ValueError(f"paged_backend.pipeline supports the {' and '.join(map(repr, PIPELINES))} tasks, "
+                         f"got {task!r}")
     if model is None:
         from paged_backend.model.loading.model_loader import load_model
 
         model, tokenizer = load_model(None, tokenizer)
-    return transformers.pipeline(task, model=model, tokenizer=tokenizer, pipeline_class=PagedTextGenerationPipeline,
-                                 **kwargs)
+    return transformers.pipeline(task, model=model, tokenizer=tokenizer, pipeline_class=PIPELINES[task], **kwargs)

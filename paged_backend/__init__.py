@@ -16,7 +16,7 @@ from paged_backend.entrypoints.beam_search import (
     BeamSequence,
 )
 from paged_backend.entrypoints.llm import LLM
-from paged_backend.integrations.pipeline import PagedTextGenerationPipeline, pipeline
+from paged_backend.integrations.pipeline import PagedImageTextToTextPipeline, PagedTextGenerationPipeline, pipeline
 from paged_backend.integrations.hooks import disable, enable
 from paged_backend.model.loading.default_model import DEFAULT_MODEL, default_model_path
 from paged_backend.model.lora import LoRARequest
@@ -43,6 +43,7 @@ __all__ = [
     "LoRARequest",
     "RequestMetrics",
     "RequestOutput",
+    "PagedImageTextToTextPipeline",
     "PagedTextGenerationPipeline",
     "PoolingParams",
     "SamplingParams",

@@ -101,11 +101,15 @@ def tested_configurations() -> dict[str, list[str]]:
 
 
 def supported_models_table() -> str:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     from paged_backend.model.adapters import ADAPTERS
     from paged_backend.model.loading.model_loader import SUPPORTED
     from paged_backend.model.paged.recurrent_state import STATE_LAYOUTS
+    from paged_backend.model.vision.families import FAMILIES
 
     tested = tested_configurations()
     rows = ["| `model_type` | transformers class | attention reaches the paged cache through | tiny test models |",
@@ -122,7 +126,11 @@ def supported_models_table() -> str:
                 route = (f"{attention}; its recurrent layers run from state slots through an adapter ({source}); "
                          "no prefix caching")
         models = ", ".join(f"`{name}`" for name in tested.get(model_type, [])) or "synthetic checkpoints (`tests/helpers/adapters.py`)"
-        rows.append(f"| `{model_type}` | `{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, '(remote code)')}` | {route} | {models} |")
+        if model_type in FAMILIES:
+            route += f"; its images too ([Vision models](vision-models.md))"
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(
+            model_type, "(remote code)")
+        rows.append(f"| `{model_type}` | `{name}` | {route} | {models} |")
     return "\n".join(rows)
 
 

@@ -212,6 +212,13 @@ CONFIGS = {
                                                          num_attention_heads=2, image_size=28, patch_size=14),
                                       mm_tokens_per_image=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "glm": lambda: _auto("glm", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # LLaVA on token ids alone (its images: tests/model/test_vision.py); the image token is a plain id here.
+    "llava": lambda: tf.LlavaConfig(text_config=dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2,
+                                                     **_common()),
+                                    vision_config=dict(model_type="clip_vision_model", hidden_size=32,
+                                                       intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                                       image_size=16, patch_size=8),
+                                    image_token_index=255, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "glm4_moe": lambda: _auto("glm4_moe", num_attention_heads=4, num_key_value_heads=2, n_routed_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=32),
     # A sliding-window layer (window 8) then a full one.
@@ -313,7 +320,9 @@ def build(arch: str, seed: int = 0) -> tf.PreTrainedModel:
 def build_from_config(make_config, seed: int = 0) -> tf.PreTrainedModel:
     """The model of `make_config()`, seeded, with build()'s weights and generation settings."""
     torch.manual_seed(seed)
-    return spread_weights(tf.AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32))
+    config = make_config()
+    auto = tf.AutoModelForImageTextToText if config.model_type == "llava" else tf.AutoModelForCausalLM
+    return spread_weights(auto.from_config(config, dtype=torch.float32))
 
 
 def spread_weights(model: tf.PreTrainedModel) -> tf.PreTrainedModel:

@@ -30,24 +30,28 @@ def word_tokenizer() -> tf.PreTrainedTokenizerFast:
                                       extra_special_tokens={"image_token": "<image>"})
 
 
-def tiny_llava(seed: int = 0) -> tuple[tf.LlavaForConditionalGeneration, tf.LlavaProcessor]:
-    """A LLaVA of a 2-layer CLIP tower (16 image tokens) and a 2-layer Llama, fp32, with its processor."""
+def tiny_llava(seed: int = 0, vision: tuple[int, int] = (32, 2), text: tuple[int, int] = (64, 2),
+               image_size: int = IMAGE_SIZE, patch: int = PATCH) -> tuple[tf.LlavaForConditionalGeneration,
+                                                                          tf.LlavaProcessor]:
+    """A random LLaVA, fp32, with its processor: by default a 2-layer CLIP tower of width 32 giving 16 image tokens
+    and a 2-layer Llama of width 64; `vision` and `text` are (width, layers), for larger ones (the benchmark)."""
     tokenizer = word_tokenizer()
     image_token = tokenizer.convert_tokens_to_ids("<image>")
+    (vision_width, vision_layers), (text_width, text_layers) = vision, text
     config = tf.LlavaConfig(
-        vision_config=tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH,
-                                          projection_dim=32),
-        text_config=tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        image_token_index=image_token, image_seq_length=(IMAGE_SIZE // PATCH) ** 2,
+        vision_config=tf.CLIPVisionConfig(hidden_size=vision_width, intermediate_size=2 * vision_width,
+                                          num_hidden_layers=vision_layers, num_attention_heads=2,
+                                          image_size=image_size, patch_size=patch, projection_dim=vision_width),
+        text_config=tf.LlamaConfig(vocab_size=VOCAB, hidden_size=text_width, intermediate_size=2 * text_width,
+                                   num_hidden_layers=text_layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        image_token_index=image_token, image_seq_length=(image_size // patch) ** 2,
         vision_feature_select_strategy="default", vision_feature_layer=-2)
     torch.manual_seed(seed)
     model = tf.LlavaForConditionalGeneration(config).to(torch.float32).eval()
-    image_processor = tf.LlavaImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
-                                                crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH,
+    image_processor = tf.LlavaImageProcessorPil(size={"shortest_edge": image_size},
+                                                crop_size={"height": image_size, "width": image_size})
+    processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch,
                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                   image_token="<image>", chat_template=CHAT_TEMPLATE)
     return model, processor

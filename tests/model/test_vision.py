@@ -260,3 +260,22 @@ def test_generate_refuses_pixel_values_that_do_not_fill_the_rows(llava) -> None:
     with pytest.raises(ValueError, match="2 images for 1 images' placeholders in the rows"):
         model.generate(input_ids=inputs["input_ids"], pixel_values=two, max_new_tokens=2,
                        cache_implementation="paged")
+
+
+def test_the_image_text_to_text_pipeline_swap_answers_as_the_stock_one(llava) -> None:
+    """paged_backend.pipeline("image-text-to-text") against transformers' own pipeline: chat inputs with images,
+    several at once (one continuous batch), the same generated text."""
+    import transformers
+
+    from paged_backend import PagedImageTextToTextPipeline, pipeline
+
+    model, processor = llava
+    chats = [[{"role": "user", "content": [{"type": "image", "image": random_image(seed)},
+                                           {"type": "text", "text": "what is in this picture"}]}]
+             for seed in (51, 52, 53)]
+    options = {"max_new_tokens": TOKENS, "generate_kwargs": {"do_sample": False, "min_new_tokens": TOKENS}}
+    stock = transformers.pipeline("image-text-to-text", model=model, processor=processor)
+    paged = pipeline("image-text-to-text", model=model, processor=processor)
+    assert isinstance(paged, PagedImageTextToTextPipeline)
+    expected = [stock(text=chat, **options)[0]["generated_text"] for chat in chats]
+    assert [out[0]["generated_text"] for out in paged(text=chats, **options)] == expected
