@@ -241,6 +241,8 @@ def take_image_inputs(model: PreTrainedModel, model_kwargs: dict) -> dict[str, t
     family = family_of(model.config)
     if family is None or model_kwargs.get("pixel_values") is None:
         return None
+    for key in family.derived_keys:  # what the engine reads from the rows' token ids itself
+        model_kwargs.pop(key, None)
     return {key: model_kwargs.pop(key) for key in family.image_keys if model_kwargs.get(key) is not None}
 
 

@@ -109,7 +109,7 @@ class Engine:
                                      context_note=self.plan.context_note, hidden_size=self.hidden_size,
                                      embedding_sizes=self.embedding_sizes, eos_token_ids=self.eos_token_ids,
                                      device=self.cache.kv.device,
-                                     images=ImagePrompts(processor, model_config, self.model_name, family))
+                                     images=ImagePrompts(processor, model, self.model_name, family))
         self.grammar_queue = GrammarQueue(self.vocab_size)  # structured requests wait here for their grammar
         self.sampler = StepSampler(self.grammar_queue, self.speculator)
         self.output_processor = OutputProcessor()
@@ -155,12 +155,12 @@ class Engine:
         the calling thread's current span)."""
         params = params or SamplingParams()
         request_id = self._new_request_id(request_id)
-        text, token_ids, images = self.inputs.prompt_tokens(prompt, prompt_token_ids)
-        self.inputs.validate(token_ids, params, images)
+        text, token_ids, visual = self.inputs.prompt_tokens(prompt, prompt_token_ids)
+        self.inputs.validate(token_ids, params, visual.images if visual is not None else ())
         adapter = self.resolve_lora(lora)
         group = self.inputs.make_group(request_id, text, token_ids, params, stream=stream, arrival_time=arrival_time,
                                        cache_salt=cache_salt, logits_processor=logits_processor, adapter=adapter,
-                                       model_state=self.model_states.current(), images=images)
+                                       model_state=self.model_states.current(), visual=visual)
         group.leader.metrics.timeline = tracing.start_timeline(trace_headers, self.model_name, params)
         for request in group.samples:
             self._enqueue(request)
@@ -174,8 +174,8 @@ class Engine:
         output carries it in `embedding`. ValueError, leaving the engine untouched, if it is invalid."""
         pooling = pooling or PoolingParams()
         request_id = self._new_request_id(request_id)
-        text, token_ids, images = self.inputs.prompt_tokens(prompt, prompt_token_ids)
-        if images:
+        text, token_ids, visual = self.inputs.prompt_tokens(prompt, prompt_token_ids)
+        if visual is not None and visual.images:
             raise ValueError("an embedding request takes text or token ids, not images")
         self.inputs.validate_pooling(token_ids, pooling)
         request = self.inputs.make_pooling_request(request_id, text, token_ids, pooling, self.model_states.current())

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import PretrainedConfig
+from transformers import PreTrainedModel
 
-from paged_backend.core.image_span import ImageSpan
+from paged_backend.core.image_span import ImageSpan, RopePositions
 from paged_backend.image_sources import read_image
 from paged_backend.model.vision.families import ImageInputs, VisionFamily, refusal
 
@@ -35,6 +35,7 @@ class ProcessedPrompt:
     text: str | None  # None: given as token ids (generate's rows)
     token_ids: list[int]
     images: tuple[ImageSpan, ...]
+    rope: RopePositions | None = None  # its multi-axis positions, for a model that takes them (M-RoPE)
 
 
 def is_image_prompt(prompt: object) -> bool:
@@ -44,10 +45,11 @@ def is_image_prompt(prompt: object) -> bool:
 class ImagePrompts:
     """Reads prompts with images for one model: its processor, its family, its image token."""
 
-    def __init__(self, processor: Any, config: PretrainedConfig, model_name: str, family: VisionFamily | None) -> None:
+    def __init__(self, processor: Any, model: PreTrainedModel, model_name: str, family: VisionFamily | None) -> None:
         """`family`: the model's vision family where the engine runs its images (None: every image is refused)."""
         self.processor = processor
-        self.config = config
+        self.model = model
+        self.config = model.config
         self.family = family
         self.model_name = model_name
 
@@ -67,8 +69,12 @@ class ImagePrompts:
         token_ids = processed["input_ids"][0].tolist()
         if not images:
             return ProcessedPrompt(text, token_ids, ())
-        per_image = self.family.split(processed, len(images))
-        return ProcessedPrompt(text, token_ids, self.spans(token_ids, per_image))
+        return self.processed(text, token_ids, self.family.split(processed, len(images)))
+
+    def processed(self, text: str | None, token_ids: list[int], per_image: list[ImageInputs]) -> ProcessedPrompt:
+        """The prompt with its images' spans (and, for an M-RoPE model, its positions)."""
+        rope = self.family.rope_positions(self.model, token_ids, per_image) if per_image else None
+        return ProcessedPrompt(text, token_ids, self.spans(token_ids, per_image), rope)
 
     @property
     def takes_images(self) -> bool:
@@ -80,8 +86,7 @@ class ImagePrompts:
         dealt out in order: each row takes as many as its placeholders hold."""
         if self.family is None:
             raise ValueError(refusal(self.config, self.model_name))
-        first = next(iter(image_inputs.values()))
-        per_image = self.family.split(image_inputs, first.shape[0])
+        per_image = self.family.split(image_inputs, self.family.num_images(image_inputs))
         prompts, taken = [], 0
         for index, row in enumerate(rows):
             wanted = int((np.asarray(row) == self.config.image_token_id).sum())
@@ -92,7 +97,7 @@ class ImagePrompts:
             if filled != wanted:
                 raise ValueError(f"row {index} has {wanted} image placeholder tokens, which the images given do not "
                                  "fill in order")
-            prompts.append(ProcessedPrompt(None, list(row), self.spans(row, per_image[taken:taken + count])))
+            prompts.append(self.processed(None, list(row), per_image[taken:taken + count]))
             taken += count
         if taken != len(per_image):
             raise ValueError(f"{len(per_image)} images for {taken} images' placeholders in the rows")

@@ -71,15 +71,15 @@ class InputProcessor:
         return self.images if self.images is not None and self.images.family is not None else None
 
     def prompt_tokens(self, prompt: Prompt, prompt_token_ids: list[int] | None
-                      ) -> tuple[str | None, list[int], tuple[ImageSpan, ...]]:
+                      ) -> tuple[str | None, list[int], ProcessedPrompt | None]:
         """The prompt's text (None for token ids), its tokens, tokenized here unless the caller already did, and
-        its images."""
+        for a prompt with images, the processed prompt (its images and positions)."""
         if is_image_prompt(prompt):
             processed = self.read_images(prompt)
-            return processed.text, processed.token_ids, processed.images
+            return processed.text, processed.token_ids, processed
         if prompt_token_ids is None:
-            return (*self.tokenize(prompt), ())
-        return (prompt if isinstance(prompt, str) else None), list(prompt_token_ids), ()
+            return (*self.tokenize(prompt), None)
+        return (prompt if isinstance(prompt, str) else None), list(prompt_token_ids), None
 
     def validate(self, token_ids: list[int], params: SamplingParams, images: Sequence[ImageSpan] = ()) -> None:
         check_request(token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
@@ -95,7 +95,7 @@ class InputProcessor:
     def make_group(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, *,
                    stream: bool, arrival_time: float | None, cache_salt: str | None,
                    logits_processor: LogitsProcessor | None, adapter: LoRAAdapter | None,
-                   model_state: int, images: tuple[ImageSpan, ...] = ()) -> RequestGroup:
+                   model_state: int, visual: ProcessedPrompt | None = None) -> RequestGroup:
         """The request group of a validated prompt: params.num_samples samples (derived seeds), its prompt
         truncated as the params ask (the one place prompts are truncated). A ranked group (best_of > n) is
         never streamed."""
@@ -108,7 +108,8 @@ class InputProcessor:
             internal_id = request_id if samples == 1 else f"{request_id}#{index}"
             request = self.make_request(group, internal_id, text, token_ids, sample_params, metrics,
                                         stream and not group.ranked, cache_salt, logits_processor, adapter, model_state)
-            request.images = images
+            if visual is not None:
+                request.images, request.rope = visual.images, visual.rope
         return group
 
     def make_pooling_request(self, request_id: str, text: str | None, token_ids: list[int], pooling: PoolingParams,

@@ -42,6 +42,24 @@ class ImageSpan:
         return np.arange(first, last), self.positions[first:last]
 
 
+@dataclass(frozen=True, eq=False)
+class RopePositions:
+    """A prompt's multi-axis rotary positions (Qwen2-VL's M-RoPE: time, height, width): each prompt token's three
+    positions, and after the prompt one position on every axis, the sequence index plus `delta` (negative after an
+    image, whose tokens advance the positions by less than their count)."""
+
+    prompt: np.ndarray  # int64 [3, prompt tokens]
+    delta: int
+
+    def between(self, start: int, end: int) -> np.ndarray:
+        """The positions `[3, end - start]` of sequence indices [start, end)."""
+        index = np.arange(start, end)
+        inside = index < self.prompt.shape[1]
+        out = np.broadcast_to(index + self.delta, (3, len(index))).copy()
+        out[:, inside] = self.prompt[:, index[inside]]
+        return out
+
+
 def block_images(images: Sequence[ImageSpan], start: int, end: int) -> tuple[int, ...]:
     """What a prefix-cache block over prompt positions [start, end) adds to its key for the images inside it: each
     image's digest, as two signed 64-bit halves, and how far into the image the block starts. Empty for a block

@@ -13,7 +13,7 @@ from paged_backend.core.outputs import Logprob, RequestMetrics, SampleLogprobs
 from paged_backend.core.request_group import RequestGroup
 
 if TYPE_CHECKING:
-    from paged_backend.core.image_span import ImageSpan
+    from paged_backend.core.image_span import ImageSpan, RopePositions
     from paged_backend.core.pooling import PoolingParams
     from paged_backend.model.lora import LoRAAdapter
     from paged_backend.sampling.detokenizer import IncrementalDetokenizer
@@ -90,6 +90,7 @@ class Request:
     pooling: PoolingParams | None = None
     pooled: torch.Tensor | None = None  # while it runs: the sum (mean) or the last row of its hidden states so far
     images: tuple[ImageSpan, ...] = ()  # a vision-language prompt's images, in prompt order (image_span.py)
+    rope: RopePositions | None = None  # its multi-axis positions, on a model that takes them (Qwen2-VL's M-RoPE)
 
     def __post_init__(self) -> None:
         if self.group is None:

@@ -76,7 +76,8 @@ class ModelRunner:
         inputs = self.prepare_inputs(batch)
         # A step with pooling requests runs unpadded and eagerly (_forward_pooling): a captured graph has no hook;
         # so does a step with image rows, whose graph would take token ids.
-        padded = self.padding is not None and inputs.pooling is None and inputs.inputs_embeds is None
+        padded = (self.padding is not None and inputs.pooling is None and inputs.inputs_embeds is None
+                  and inputs.position_ids.dim() == 2)  # multi-axis positions are not padded
         size = self.padding.size_for(inputs) if padded else None
         if size is not None:  # before publishing: every tensor-parallel rank runs the same padded step
             inputs = self.padding.pad(inputs, size)
@@ -235,9 +236,14 @@ class ModelRunner:
         elif not sampling:  # only partial prompt chunks: keep one row so the forward's shape is valid
             logits_rows = query_start_loc[-1:] - 1
         input_ids = self.to_device(token_ids)[None]
+        if self.images is not None and self.images.family.multi_axis_positions:
+            position_ids = self.to_device(self.images.rope_positions(requests, starts, counts, positions,
+                                                                     query_start_loc))[:, None]
+        else:
+            position_ids = self.to_device(positions)[None]
         return StepInputs(
             input_ids=input_ids,
-            position_ids=self.to_device(positions)[None],
+            position_ids=position_ids,
             logits_indices=self.to_device(logits_rows),
             sampling_requests=[requests[i] for i in sampling],
             metadata=metadata,

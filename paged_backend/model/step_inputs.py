@@ -17,7 +17,7 @@ from paged_backend.sampling.prompt_logprobs import PromptSpan
 
 class StepInputs(NamedTuple):
     input_ids: torch.Tensor  # [1, T]
-    position_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]; [3, 1, T] for a model of multi-axis positions (M-RoPE)
     logits_indices: torch.Tensor  # [S] rows of the packed batch whose logits are needed
     sampling_requests: list[Request]
     metadata: AttentionMetadata

@@ -68,3 +68,46 @@ def hf_greedy(model, processor, text: str, images: list, max_new_tokens: int) ->
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                 "<|video_pad|>", "<unk>"]
+QWEN_PATCH, QWEN_MERGE = 8, 2
+
+
+class ImageOnlyQwen2VLProcessor(tf.Qwen2VLProcessor):
+    """Qwen2-VL's processor without its video processor (which needs torchvision): images only."""
+
+    def check_argument_for_proper_class(self, name, arg):
+        if name == "video_processor" and arg is None:
+            return None
+        return super().check_argument_for_proper_class(name, arg)
+
+
+def tiny_qwen2_vl(seed: int = 0) -> tuple[tf.Qwen2VLForConditionalGeneration, tf.Qwen2VLProcessor]:
+    """A Qwen2-VL of a 2-block vision tower (8x8 patches merged 2x2: a 40x48 image is 6 tokens) and a 2-layer language
+    model with M-RoPE sections (2, 3, 3), fp32, with an image-only processor."""
+    words = QWEN_SPECIALS + sorted(set(WORDS))
+    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    tokenizer = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(QWEN_SPECIALS)
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
+                                           pad_token="<|endoftext|>", unk_token="<unk>",
+                                           extra_special_tokens={"image_token": "<|image_pad|>",
+                                                                 "video_token": "<|video_pad|>"})
+    token = tokenizer.convert_tokens_to_ids
+    config = tf.Qwen2VLConfig(
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=QWEN_PATCH,
+                           spatial_merge_size=QWEN_MERGE, temporal_patch_size=2),
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         bos_token_id=None, eos_token_id=token("<|im_end|>"), pad_token_id=token("<|endoftext|>")),
+        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"))
+    torch.manual_seed(seed)
+    model = tf.Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    image_processor = tf.Qwen2VLImageProcessorPil(patch_size=QWEN_PATCH, merge_size=QWEN_MERGE, temporal_patch_size=2,
+                                                  size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
+    return model, ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)

@@ -279,3 +279,64 @@ def test_the_image_text_to_text_pipeline_swap_answers_as_the_stock_one(llava) ->
     assert isinstance(paged, PagedImageTextToTextPipeline)
     expected = [stock(text=chat, **options)[0]["generated_text"] for chat in chats]
     assert [out[0]["generated_text"] for out in paged(text=chats, **options)] == expected
+
+
+# ---------------------------------------------------------------------- Qwen2-VL: multi-axis positions (M-RoPE)
+
+QWEN_ONE = "<|im_start|> user <|vision_start|><|image_pad|><|vision_end|> describe the image <|im_end|> <|im_start|> assistant"
+QWEN_TWO = ("<|im_start|> user <|vision_start|><|image_pad|><|vision_end|> and <|vision_start|><|image_pad|><|vision_end|>"
+            " what is in this picture <|im_end|> <|im_start|> assistant")
+QWEN_TEXT = "<|im_start|> user describe the sky <|im_end|> <|im_start|> assistant"
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl():
+    from helpers.vision import tiny_qwen2_vl
+
+    return tiny_qwen2_vl()
+
+
+def test_qwen2_vl_mixed_batch_with_chunks_and_preemption_equals_hf(qwen2_vl) -> None:
+    """Images of different sizes (6 and 8 tokens), two in one prompt, beside a text-only request: each token's three
+    positions come from the model's own rope index (text after an image advances by less than its token count, so
+    every decode step's positions differ from its sequence index); chunks of 5 tokens cut through the images and a
+    small cache preempts requests, which recompute their positions and rows."""
+    model, processor = qwen2_vl
+    cases = [(QWEN_ONE, [random_image(1)]), (QWEN_TWO, [random_image(2, 64, 32), random_image(3)]), (QWEN_TEXT, []),
+             (QWEN_ONE, [random_image(4, 60, 60)])]
+    expected = [hf_greedy(model, processor, text, images, TOKENS) for text, images in cases]
+    alone = LLM(model, processor)
+    assert tokens(alone.generate(image_prompt(*cases[1]), GREEDY)) == [expected[1]]
+    llm = LLM(model, processor, block_size=4, num_kv_blocks=16, max_num_batched_tokens=5, max_num_seqs=3,
+              preemption_mode="recompute")
+    assert tokens(llm.generate([image_prompt(text, images) for text, images in cases], GREEDY)) == expected
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_qwen2_vl_a_repeated_image_is_encoded_once_and_another_shares_no_image_block(qwen2_vl) -> None:
+    model, processor = qwen2_vl
+    first, second = random_image(5), random_image(6)
+    llm = LLM(model, processor, block_size=4)
+    llm.generate(image_prompt(QWEN_ONE, [first]), GREEDY)
+    before = llm.engine.stats()
+    again = tokens(llm.generate(image_prompt(QWEN_ONE, [first]), GREEDY))
+    other = tokens(llm.generate(image_prompt(QWEN_ONE, [second]), GREEDY))
+    stats = llm.engine.stats()
+    assert again == [hf_greedy(model, processor, QWEN_ONE, [first], TOKENS)]
+    assert other == [hf_greedy(model, processor, QWEN_ONE, [second], TOKENS)]
+    assert (before["images_encoded"], stats["images_encoded"]) == (1, 2)
+
+
+def test_qwen2_vl_generate_with_pixel_values_equals_hf(qwen2_vl) -> None:
+    import paged_backend  # noqa: F401  (enables cache_implementation="paged")
+
+    model, processor = qwen2_vl
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(text=[QWEN_TWO, QWEN_TEXT, QWEN_ONE], return_tensors="pt", padding=True,
+                       images=[random_image(7), random_image(8, 30, 60), random_image(9)])
+    with torch.no_grad():
+        reference = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
+        paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
+                               cache_implementation="paged")
+    assert paged.tolist() == reference.tolist()

@@ -57,7 +57,8 @@ from paged_backend.model.vision.families import family_of
 # `config.layer_types`; its attention temperature tuning caps the context, model_check.temperature_tuning_limit).
 # Some types load another family's class: exaone, internlm3 and iquestcoder a LlamaForCausalLM, param2moe and
 # sarvam_moe a Glm4MoeForCausalLM (GPT-SW3's config is a GPT2Config, model_type "gpt2"). Multimodal types:
-# llava (LlavaForConditionalGeneration) takes images (model/vision/families.py); gemma3
+# llava (LlavaForConditionalGeneration) and qwen2_vl (Qwen2VLForConditionalGeneration, M-RoPE positions) take
+# images (model/vision/families.py); gemma3
 # (Gemma3ForConditionalGeneration, Gemma 3 4B and larger) and fuyu (FuyuForCausalLM, a Persimmon language model)
 # run on text alone, their images refused with the reason.
 INTERFACE_TYPES: frozenset[str] = frozenset(
@@ -77,6 +78,7 @@ INTERFACE_TYPES: frozenset[str] = frozenset(
         "opt",
         "mixtral",
         "qwen3_moe",
+        "qwen2_vl",
         "qwen2_moe",
         "granite",
         "olmo",
@@ -155,6 +157,8 @@ SUPPORTED: frozenset[str] = INTERFACE_TYPES | ADAPTED_TYPES
 # Supported types whose forward the engine does not compile (they run eagerly even where it compiles by
 # default, on CUDA), with the reason, logged at start-up.
 EAGER_TYPES: dict[str, str] = {
+    "qwen2_vl": "its language model takes three position axes (M-RoPE) in every step, which the compiled graphs "
+                "and padded decode steps do not carry (they take one), so it runs eagerly",
     "llama4_text": "Llama 4's forward does not compile under the engine's dynamic shapes (inductor fails to lower "
                    "the reshape of its attention output in steps of more than one token), so it runs eagerly",
     "lfm2": "its short-convolution layers run each sequence of a step from its state slot in a Python loop over "

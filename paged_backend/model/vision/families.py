@@ -7,27 +7,37 @@ into their embeddings (`encode`, the model's own `get_image_features`, one tenso
 those rows at the image's placeholder positions of the step's input embeddings, which is what the model's own
 forward does with `pixel_values`, so the language model runs paged as for text.
 
-Families whose language model needs more than embeddings at the placeholders are not here yet and are refused
-with images (`refusal`): multi-axis rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), bidirectional attention
-over an image's tokens (Gemma 3), images split into tiles between text tokens (SmolVLM, Idefics3), any-resolution
-tiles (LLaVA-NeXT).
+A family whose language model takes multi-axis rotary positions (Qwen2-VL's M-RoPE) also says a prompt's positions
+(`rope_positions`). Families whose language model needs more are not here yet and are refused with images
+(`refusal`): bidirectional attention over an image's tokens (Gemma 3), images split into tiles between text tokens
+(SmolVLM, Idefics3), any-resolution tiles (LLaVA-NeXT), vision towers not mapped yet (Qwen2.5-VL, Qwen3-VL).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
+
+from paged_backend.core.image_span import RopePositions
 
 ImageInputs = Mapping[str, torch.Tensor]
 
 
-@dataclass(frozen=True)
 class VisionFamily:
-    name: str
-    image_keys: tuple[str, ...]  # the processor outputs that hold one entry per image along their first axis
+    """LLaVA's way, which the others change where theirs differs: images stacked along the first axis of each of
+    `image_keys`, a fixed number of tokens per image, 1-D positions."""
+
+    name = "LLaVA"
+    image_keys: tuple[str, ...] = ("pixel_values",)  # the processor outputs that hold the images
+    derived_keys: tuple[str, ...] = ()  # processor outputs the engine computes again from the token ids
+    multi_axis_positions = False  # whether the language model takes M-RoPE positions (rope_positions)
+
+    def num_images(self, processed: Mapping[str, torch.Tensor]) -> int:
+        """How many images the processor's outputs hold."""
+        return processed[self.image_keys[0]].shape[0]
 
     def split(self, processed: Mapping[str, torch.Tensor], num_images: int) -> list[ImageInputs]:
         """The processor's outputs for a prompt's images, one mapping per image."""
@@ -50,17 +60,56 @@ class VisionFamily:
         features = model.get_image_features(**batch, return_dict=True).pooler_output
         return [rows.reshape(-1, rows.shape[-1]) for rows in features]
 
+    def rope_positions(self, model: PreTrainedModel, token_ids: list[int],
+                       images: Sequence[ImageInputs]) -> RopePositions | None:
+        """A prompt's multi-axis positions, for a family whose language model takes them; None for 1-D ones."""
+        return None
+
+
+class QwenVLFamily(VisionFamily):
+    """Qwen2-VL and Qwen2.5-VL: an image is a run of flattened patches (`pixel_values` rows, `image_grid_thw` its
+    temporal, height and width patch counts), merged 2x2 into tokens; the language model takes three position
+    axes (M-RoPE), which the model's own `get_rope_index` computes from the prompt and its image grids."""
+
+    name = "Qwen2-VL"
+    image_keys = ("pixel_values", "image_grid_thw")
+    derived_keys = ("mm_token_type_ids",)  # which tokens are image placeholders
+    multi_axis_positions = True
+
+    def num_images(self, processed: Mapping[str, torch.Tensor]) -> int:
+        return processed["image_grid_thw"].shape[0]
+
+    def split(self, processed: Mapping[str, torch.Tensor], num_images: int) -> list[ImageInputs]:
+        grids = processed["image_grid_thw"]
+        if grids.shape[0] != num_images:
+            raise ValueError(f"the processor gave {grids.shape[0]} image grids for {num_images} images")
+        bounds = [0, *torch.cumsum(grids.prod(dim=-1), 0).tolist()]
+        return [{"pixel_values": processed["pixel_values"][bounds[i]:bounds[i + 1]], "image_grid_thw": grids[i:i + 1]}
+                for i in range(num_images)]
+
+    def tokens_of(self, config: PretrainedConfig, image: ImageInputs) -> int:
+        return int(image["image_grid_thw"].prod()) // config.vision_config.spatial_merge_size ** 2
+
+    def rope_positions(self, model: PreTrainedModel, token_ids: list[int],
+                       images: Sequence[ImageInputs]) -> RopePositions | None:
+        ids = torch.tensor([token_ids])
+        kinds = (ids == model.config.image_token_id).long()  # 1 on image placeholders, 0 on text
+        grids = torch.cat([image["image_grid_thw"] for image in images]) if images else None
+        positions, delta = model.model.get_rope_index(ids, kinds, image_grid_thw=grids)
+        return RopePositions(positions[:, 0].numpy().astype(np.int64), int(delta.reshape(-1)[0]))
+
 
 FAMILIES: dict[str, VisionFamily] = {
-    "llava": VisionFamily("LLaVA", ("pixel_values",)),
+    "llava": VisionFamily(),
+    "qwen2_vl": QwenVLFamily(),
 }
 
 # Vision-language types whose images the engine does not run yet, with the reason (their text runs where the type
 # is supported, as gemma3's).
 REFUSED: dict[str, str] = {
     "gemma3": "Gemma 3 attends bidirectionally over an image's tokens, which the paged attention does not do yet",
-    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
-                    "its multi-axis rotary positions (M-RoPE) for image tokens are not computed by the engine yet"),
+    **dict.fromkeys(("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
+                    "its vision tower is not mapped by the engine yet (Qwen2-VL's is)"),
     **dict.fromkeys(("idefics3", "smolvlm"),
                     "its images are split into tiles between text tokens, which the engine does not map yet"),
     "llava_next": "its any-resolution tiles are not mapped to placeholders by the engine yet",

@@ -48,6 +48,18 @@ class StepImages:
         embeds[0, packed] = rows.to(embeds.device, embeds.dtype)
         return embeds
 
+    @staticmethod
+    def rope_positions(requests: Sequence[Request], starts: np.ndarray, counts: np.ndarray, positions: np.ndarray,
+                       query_start_loc: np.ndarray) -> np.ndarray:
+        """The step's multi-axis positions `[3, T]`: a request with images takes its own (RopePositions), the
+        others their sequence positions on every axis."""
+        out = np.broadcast_to(positions, (3, len(positions))).copy()
+        for i, request in enumerate(requests):
+            if request.rope is not None:
+                first, start, count = int(query_start_loc[i]), int(starts[i]), int(counts[i])
+                out[:, first:first + count] = request.rope.between(start, start + count)
+        return out
+
     def features(self, images: Sequence[ImageSpan]) -> dict[int, torch.Tensor]:
         """Each image's embeddings by digest: from the cache, the others encoded in one batch (and kept)."""
         found: dict[int, torch.Tensor] = {}
