@@ -465,6 +465,21 @@ def batch_invariant_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def vision_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    w, results = r["workload"], r["results"]
+    rows = [(f"{w['num_requests']} requests, one image each ({w['image_tokens']} image tokens), {w['max_tokens']} "
+             f"greedy tokens, {w['model']}: output tok/s, medians of {w['repeats']} runs",
+             ", ".join(f"{name} {number(result['output_tokens_per_s'])}" for name, result in results.items()))]
+    rows += [(name, f"{number(value, 2)}x") for name, value in r["ratios"].items()]
+    for name in ("engine_fresh_images", "engine_repeated_images"):
+        counted = results[name]["counted"]
+        rows.append((f"{name}: images encoded / encoder cache hits / prefix-cache hit tokens",
+                     f"{counted['images_encoded']} / {counted['encoder_cache_hits']} / "
+                     f"{counted['prefix_cache_hit_tokens']}"))
+    rows.append(("the engine's greedy tokens equal HF generate's", str(r["tokens_equal_hf"])))
+    return rows
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "throughput": throughput_figures, "prefix_cache": prefix_cache_figures, "pipeline": pipeline_figures,
     "serve": serve_figures, "replicas": replicas_figures, "self_check": self_check_figures,
@@ -476,6 +491,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "cpu_int8_head": cpu_int8_head_figures, "tracing": tracing_figures, "cpu_peers": cpu_peers_figures,
     "cpu_int4_batch": cpu_int4_batch_figures, "quantized_checkpoints": quantized_checkpoints_figures,
     "kv_offload": kv_offload_figures, "rl_rollouts": rl_rollouts_figures, "batch_invariant": batch_invariant_figures,
+    "vision": vision_figures,
 }
 
 

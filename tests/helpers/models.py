@@ -212,6 +212,13 @@ CONFIGS = {
                                                          num_attention_heads=2, image_size=28, patch_size=14),
                                       mm_tokens_per_image=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "glm": lambda: _auto("glm", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # Idefics3 on token ids alone (its images: tests/model/test_vision.py); its image token lies outside the prompts'.
+    "idefics3": lambda: tf.Idefics3Config(
+        text_config=dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2, **_common()),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=16, patch_size=8),
+        scale_factor=2, image_token_id=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # Qwen2-VL on token ids alone (its images: tests/model/test_vision.py): its M-RoPE positions are the sequence's on
     # every axis; its vision token ids lie outside the prompts' vocabulary.
     "qwen2_vl": lambda: tf.Qwen2VLConfig(
@@ -329,7 +336,8 @@ def build_from_config(make_config, seed: int = 0) -> tf.PreTrainedModel:
     """The model of `make_config()`, seeded, with build()'s weights and generation settings."""
     torch.manual_seed(seed)
     config = make_config()
-    auto = tf.AutoModelForImageTextToText if config.model_type in ("llava", "qwen2_vl") else tf.AutoModelForCausalLM
+    vision = ("llava", "qwen2_vl", "idefics3")
+    auto = tf.AutoModelForImageTextToText if config.model_type in vision else tf.AutoModelForCausalLM
     return spread_weights(auto.from_config(config, dtype=torch.float32))
 
 

@@ -111,3 +111,35 @@ def tiny_qwen2_vl(seed: int = 0) -> tuple[tf.Qwen2VLForConditionalGeneration, tf
     image_processor = tf.Qwen2VLImageProcessorPil(patch_size=QWEN_PATCH, merge_size=QWEN_MERGE, temporal_patch_size=2,
                                                   size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
     return model, ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
+
+
+IDEFICS_SPECIALS = (["<pad>", "<s>", "</s>", "<unk>", "<fake_token_around_image>", "<image>", "<end_of_utterance>",
+                     "<global-img>"] + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)])
+
+
+def tiny_idefics3(seed: int = 0) -> tuple[tf.Idefics3ForConditionalGeneration, tf.Idefics3Processor]:
+    """An Idefics3 of a 2-layer vision tower of 32x32 crops (4 tokens each after the 2x pixel shuffle) and a 2-layer
+    Llama, fp32, with its processor: an image is resized to at most 64 pixels a side and cut into 32-pixel tiles
+    plus the whole image (a 40x48 image: 2x2 tiles and the global crop, 20 tokens)."""
+    words = IDEFICS_SPECIALS + sorted(set(WORDS)) + [":"]
+    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    tokenizer = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(IDEFICS_SPECIALS)
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="<end_of_utterance>",
+                                           pad_token="<pad>", unk_token="<unk>")
+    token = tokenizer.convert_tokens_to_ids
+    config = tf.Idefics3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=IMAGE_SIZE, patch_size=PATCH),
+        text_config=tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=token("<s>"), eos_token_id=token("<end_of_utterance>"),
+                                   pad_token_id=token("<pad>")),
+        scale_factor=2, image_token_id=token("<image>"))
+    torch.manual_seed(seed)
+    model = tf.Idefics3ForConditionalGeneration(config).to(torch.float32).eval()
+    image_processor = tf.Idefics3ImageProcessorPil(size={"longest_edge": 2 * IMAGE_SIZE},
+                                                   max_image_size={"longest_edge": IMAGE_SIZE}, do_image_splitting=True)
+    return model, tf.Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                       image_seq_len=(IMAGE_SIZE // PATCH) ** 2 // 4)

@@ -340,3 +340,48 @@ def test_qwen2_vl_generate_with_pixel_values_equals_hf(qwen2_vl) -> None:
         paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
                                cache_implementation="paged")
     assert paged.tolist() == reference.tolist()
+
+
+# ---------------------------------------------------------------------- Idefics3: images cut into crops
+
+IDEFICS_ONE = "<s> user : <image> describe the image <end_of_utterance> assistant :"
+IDEFICS_TWO = "<s> user : <image> and <image> what is in this picture <end_of_utterance> assistant :"
+IDEFICS_TEXT = "<s> user : describe the sky <end_of_utterance> assistant :"
+
+
+@pytest.fixture(scope="module")
+def idefics3():
+    from helpers.vision import tiny_idefics3
+
+    return tiny_idefics3(seed=2)  # a seed whose greedy answers depend on the image
+
+
+def test_idefics3_mixed_batch_with_chunks_and_preemption_equals_hf(idefics3) -> None:
+    """Images of 5 crops (2x2 tiles and the whole image) and of 1 crop, their placeholders between row and column
+    tags, two in one prompt (encoded together), beside a text-only request; chunks of 7 tokens cut through the
+    crops and a small cache preempts."""
+    model, processor = idefics3
+    cases = [(IDEFICS_ONE, [random_image(1)]), (IDEFICS_TWO, [random_image(2, 64, 32), random_image(3, 20, 20)]),
+             (IDEFICS_TEXT, []), (IDEFICS_ONE, [random_image(4, 30, 30)])]
+    expected = [hf_greedy(model, processor, text, images, TOKENS) for text, images in cases]
+    llm = LLM(model, processor, block_size=4, num_kv_blocks=20, max_num_batched_tokens=7, max_num_seqs=3,
+              preemption_mode="recompute")
+    assert tokens(llm.generate([image_prompt(text, images) for text, images in cases], GREEDY)) == expected
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_idefics3_generate_with_pixel_values_equals_hf(idefics3) -> None:
+    """A padded batch: the processor pads each row's crops to the batch's most with all-zero crops, which the engine
+    drops as the model does; the text-only row has none."""
+    import paged_backend  # noqa: F401  (enables cache_implementation="paged")
+
+    model, processor = idefics3
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(text=[IDEFICS_TWO, IDEFICS_TEXT, IDEFICS_ONE], return_tensors="pt", padding=True,
+                       images=[[random_image(5), random_image(6, 20, 30)], [], [random_image(7)]])
+    with torch.no_grad():
+        reference = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
+        paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
+                               cache_implementation="paged")
+    assert paged.tolist() == reference.tolist()

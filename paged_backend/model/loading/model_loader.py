@@ -57,8 +57,8 @@ from paged_backend.model.vision.families import family_of
 # `config.layer_types`; its attention temperature tuning caps the context, model_check.temperature_tuning_limit).
 # Some types load another family's class: exaone, internlm3 and iquestcoder a LlamaForCausalLM, param2moe and
 # sarvam_moe a Glm4MoeForCausalLM (GPT-SW3's config is a GPT2Config, model_type "gpt2"). Multimodal types:
-# llava (LlavaForConditionalGeneration) and qwen2_vl (Qwen2VLForConditionalGeneration, M-RoPE positions) take
-# images (model/vision/families.py); gemma3
+# llava (LlavaForConditionalGeneration), qwen2_vl (Qwen2VLForConditionalGeneration, M-RoPE positions) and idefics3
+# (Idefics3ForConditionalGeneration, tiled images) take images (model/vision/families.py); gemma3
 # (Gemma3ForConditionalGeneration, Gemma 3 4B and larger) and fuyu (FuyuForCausalLM, a Persimmon language model)
 # run on text alone, their images refused with the reason.
 INTERFACE_TYPES: frozenset[str] = frozenset(
@@ -79,6 +79,7 @@ INTERFACE_TYPES: frozenset[str] = frozenset(
         "mixtral",
         "qwen3_moe",
         "qwen2_vl",
+        "idefics3",
         "qwen2_moe",
         "granite",
         "olmo",

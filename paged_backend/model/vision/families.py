@@ -8,9 +8,10 @@ those rows at the image's placeholder positions of the step's input embeddings, 
 forward does with `pixel_values`, so the language model runs paged as for text.
 
 A family whose language model takes multi-axis rotary positions (Qwen2-VL's M-RoPE) also says a prompt's positions
-(`rope_positions`). Families whose language model needs more are not here yet and are refused with images
-(`refusal`): bidirectional attention over an image's tokens (Gemma 3), images split into tiles between text tokens
-(SmolVLM, Idefics3), any-resolution tiles (LLaVA-NeXT), vision towers not mapped yet (Qwen2.5-VL, Qwen3-VL).
+(`rope_positions`); one whose images are cut into crops between text tokens (Idefics3) encodes a prompt's images
+together. Families whose language model needs more are not here yet and are refused with images (`refusal`):
+bidirectional attention over an image's tokens (Gemma 3), any-resolution tiles (LLaVA-NeXT), processors or vision
+towers not mapped yet (SmolVLM, Qwen2.5-VL, Qwen3-VL).
 """
 
 from __future__ import annotations
@@ -99,9 +100,44 @@ class QwenVLFamily(VisionFamily):
         return RopePositions(positions[:, 0].numpy().astype(np.int64), int(delta.reshape(-1)[0]))
 
 
+class TiledFamily(VisionFamily):
+    """Idefics3: an image is cut into crops (a grid of tiles and the whole image, each `image_seq_len` tokens after
+    the connector's pixel shuffle), laid out between row and column tags, and a prompt's crops are one batch sample
+    (`pixel_values [1, crops, 3, H, W]`, padding crops all zero). A prompt's images therefore encode together, as
+    one `ImageSpan` of all their placeholders (its digest covers every image); a batch of `generate` rows gives one
+    per row that has images."""
+
+    name = "Idefics3"
+    image_keys = ("pixel_values", "pixel_attention_mask")
+
+    def num_images(self, processed: Mapping[str, torch.Tensor]) -> int:
+        return processed["pixel_values"].shape[0]  # batch samples: each sample's images encode together
+
+    def split(self, processed: Mapping[str, torch.Tensor], num_images: int) -> list[ImageInputs]:
+        samples = []
+        for pixels, mask in zip(processed["pixel_values"], processed["pixel_attention_mask"]):
+            real = pixels.flatten(1).ne(0).any(dim=1)  # the model's own rule: an all-zero crop is padding
+            if real.any():
+                samples.append({"pixel_values": pixels[real][None], "pixel_attention_mask": mask[real][None]})
+        return samples
+
+    def tokens_of(self, config: PretrainedConfig, image: ImageInputs) -> int:
+        vision = config.vision_config
+        per_crop = (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2
+        return image["pixel_values"].shape[1] * per_crop
+
+    def encode(self, model: PreTrainedModel, images: Sequence[ImageInputs]) -> list[torch.Tensor]:
+        pixels = torch.cat([image["pixel_values"] for image in images], dim=1).to(model.device, model.dtype)
+        mask = torch.cat([image["pixel_attention_mask"] for image in images], dim=1).to(model.device)
+        rows = model.get_image_features(pixel_values=pixels, pixel_attention_mask=mask, return_dict=True).pooler_output
+        rows = torch.cat(list(rows)).reshape(-1, rows[0].shape[-1])
+        return list(torch.split(rows, [self.tokens_of(model.config, image) for image in images]))
+
+
 FAMILIES: dict[str, VisionFamily] = {
     "llava": VisionFamily(),
     "qwen2_vl": QwenVLFamily(),
+    "idefics3": TiledFamily(),
 }
 
 # Vision-language types whose images the engine does not run yet, with the reason (their text runs where the type
@@ -110,8 +146,7 @@ REFUSED: dict[str, str] = {
     "gemma3": "Gemma 3 attends bidirectionally over an image's tokens, which the paged attention does not do yet",
     **dict.fromkeys(("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
                     "its vision tower is not mapped by the engine yet (Qwen2-VL's is)"),
-    **dict.fromkeys(("idefics3", "smolvlm"),
-                    "its images are split into tiles between text tokens, which the engine does not map yet"),
+    "smolvlm": "its processor's image layout is not mapped by the engine yet (Idefics3's, the same model, is)",
     "llava_next": "its any-resolution tiles are not mapped to placeholders by the engine yet",
 }
 
