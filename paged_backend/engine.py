@@ -109,7 +109,8 @@ class Engine:
                                      context_note=self.plan.context_note, hidden_size=self.hidden_size,
                                      embedding_sizes=self.embedding_sizes, eos_token_ids=self.eos_token_ids,
                                      device=self.cache.kv.device,
-                                     images=ImagePrompts(processor, model, self.model_name, family))
+                                     images=ImagePrompts(processor, model, self.model_name, family,
+                                                         self.config.max_num_batched_tokens))
         self.grammar_queue = GrammarQueue(self.vocab_size)  # structured requests wait here for their grammar
         self.sampler = StepSampler(self.grammar_queue, self.speculator)
         self.output_processor = OutputProcessor()

@@ -45,10 +45,13 @@ def is_image_prompt(prompt: object) -> bool:
 class ImagePrompts:
     """Reads prompts with images for one model: its processor, its family, its image token."""
 
-    def __init__(self, processor: Any, model: PreTrainedModel, model_name: str, family: VisionFamily | None) -> None:
-        """`family`: the model's vision family where the engine runs its images (None: every image is refused)."""
+    def __init__(self, processor: Any, model: PreTrainedModel, model_name: str, family: VisionFamily | None,
+                 step_tokens: int) -> None:
+        """`family`: the model's vision family where the engine runs its images (None: every image is refused);
+        `step_tokens`: the engine's token budget of a step, which an image computed whole must fit."""
         self.processor = processor
         self.model = model
+        self.step_tokens = step_tokens
         self.config = model.config
         self.family = family
         self.model_name = model_name
@@ -119,8 +122,13 @@ class ImagePrompts:
             raise ValueError(f"the prompt has {len(placeholders)} image placeholder tokens where its {len(per_image)} "
                              f"images fill {sum(counts)}: put the image token once per image in the text")
         bounds = np.cumsum([0, *counts])
-        return tuple(ImageSpan(placeholders[bounds[i]:bounds[i + 1]], image_digest(image), image)
-                     for i, image in enumerate(per_image))
+        spans = tuple(ImageSpan(placeholders[bounds[i]:bounds[i + 1]], image_digest(image), image,
+                                self.family.whole_images) for i, image in enumerate(per_image))
+        longest = max((span.end - span.start for span in spans if span.whole), default=0)
+        if longest > self.step_tokens:
+            raise ValueError(f"an image of {longest} tokens, which {self.model_name} computes in one step, is more "
+                             f"than max_num_batched_tokens={self.step_tokens}")
+        return spans
 
 
 def prompt_parts(prompt: Mapping) -> tuple[str, list[Any]]:

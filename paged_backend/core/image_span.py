@@ -22,6 +22,9 @@ class ImageSpan:
     positions: np.ndarray  # int64, ascending: the prompt positions its embedding rows go to, in row order
     digest: int  # 128-bit hash of `inputs`: equal digests, equal embeddings
     inputs: Mapping[str, torch.Tensor]  # what the model's vision encoder takes for this image alone
+    # Its tokens attend to each other both ways (Gemma 3): what is left of it is computed in one step
+    # (`chunk_end`), whose attention lets each of its queries see the image's later keys (`widened_spans`).
+    whole: bool = False
 
     @property
     def start(self) -> int:
@@ -58,6 +61,23 @@ class RopePositions:
         out = np.broadcast_to(index + self.delta, (3, len(index))).copy()
         out[:, inside] = self.prompt[:, index[inside]]
         return out
+
+
+def chunk_end(images: Sequence[ImageSpan], start: int, end: int) -> int:
+    """Where a chunk of prefill over [start, end) may end without cutting an image that is computed whole: before
+    the first such image it would cut (`start` itself when the chunk starts inside that image and cannot finish it:
+    the request waits for a step with room for the rest of the image)."""
+    for image in images:
+        if image.whole and image.start < end < image.end and start < image.end:
+            return image.start if start < image.start else start
+    return end
+
+
+def widened_spans(images: Sequence[ImageSpan], start: int, end: int) -> tuple[tuple[int, int], ...]:
+    """The images computed whole among a step's prompt positions [start, end), as (first, last + 1) offsets from
+    `end` (the sequence's length after the step): each of their queries sees every key of the image."""
+    return tuple((image.start - end, image.end - end) for image in images
+                 if image.whole and start < image.end and image.start < end)
 
 
 def block_images(images: Sequence[ImageSpan], start: int, end: int) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from paged_backend.core.image_span import chunk_end
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.request import Request, RequestStatus
 from paged_backend.core.scheduler_output import SchedulerOutput
@@ -97,7 +98,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self.chunk(request, budget)
+            if n == 0:  # the rest of an image computed whole does not fit this step's budget
+                i += 1
+                continue
             while not self.kv.allocate_slots(request, n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -128,9 +132,16 @@ class Scheduler:
             if request.prompt_key and request.num_computed_tokens < request.num_prompt_tokens:
                 self.prompt_leaders[request.prompt_key] = request
             batch.requests.append(request)
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self.chunk(request, budget)
             batch.num_new_tokens.append(n)
             budget -= n
+
+    def chunk(self, request: Request, budget: int) -> int:
+        """The tokens the request runs this step: what it lacks, within the budget, its chunk of prefill not cutting
+        an image whose tokens attend both ways (image_span.chunk_end; 0: it waits for a step with room)."""
+        start = request.num_computed_tokens
+        n = min(request.num_tokens - start, budget)
+        return chunk_end(request.images, start, start + n) - start if request.images else n
 
     def waits_for_twin(self, request: Request) -> bool:
         """A new request whose very prompt a running request is computing (TRL's num_generations rows, a prompt
@@ -165,13 +176,14 @@ class Scheduler:
         return True, draining or self.lora.slot_to_drain()
 
     def admit(self, request: Request, budget: int) -> bool:
-        """Take the request's cached prefix and blocks for its first chunk; False (nothing held) if full."""
+        """Take the request's cached prefix and blocks for its first chunk; False (nothing held) if full, or if the
+        budget left has no room for the rest of an image it must compute whole."""
         if request.num_computed_tokens == 0 and request.pooling is None:  # pooling needs every position's hidden state
             hit = self.kv.acquire_cached_prefix(request)
             if request.metrics.first_scheduled_time is None:
                 request.num_cached_tokens = hit
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not self.kv.allocate_slots(request, n):
+        n = self.chunk(request, budget)
+        if n == 0 or not self.kv.allocate_slots(request, n):
             self.kv.free(request)
             request.num_computed_tokens = 0
             return False

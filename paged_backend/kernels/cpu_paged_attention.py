@@ -93,11 +93,13 @@ def kernel_sequences(metadata: AttentionMetadata, most_rows: int = MOST_ROWS) ->
     most SHORT_SEQUENCE tokens, and the others, memoised for every layer. A bf16 model's several rows over a long
     context keep SDPA in bf16, as HF's own attention does: the caller passes 1 for it. Over a short one the
     kernel's fp32 sums are the faster path (a prompt of 128 tokens: 1.3x SDPA's time, 32 tokens: 1.9x, on the
-    AVX-512 EPYC; docs/benchmarks.md)."""
+    AVX-512 EPYC; docs/benchmarks.md). A sequence whose image tokens attend both ways (`metadata.widened`) is
+    never the kernel's: its causal rule is built in."""
     split = metadata.derived.get("cpu_kernel_sequences")
     if split is None:
-        starts, lens = metadata.query_start_loc_host, metadata.seq_lens_host
-        takes = [starts[i + 1] - starts[i] <= most_rows or lens[i] <= SHORT_SEQUENCE for i in range(metadata.num_seqs)]
+        starts, lens, widened = metadata.query_start_loc_host, metadata.seq_lens_host, metadata.widened or {}
+        takes = [(starts[i + 1] - starts[i] <= most_rows or lens[i] <= SHORT_SEQUENCE) and i not in widened
+                 for i in range(metadata.num_seqs)]
         few = [i for i, take in enumerate(takes) if take]
         many = [i for i, take in enumerate(takes) if not take]
         split = metadata.derived["cpu_kernel_sequences"] = (torch.tensor(few, dtype=torch.int32), many)

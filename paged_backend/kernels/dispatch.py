@@ -114,7 +114,9 @@ def paged_attention(
     reads them to skip a gather for sequences with no earlier context; the Triton kernel reads
     everything from the cache in the same launch, so it has no use for them.
     """
-    if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
+    # A step with images whose tokens attend both ways (metadata.widened) takes the PyTorch backend: the Triton
+    # kernel's causal rule is built in.
+    if select_backend(query.device, query.dtype, query.shape[-1]) == "triton" and metadata.widened is None:
         return triton_modules()[0].paged_attention(query, cache, metadata, layer)
     return torch_attention.paged_attention(query, cache, metadata, layer, new_key, new_value)
 
@@ -131,7 +133,7 @@ def write_and_attend(
     (`cache.kv [2 (K, V), KVH, num_slots, D]`, an int8 one with `cache.scales [2, KVH, num_slots]`) at
     `metadata.slot_mapping`, as write_kv_cache() does, then attend `query [T, H, D]` over each sequence's
     context, those keys included, as paged_attention() does; returns `[T, H, D]`."""
-    if select_backend(query.device, query.dtype, query.shape[-1]) == "triton":
+    if select_backend(query.device, query.dtype, query.shape[-1]) == "triton" and metadata.widened is None:
         caches = cache.key_value()
         write_kv_cache(key, value, caches.key_cache, caches.value_cache, metadata.slot_mapping, caches.key_scales,
                        caches.value_scales)

@@ -34,6 +34,10 @@ class AttentionMetadata:
     # Split-KV segments of a pure decode step, fixed by the caller: a captured CUDA graph replays one
     # launch grid, so it cannot follow the step's max_seq_len. None: the backend chooses per step.
     num_kv_segments: int | None = None
+    # Sequences with images whose tokens attend both ways (Gemma 3), by index: each image's (first, last + 1)
+    # positions as offsets from the sequence's end; its queries see every key of the image (the PyTorch backend's
+    # attend_one). None: causal everywhere.
+    widened: dict[int, tuple[tuple[int, int], ...]] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -193,22 +193,46 @@ def alibi_bias(
     return bias.masked_fill(~allowed, float("-inf")).to(dtype)
 
 
+def widened_mask(allowed: torch.Tensor, spans: tuple[tuple[int, int], ...], layer: LayerAttention) -> torch.Tensor:
+    """`allowed [n, L]` (the causal rule) with each span's queries seeing every key of the span (an image whose
+    tokens attend both ways; spans as offsets from the sequence's end), still inside the layer's window, as
+    transformers' bidirectional image mask combines with its sliding window."""
+    num_queries, seq_len = allowed.shape
+    q_pos = torch.arange(seq_len - num_queries, seq_len, device=allowed.device)[:, None]
+    k_pos = torch.arange(seq_len, device=allowed.device)[None, :]
+    for first, last in spans:
+        start, end = seq_len + first, seq_len + last
+        extra = (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
+        if layer.window is not None:
+            extra &= k_pos > q_pos - layer.window
+        allowed = allowed | extra
+    return allowed
+
+
 def attend_one(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     layer: LayerAttention,
     masks: dict | None = None,
+    widened: tuple[tuple[int, int], ...] | None = None,
 ) -> torch.Tensor:
     """Attention of `q [H, n, D]` over `k, v [KVH, L, D]` whose last `n` positions are the queries, with what
     `layer` asks for. `masks` memoises a step's masks by shape (and window, chunk and ALiBi slopes), so every
-    layer reuses them."""
+    layer reuses them. `widened`: spans whose queries see all their keys (widened_mask)."""
     n, seq_len = q.shape[1], k.shape[1]
     masks = {} if masks is None else masks
     window, chunk, slopes, scale = layer.window, layer.chunk, layer.alibi_slopes, layer.scale
 
     def allowed() -> torch.Tensor:
         return memo(masks, ("causal", n, seq_len, window, chunk), lambda: causal_mask(n, seq_len, layer, q.device))
+
+    if widened:  # none of the shortcuts below holds
+        mask = memo(masks, ("widened", n, seq_len, window, chunk, widened),
+                    lambda: widened_mask(allowed(), widened, layer))
+        if layer.softcap is not None or layer.sinks is not None or slopes is not None:
+            return attend_eager(q, k, v, mask, layer)
+        return sdpa(q, k, v, mask, False, scale)
 
     if layer.softcap is not None or layer.sinks is not None:  # SDPA has neither
         return attend_eager(q, k, v, allowed(), layer)
@@ -359,6 +383,7 @@ def attend_sequences(
     masks = metadata.derived.setdefault("torch_masks", {})
     # Decode rows attend in fp32 (UPCAST_DECODE_DTYPES), so their context is read straight into fp32.
     upcast = query.dtype in UPCAST_DECODE_DTYPES and query.device.type == "cpu"
+    widened = metadata.widened or {}  # sequences with images whose tokens attend both ways
 
     def attend_sequence(i: int) -> torch.Tensor:
         s, e = metadata.query_start_loc_host[i], metadata.query_start_loc_host[i + 1]
@@ -367,7 +392,7 @@ def attend_sequences(
             k, v = stored[0][s:e].transpose(0, 1), stored[1][s:e].transpose(0, 1)
         else:
             k, v = read(sequence_slots(metadata, i), torch.float32 if upcast and e - s == 1 else query.dtype)
-        return attend_one(q, k, v, layer, masks).transpose(0, 1)
+        return attend_one(q, k, v, layer, masks, widened.get(i)).transpose(0, 1)
 
     starts = metadata.query_start_loc_host
     if caches is not None and cpu_paged_attention.serves(query, caches.key_cache):
@@ -386,7 +411,7 @@ def attend_sequences(
         return attend_sequence(0).contiguous()
     out = torch.empty_like(query)
     rest = range(metadata.num_seqs)
-    if layer.masks_only and query.device.type == "cpu":
+    if layer.masks_only and query.device.type == "cpu" and not widened:
         plan = plan_buckets(metadata, kv_heads, query.shape[1] // kv_heads, layer, most_matmul_rows(query.dtype))
         for bucket in plan.buckets:
             out.index_copy_(0, bucket.out_rows, attend_bucket(query, read, bucket, layer.scale).to(query.dtype))

@@ -228,6 +228,8 @@ class ModelRunner:
         tables = self.block_table_array(requests)
         positions, query_start_loc, metadata = pack_sequences(tables, starts, counts, self.cache.block_size,
                                                                self.device)
+        if self.images is not None:  # images whose tokens attend both ways (Gemma 3)
+            metadata = self.images.widen(metadata, requests, starts, ends)
         sampling = [i for i, r in enumerate(requests) if ends[i] - spec[i] == r.num_tokens and r.pooling is None]
         logits_rows = self._sampling_rows(query_start_loc[1:][sampling] - 1, spec[sampling])
         spans, span_rows = self._prompt_spans(requests, starts, ends - spec, query_start_loc)

@@ -202,8 +202,8 @@ CONFIGS = {
                            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                            sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     "fuyu": lambda: _auto("fuyu"),
-    # Gemma 3's multimodal type (Gemma3ForConditionalGeneration) run on text alone: a sliding-window layer (window 8)
-    # then a global one, under a tiny vision tower the engine never calls.
+    # Gemma 3's multimodal type (Gemma3ForConditionalGeneration) on token ids alone (its images:
+    # tests/model/test_vision.py): a sliding-window layer (window 8) then a global one, under a tiny vision tower.
     "gemma3": lambda: tf.Gemma3Config(text_config=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                                        sliding_window=8, query_pre_attn_scalar=16,
                                                        layer_types=["sliding_attention", "full_attention"],

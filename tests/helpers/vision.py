@@ -143,3 +143,41 @@ def tiny_idefics3(seed: int = 0) -> tuple[tf.Idefics3ForConditionalGeneration, t
                                                    max_image_size={"longest_edge": IMAGE_SIZE}, do_image_splitting=True)
     return model, tf.Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                        image_seq_len=(IMAGE_SIZE // PATCH) ** 2 // 4)
+
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                  "<end_of_image>", "<image_soft_token>"]
+
+
+def tiny_gemma3(seed: int = 0, window: int = 8) -> tuple[tf.Gemma3ForConditionalGeneration, tf.Gemma3Processor]:
+    """A Gemma 3 of a 2-layer SigLIP tower (32x32 images, 16 soft tokens each, whose tokens attend both ways) and a
+    2-layer language model, a sliding-window layer (`window` tokens, less than an image) then a global one, fp32,
+    with its processor. The projection transformers initialises to zero is drawn at random, so images matter."""
+    words = GEMMA_SPECIALS + sorted(set(WORDS))
+    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    tokenizer = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(GEMMA_SPECIALS)
+    tokenizer = tf.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"})
+    token = tokenizer.convert_tokens_to_ids
+    tokens_per_image = (IMAGE_SIZE // PATCH) ** 2
+    config = tf.Gemma3Config(
+        vision_config=tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH),
+        text_config=tf.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        query_pre_attn_scalar=16, sliding_window=window,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        mm_tokens_per_image=tokens_per_image, boi_token_index=token("<start_of_image>"),
+        eoi_token_index=token("<end_of_image>"), image_token_index=token("<image_soft_token>"))
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
+    image_processor = tf.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    return model, tf.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                     image_seq_length=tokens_per_image)

@@ -385,3 +385,67 @@ def test_idefics3_generate_with_pixel_values_equals_hf(idefics3) -> None:
         paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
                                cache_implementation="paged")
     assert paged.tolist() == reference.tolist()
+
+
+# ---------------------------------------------------------------------- Gemma 3: image tokens attend both ways
+
+GEMMA_ONE = "<bos> <start_of_turn> user <start_of_image> describe the image <end_of_turn> <start_of_turn> model"
+GEMMA_TWO = ("<bos> <start_of_turn> user <start_of_image> and <start_of_image> what is in this picture <end_of_turn> "
+             "<start_of_turn> model")
+GEMMA_TEXT = "<bos> <start_of_turn> user describe the sky <end_of_turn> <start_of_turn> model"
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    from helpers.vision import tiny_gemma3
+
+    return tiny_gemma3()
+
+
+def test_gemma3_mixed_batch_with_chunks_and_preemption_equals_hf(gemma3) -> None:
+    """16-token images whose tokens attend both ways, under a sliding window of 8, in a 20-token step budget: the
+    scheduler ends a chunk before an image it cannot finish, and each image's queries see all its keys (without
+    either, the second prompt's answer parts from HF's); a small cache preempts."""
+    model, processor = gemma3
+    cases = [(GEMMA_ONE, [random_image(1)]), (GEMMA_TWO, [random_image(2, 64, 32), random_image(3, 20, 20)]),
+             (GEMMA_TEXT, []), (GEMMA_ONE, [random_image(5)])]
+    expected = [hf_greedy(model, processor, text, images, TOKENS) for text, images in cases]
+    llm = LLM(model, processor, block_size=4, num_kv_blocks=16, max_num_batched_tokens=20, max_num_seqs=3,
+              preemption_mode="recompute")
+    assert tokens(llm.generate([image_prompt(text, images) for text, images in cases], GREEDY)) == expected
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_gemma3_a_prefix_hit_inside_an_image_computes_the_rest_of_it_in_one_step(gemma3) -> None:
+    """The same prompt again: its cached blocks end inside the image (blocks of 4), and the rest of the image is
+    computed in one step, seeing the cached keys of its start."""
+    model, processor = gemma3
+    image = random_image(6)
+    llm = LLM(model, processor, block_size=4, max_num_batched_tokens=20)
+    first = tokens(llm.generate(image_prompt(GEMMA_ONE, [image]), GREEDY))
+    again = tokens(llm.generate(image_prompt(GEMMA_ONE, [image]), GREEDY))
+    assert first == again == [hf_greedy(model, processor, GEMMA_ONE, [image], TOKENS)]
+    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def test_gemma3_refuses_an_image_longer_than_a_step(gemma3) -> None:
+    model, processor = gemma3
+    llm = LLM(model, processor, max_num_batched_tokens=12)
+    with pytest.raises(ValueError, match="an image of 16 tokens, which Gemma3ForConditionalGeneration computes in one "
+                                         "step, is more than max_num_batched_tokens=12"):
+        llm.generate(image_prompt(GEMMA_ONE, [random_image(1)]), GREEDY)
+
+
+def test_gemma3_generate_with_pixel_values_equals_hf(gemma3) -> None:
+    import paged_backend  # noqa: F401  (enables cache_implementation="paged")
+
+    model, processor = gemma3
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(text=[GEMMA_TWO, GEMMA_TEXT, GEMMA_ONE], return_tensors="pt", padding=True,
+                       images=[[random_image(7), random_image(8, 30, 60)], [], [random_image(9)]])
+    with torch.no_grad():
+        reference = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
+        paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
+                               cache_implementation="paged")
+    assert paged.tolist() == reference.tolist()

@@ -58,9 +58,9 @@ from paged_backend.model.vision.families import family_of
 # Some types load another family's class: exaone, internlm3 and iquestcoder a LlamaForCausalLM, param2moe and
 # sarvam_moe a Glm4MoeForCausalLM (GPT-SW3's config is a GPT2Config, model_type "gpt2"). Multimodal types:
 # llava (LlavaForConditionalGeneration), qwen2_vl (Qwen2VLForConditionalGeneration, M-RoPE positions) and idefics3
-# (Idefics3ForConditionalGeneration, tiled images) take images (model/vision/families.py); gemma3
-# (Gemma3ForConditionalGeneration, Gemma 3 4B and larger) and fuyu (FuyuForCausalLM, a Persimmon language model)
-# run on text alone, their images refused with the reason.
+# (Idefics3ForConditionalGeneration, tiled images) and gemma3 (Gemma3ForConditionalGeneration, Gemma 3 4B and
+# larger: image tokens attend both ways) take images (model/vision/families.py); fuyu (FuyuForCausalLM, a
+# Persimmon language model) runs on text alone, its images refused.
 INTERFACE_TYPES: frozenset[str] = frozenset(
     {
         "llama",

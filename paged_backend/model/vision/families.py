@@ -9,9 +9,9 @@ forward does with `pixel_values`, so the language model runs paged as for text.
 
 A family whose language model takes multi-axis rotary positions (Qwen2-VL's M-RoPE) also says a prompt's positions
 (`rope_positions`); one whose images are cut into crops between text tokens (Idefics3) encodes a prompt's images
-together. Families whose language model needs more are not here yet and are refused with images (`refusal`):
-bidirectional attention over an image's tokens (Gemma 3), any-resolution tiles (LLaVA-NeXT), processors or vision
-towers not mapped yet (SmolVLM, Qwen2.5-VL, Qwen3-VL).
+together; one whose image tokens attend both ways (Gemma 3) has each image computed in one step. Families not here
+yet are refused with images (`refusal`): any-resolution tiles (LLaVA-NeXT), processors or vision towers not mapped
+yet (SmolVLM, Qwen2.5-VL, Qwen3-VL).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class VisionFamily:
     image_keys: tuple[str, ...] = ("pixel_values",)  # the processor outputs that hold the images
     derived_keys: tuple[str, ...] = ()  # processor outputs the engine computes again from the token ids
     multi_axis_positions = False  # whether the language model takes M-RoPE positions (rope_positions)
+    whole_images = False  # whether an image's tokens attend both ways, so each is computed in one step (Gemma 3)
 
     def num_images(self, processed: Mapping[str, torch.Tensor]) -> int:
         """How many images the processor's outputs hold."""
@@ -134,16 +135,29 @@ class TiledFamily(VisionFamily):
         return list(torch.split(rows, [self.tokens_of(model.config, image) for image in images]))
 
 
+class BidirectionalFamily(VisionFamily):
+    """Gemma 3: a fixed number of soft tokens per image (the projector pools the tower's patches), between
+    begin- and end-of-image tokens, which attend to each other both ways: the scheduler computes what is left of an
+    image in one step and the step's attention widens the causal rule over it (`whole_images`)."""
+
+    name = "Gemma 3"
+    derived_keys = ("token_type_ids",)  # which tokens are image soft tokens
+    whole_images = True
+
+    def tokens_of(self, config: PretrainedConfig, image: ImageInputs) -> int:
+        return config.mm_tokens_per_image
+
+
 FAMILIES: dict[str, VisionFamily] = {
     "llava": VisionFamily(),
     "qwen2_vl": QwenVLFamily(),
     "idefics3": TiledFamily(),
+    "gemma3": BidirectionalFamily(),
 }
 
 # Vision-language types whose images the engine does not run yet, with the reason (their text runs where the type
 # is supported, as gemma3's).
 REFUSED: dict[str, str] = {
-    "gemma3": "Gemma 3 attends bidirectionally over an image's tokens, which the paged attention does not do yet",
     **dict.fromkeys(("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
                     "its vision tower is not mapped by the engine yet (Qwen2-VL's is)"),
     "smolvlm": "its processor's image layout is not mapped by the engine yet (Idefics3's, the same model, is)",

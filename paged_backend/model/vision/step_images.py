@@ -9,6 +9,7 @@ image tokens (every decode step) runs on token ids as before.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -16,8 +17,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from paged_backend.core.image_span import ImageSpan
+from paged_backend.core.image_span import ImageSpan, widened_spans
 from paged_backend.core.request import Request
+from paged_backend.kernels import AttentionMetadata
 from paged_backend.model.vision.encoder_cache import EncoderCache
 from paged_backend.model.vision.families import VisionFamily
 
@@ -47,6 +49,18 @@ class StepImages:
         rows = torch.cat([features[image.digest][torch.from_numpy(taken)] for image, taken, _ in wanted])
         embeds[0, packed] = rows.to(embeds.device, embeds.dtype)
         return embeds
+
+    @staticmethod
+    def widen(metadata: AttentionMetadata, requests: Sequence[Request], starts: np.ndarray, ends: np.ndarray
+              ) -> AttentionMetadata:
+        """The step's metadata, with the images among its queries whose tokens attend both ways (`widened`)."""
+        widened = {}
+        for i, request in enumerate(requests):
+            if request.images and starts[i] < request.num_prompt_tokens:
+                spans = widened_spans(request.images, int(starts[i]), int(ends[i]))
+                if spans:
+                    widened[i] = spans
+        return dataclasses.replace(metadata, widened=widened) if widened else metadata
 
     @staticmethod
     def rope_positions(requests: Sequence[Request], starts: np.ndarray, counts: np.ndarray, positions: np.ndarray,
