@@ -78,6 +78,9 @@ class EngineConfig:
     # cache hits (model/batch_invariant.py): for comparing rollout logprobs with a trainer's forward. CPU only; runs
     # eagerly and unfused, small steps' matmuls padded, at a cost docs/rl-trl.md states.
     batch_invariant: bool = False
+    # Hosts whose http(s) image URLs requests may name (vision models), fetched with a time and size limit and no
+    # redirects; None or empty: images come inline (data URLs, bytes), and a web address is refused.
+    allowed_image_domains: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)

@@ -110,7 +110,8 @@ class Engine:
                                      embedding_sizes=self.embedding_sizes, eos_token_ids=self.eos_token_ids,
                                      device=self.cache.kv.device,
                                      images=ImagePrompts(processor, model, self.model_name, family,
-                                                         self.config.max_num_batched_tokens))
+                                                         self.config.max_num_batched_tokens,
+                                                         self.config.allowed_image_domains or ()))
         self.grammar_queue = GrammarQueue(self.vocab_size)  # structured requests wait here for their grammar
         self.sampler = StepSampler(self.grammar_queue, self.speculator)
         self.output_processor = OutputProcessor()

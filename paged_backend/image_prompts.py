@@ -13,7 +13,7 @@ never do.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +46,14 @@ class ImagePrompts:
     """Reads prompts with images for one model: its processor, its family, its image token."""
 
     def __init__(self, processor: Any, model: PreTrainedModel, model_name: str, family: VisionFamily | None,
-                 step_tokens: int) -> None:
+                 step_tokens: int, allowed_domains: Collection[str] = ()) -> None:
         """`family`: the model's vision family where the engine runs its images (None: every image is refused);
-        `step_tokens`: the engine's token budget of a step, which an image computed whole must fit."""
+        `step_tokens`: the engine's token budget of a step, which an image computed whole must fit;
+        `allowed_domains`: the hosts whose web addresses images may be fetched from."""
         self.processor = processor
         self.model = model
         self.step_tokens = step_tokens
+        self.allowed_domains = frozenset(allowed_domains)
         self.config = model.config
         self.family = family
         self.model_name = model_name
@@ -63,7 +65,7 @@ class ImagePrompts:
             return prompt
         text, sources = prompt_parts(prompt)
         self.check_takes_images()
-        images = [read_image(source, f"image {i}") for i, source in enumerate(sources)]
+        images = [read_image(source, f"image {i}", self.allowed_domains) for i, source in enumerate(sources)]
         try:
             processed = self.processor(text=text, images=images or None, return_tensors="pt",
                                        add_special_tokens=add_special_tokens)

@@ -3,6 +3,11 @@ placeholders, the language model paged; HF generate's greedy tokens with the sam
 
 from __future__ import annotations
 
+import base64
+import http.server
+import io
+import threading
+
 import pytest
 import torch
 from helpers.vision import hf_greedy, random_image, tiny_llava
@@ -171,9 +176,6 @@ def chat_with_images(*images) -> list[dict]:
 
 
 def data_url(image) -> str:
-    import base64
-    import io
-
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
@@ -449,3 +451,49 @@ def test_gemma3_generate_with_pixel_values_equals_hf(gemma3) -> None:
         paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
                                cache_implementation="paged")
     assert paged.tolist() == reference.tolist()
+
+
+# ---------------------------------------------------------------------- web addresses, where the deployer allows them
+
+
+@pytest.fixture
+def image_host():
+    """A web server on 127.0.0.1 serving /cat.png (a PNG of random_image(61)), /big.png (over the size limit) and
+    /moved.png (a redirect to /cat.png); yields its base URL."""
+    body = base64.b64decode(data_url(random_image(61)).split(",", 1)[1])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802  (the http.server hook's name)
+            if self.path == "/moved.png":
+                self.send_response(302)
+                self.send_header("Location", "/cat.png")
+                self.end_headers()
+                return
+            data = body if self.path == "/cat.png" else b"x" * (21 * 2**20)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_images_from_an_allowed_host_are_fetched_others_refused(llava, image_host) -> None:
+    model, processor = llava
+    llm = LLM(model, processor, allowed_image_domains=["127.0.0.1"])
+    got = tokens(llm.chat(chat_with_images(f"{image_host}/cat.png"), GREEDY))
+    assert got == tokens(llm.chat(chat_with_images(data_url(random_image(61))), GREEDY))
+    with pytest.raises(ValueError, match="holds more than the 20971520 bytes an image may have"):
+        llm.chat(chat_with_images(f"{image_host}/big.png"), GREEDY)
+    with pytest.raises(ValueError, match="fetching .*moved.png' failed: HTTP Error 302"):
+        llm.chat(chat_with_images(f"{image_host}/moved.png"), GREEDY)
+    closed = LLM(model, processor)
+    with pytest.raises(ValueError, match="the deployer did not allow"):
+        closed.chat(chat_with_images(f"{image_host}/cat.png"), GREEDY)
