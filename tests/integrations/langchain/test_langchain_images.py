@@ -55,3 +55,17 @@ def test_an_image_url_to_fetch_is_refused(llava_chat) -> None:
     chat, _ = llava_chat
     with pytest.raises(ValueError, match="is not a data URL"):
         chat.invoke([HumanMessage([QUESTION, {"type": "image", "url": "https://example.com/cat.png"}])])
+
+
+def test_chat_paged_built_on_a_model_and_its_processor_takes_images() -> None:
+    """The documented way: the processor where the tokenizer goes; the adapter builds the engine."""
+    model, processor = tiny_llava(seed=1)
+    chat = ChatPaged(model=model, tokenizer=processor, temperature=0, max_tokens=TOKENS)
+    block = {"type": "image", "base64": png_base64(random_image(32)), "mime_type": "image/png"}
+    reply = chat.invoke([HumanMessage([QUESTION, block])])
+    assert reply.usage_metadata["input_tokens"] > 16 and reply.usage_metadata["output_tokens"] > 0
+    reference = LLM(model, processor).chat(
+        [{"role": "user", "content": [QUESTION, {"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + png_base64(random_image(32))}}]}],
+        SamplingParams(max_tokens=TOKENS, temperature=0), use_tqdm=False)[0].outputs[0].text
+    assert reply.content.split() == reference.split()
