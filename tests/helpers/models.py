@@ -227,6 +227,13 @@ CONFIGS = {
                          **_common()),
         vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=8, spatial_merge_size=2),
         image_token_id=VOCAB, video_token_id=VOCAB + 1, vision_start_token_id=VOCAB + 2, vision_end_token_id=VOCAB + 3),
+    "qwen2_5_vl": lambda: tf.Qwen2_5_VLConfig(
+        text_config=dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         **_common()),
+        vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2,
+                           patch_size=8, spatial_merge_size=2, fullatt_block_indexes=[0]),
+        image_token_id=VOCAB, video_token_id=VOCAB + 1, vision_start_token_id=VOCAB + 2, vision_end_token_id=VOCAB + 3),
     # LLaVA on token ids alone (its images: tests/model/test_vision.py); the image token is a plain id here.
     "llava": lambda: tf.LlavaConfig(text_config=dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2,
                                                      **_common()),
@@ -336,7 +343,7 @@ def build_from_config(make_config, seed: int = 0) -> tf.PreTrainedModel:
     """The model of `make_config()`, seeded, with build()'s weights and generation settings."""
     torch.manual_seed(seed)
     config = make_config()
-    vision = ("llava", "qwen2_vl", "idefics3")
+    vision = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3")
     auto = tf.AutoModelForImageTextToText if config.model_type in vision else tf.AutoModelForCausalLM
     return spread_weights(auto.from_config(config, dtype=torch.float32))
 

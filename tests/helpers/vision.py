@@ -84,9 +84,10 @@ class ImageOnlyQwen2VLProcessor(tf.Qwen2VLProcessor):
         return super().check_argument_for_proper_class(name, arg)
 
 
-def tiny_qwen2_vl(seed: int = 0) -> tuple[tf.Qwen2VLForConditionalGeneration, tf.Qwen2VLProcessor]:
-    """A Qwen2-VL of a 2-block vision tower (8x8 patches merged 2x2: a 40x48 image is 6 tokens) and a 2-layer language
-    model with M-RoPE sections (2, 3, 3), fp32, with an image-only processor."""
+def tiny_qwen2_vl(seed: int = 0, v25: bool = False) -> tuple[tf.PreTrainedModel, tf.Qwen2VLProcessor]:
+    """A Qwen2-VL (`v25`: a Qwen2.5-VL, whose tower attends in windows but for its last block) of a 2-block vision
+    tower (8x8 patches merged 2x2: a 40x48 image is 6 tokens) and a 2-layer language model with M-RoPE sections
+    (2, 3, 3), fp32, with an image-only processor (Qwen2.5-VL's processes images as Qwen2-VL's does)."""
     words = QWEN_SPECIALS + sorted(set(WORDS))
     words += [f"w{i}" for i in range(VOCAB - len(words))]
     tokenizer = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -97,17 +98,19 @@ def tiny_qwen2_vl(seed: int = 0) -> tuple[tf.Qwen2VLForConditionalGeneration, tf
                                            extra_special_tokens={"image_token": "<|image_pad|>",
                                                                  "video_token": "<|video_pad|>"})
     token = tokenizer.convert_tokens_to_ids
-    config = tf.Qwen2VLConfig(
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=QWEN_PATCH,
-                           spatial_merge_size=QWEN_MERGE, temporal_patch_size=2),
+    vision = (dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, window_size=32,
+                   fullatt_block_indexes=[1]) if v25 else dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2))
+    config = (tf.Qwen2_5_VLConfig if v25 else tf.Qwen2VLConfig)(
+        vision_config=dict(patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=2, **vision),
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         rope_parameters={"rope_type": "default", "rope_theta": 10.0, "mrope_section": [2, 3, 3]},
                          bos_token_id=None, eos_token_id=token("<|im_end|>"), pad_token_id=token("<|endoftext|>")),
         image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
         vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"))
     torch.manual_seed(seed)
-    model = tf.Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    model = (tf.Qwen2_5_VLForConditionalGeneration if v25 else tf.Qwen2VLForConditionalGeneration)(config)
+    model = model.to(torch.float32).eval()
     image_processor = tf.Qwen2VLImageProcessorPil(patch_size=QWEN_PATCH, merge_size=QWEN_MERGE, temporal_patch_size=2,
                                                   size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
     return model, ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
@@ -181,3 +184,13 @@ def tiny_gemma3(seed: int = 0, window: int = 8) -> tuple[tf.Gemma3ForConditional
     image_processor = tf.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     return model, tf.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                      image_seq_length=tokens_per_image)
+
+
+def hf_greedy_logprobs(model, processor, text: str, images: list, max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """HF generate's greedy new tokens for one prompt with images and each one's logprob (eos banned)."""
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+    new = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return new, [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in zip(out.logits, new)]

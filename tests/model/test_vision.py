@@ -291,11 +291,11 @@ QWEN_TWO = ("<|im_start|> user <|vision_start|><|image_pad|><|vision_end|> and <
 QWEN_TEXT = "<|im_start|> user describe the sky <|im_end|> <|im_start|> assistant"
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl():
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen2_vl(request):
     from helpers.vision import tiny_qwen2_vl
 
-    return tiny_qwen2_vl()
+    return tiny_qwen2_vl(v25=request.param == "qwen2_5_vl")
 
 
 def test_qwen2_vl_mixed_batch_with_chunks_and_preemption_equals_hf(qwen2_vl) -> None:
@@ -314,6 +314,23 @@ def test_qwen2_vl_mixed_batch_with_chunks_and_preemption_equals_hf(qwen2_vl) -> 
     assert tokens(llm.generate([image_prompt(text, images) for text, images in cases], GREEDY)) == expected
     stats = llm.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_qwen2_vl_logprobs_equal_hf_within_fp32_rounding(qwen2_vl) -> None:
+    """Tokens alone can hide wrong positions in a tiny model; the logprobs do not: with 1-D positions in place of the
+    three axes they part from HF's by more than 1e-3, here they agree to about 5e-7."""
+    from helpers.vision import hf_greedy_logprobs
+
+    model, processor = qwen2_vl
+    cases = [(QWEN_ONE, [random_image(1)]), (QWEN_TWO, [random_image(2, 64, 32), random_image(3)])]
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    outputs = LLM(model, processor).generate([image_prompt(text, images) for text, images in cases], params)
+    for (text, images), output in zip(cases, outputs):
+        expected, logprobs = hf_greedy_logprobs(model, processor, text, images, TOKENS)
+        sample = output.outputs[0]
+        assert sample.token_ids == expected
+        got = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, logprobs)) < 1e-4
 
 
 def test_qwen2_vl_a_repeated_image_is_encoded_once_and_another_shares_no_image_block(qwen2_vl) -> None:

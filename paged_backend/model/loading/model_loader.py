@@ -57,7 +57,8 @@ from paged_backend.model.vision.families import family_of
 # `config.layer_types`; its attention temperature tuning caps the context, model_check.temperature_tuning_limit).
 # Some types load another family's class: exaone, internlm3 and iquestcoder a LlamaForCausalLM, param2moe and
 # sarvam_moe a Glm4MoeForCausalLM (GPT-SW3's config is a GPT2Config, model_type "gpt2"). Multimodal types:
-# llava (LlavaForConditionalGeneration), qwen2_vl (Qwen2VLForConditionalGeneration, M-RoPE positions) and idefics3
+# llava (LlavaForConditionalGeneration), qwen2_vl and qwen2_5_vl (Qwen2VL- and Qwen2_5_VLForConditionalGeneration,
+# M-RoPE positions), idefics3
 # (Idefics3ForConditionalGeneration, tiled images) and gemma3 (Gemma3ForConditionalGeneration, Gemma 3 4B and
 # larger: image tokens attend both ways) take images (model/vision/families.py); fuyu (FuyuForCausalLM, a
 # Persimmon language model) runs on text alone, its images refused.
@@ -79,6 +80,7 @@ INTERFACE_TYPES: frozenset[str] = frozenset(
         "mixtral",
         "qwen3_moe",
         "qwen2_vl",
+        "qwen2_5_vl",
         "idefics3",
         "qwen2_moe",
         "granite",
@@ -158,8 +160,10 @@ SUPPORTED: frozenset[str] = INTERFACE_TYPES | ADAPTED_TYPES
 # Supported types whose forward the engine does not compile (they run eagerly even where it compiles by
 # default, on CUDA), with the reason, logged at start-up.
 EAGER_TYPES: dict[str, str] = {
-    "qwen2_vl": "its language model takes three position axes (M-RoPE) in every step, which the compiled graphs "
-                "and padded decode steps do not carry (they take one), so it runs eagerly",
+    **dict.fromkeys(
+        ("qwen2_vl", "qwen2_5_vl"),
+        "its language model takes three position axes (M-RoPE) in every step, which the compiled graphs and padded "
+        "decode steps do not carry (they take one), so it runs eagerly"),
     "llama4_text": "Llama 4's forward does not compile under the engine's dynamic shapes (inductor fails to lower "
                    "the reshape of its attention output in steps of more than one token), so it runs eagerly",
     "lfm2": "its short-convolution layers run each sequence of a step from its state slot in a Python loop over "

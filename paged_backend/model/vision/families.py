@@ -11,7 +11,7 @@ A family whose language model takes multi-axis rotary positions (Qwen2-VL's M-Ro
 (`rope_positions`); one whose images are cut into crops between text tokens (Idefics3) encodes a prompt's images
 together; one whose image tokens attend both ways (Gemma 3) has each image computed in one step. Families not here
 yet are refused with images (`refusal`): any-resolution tiles (LLaVA-NeXT), processors or vision towers not mapped
-yet (SmolVLM, Qwen2.5-VL, Qwen3-VL).
+yet (SmolVLM, Qwen3-VL).
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ class BidirectionalFamily(VisionFamily):
 FAMILIES: dict[str, VisionFamily] = {
     "llava": VisionFamily(),
     "qwen2_vl": QwenVLFamily(),
+    "qwen2_5_vl": QwenVLFamily(),  # a windowed tower behind the same inputs, outputs and rope index
     "idefics3": TiledFamily(),
     "gemma3": BidirectionalFamily(),
 }
@@ -158,8 +159,8 @@ FAMILIES: dict[str, VisionFamily] = {
 # Vision-language types whose images the engine does not run yet, with the reason (their text runs where the type
 # is supported, as gemma3's).
 REFUSED: dict[str, str] = {
-    **dict.fromkeys(("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
-                    "its vision tower is not mapped by the engine yet (Qwen2-VL's is)"),
+    **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe"),
+                    "its vision tower is not mapped by the engine yet (Qwen2-VL's and Qwen2.5-VL's are)"),
     "smolvlm": "its processor's image layout is not mapped by the engine yet (Idefics3's, the same model, is)",
     "llava_next": "its any-resolution tiles are not mapped to placeholders by the engine yet",
 }
