@@ -81,10 +81,6 @@ class ImagePrompts:
         rope = self.family.rope_positions(self.model, token_ids, per_image) if per_image else None
         return ProcessedPrompt(text, token_ids, self.spans(token_ids, per_image), rope)
 
-    @property
-    def takes_images(self) -> bool:
-        return self.family is not None and self.processor is not None
-
     def rows_with_images(self, rows: list[list[int]], image_inputs: Mapping[str, torch.Tensor]) -> list[ProcessedPrompt]:
         """Token-id rows whose image placeholders are already expanded (what a processor gave `generate`), with the
         batch's images (`image_inputs`: the processor's image outputs, one entry per image along the first axis)

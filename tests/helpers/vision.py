@@ -3,6 +3,9 @@ image token, the family's image processor sized to the tiny vision tower, and se
 
 from __future__ import annotations
 
+import base64
+import io
+
 import numpy as np
 import torch
 import transformers as tf
@@ -60,6 +63,16 @@ def tiny_llava(seed: int = 0, vision: tuple[int, int] = (32, 2), text: tuple[int
 def random_image(seed: int, height: int = 40, width: int = 48) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def png_base64(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def data_url(image: Image.Image) -> str:
+    return "data:image/png;base64," + png_base64(image)
 
 
 def hf_greedy(model, processor, text: str, images: list, max_new_tokens: int) -> list[int]:

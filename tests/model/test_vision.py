@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import base64
 import http.server
-import io
 import threading
 
 import pytest
 import torch
-from helpers.vision import hf_greedy, random_image, tiny_llava
+from helpers.vision import data_url, hf_greedy, random_image, tiny_llava
 
 from paged_backend import LLM, SamplingParams
 
@@ -32,6 +31,21 @@ def image_prompt(text: str, images: list) -> dict:
 
 def tokens(outputs) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in outputs]
+
+
+def check_paged_generate(model, processor, texts: list[str], images: list) -> tuple[dict, torch.Tensor]:
+    """`model.generate(**processor(...), cache_implementation="paged")` on a left-padded batch equals plain
+    `generate` (greedy, eos banned); (the processor's inputs, the reference) for further checks."""
+    import paged_backend  # noqa: F401  (enables cache_implementation="paged")
+
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(text=texts, images=images, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        reference = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
+        paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
+                               cache_implementation="paged")
+    assert paged.tolist() == reference.tolist()
+    return inputs, reference
 
 
 def test_one_image_alone_equals_hf(llava) -> None:
@@ -175,12 +189,6 @@ def chat_with_images(*images) -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
-def data_url(image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 def test_chat_with_image_parts_equals_hf_on_the_processor_template(llava) -> None:
     """OpenAI-shaped image parts (data URLs) through LLM.chat: the processor's chat template (the tokenizer has
     none) puts the image token where each part was; the tokens equal HF generate on the same rendered text."""
@@ -235,18 +243,9 @@ def test_an_image_of_too_many_pixels_is_refused(llava, monkeypatch) -> None:
 def test_generate_with_pixel_values_on_the_paged_cache_equals_hf(llava) -> None:
     """`model.generate(**processor(...), cache_implementation="paged")` on a padded batch: rows without an image,
     with one and with two, the images dealt out to the rows in order; num_return_sequences repeats each row's."""
-    import paged_backend  # noqa: F401  (enables cache_implementation="paged")
-
     model, processor = llava
-    processor.tokenizer.padding_side = "left"
-    texts = [TWO, TEXT, ONE]
-    images = [random_image(41), random_image(42, 30, 60), random_image(43)]
-    inputs = processor(text=texts, images=images, return_tensors="pt", padding=True)
-    with torch.no_grad():
-        reference = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
-        paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
-                               cache_implementation="paged")
-    assert paged.tolist() == reference.tolist()
+    inputs, reference = check_paged_generate(model, processor, [TWO, TEXT, ONE],
+                                             [random_image(41), random_image(42, 30, 60), random_image(43)])
     with torch.no_grad():
         repeated = model.generate(**inputs, max_new_tokens=TOKENS, do_sample=True, top_k=1, num_return_sequences=2,
                                   min_new_tokens=TOKENS, cache_implementation="paged")  # top_k=1: the greedy tokens
@@ -348,17 +347,9 @@ def test_qwen2_vl_a_repeated_image_is_encoded_once_and_another_shares_no_image_b
 
 
 def test_qwen2_vl_generate_with_pixel_values_equals_hf(qwen2_vl) -> None:
-    import paged_backend  # noqa: F401  (enables cache_implementation="paged")
-
     model, processor = qwen2_vl
-    processor.tokenizer.padding_side = "left"
-    inputs = processor(text=[QWEN_TWO, QWEN_TEXT, QWEN_ONE], return_tensors="pt", padding=True,
-                       images=[random_image(7), random_image(8, 30, 60), random_image(9)])
-    with torch.no_grad():
-        reference = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
-        paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
-                               cache_implementation="paged")
-    assert paged.tolist() == reference.tolist()
+    check_paged_generate(model, processor, [QWEN_TWO, QWEN_TEXT, QWEN_ONE],
+                         [random_image(7), random_image(8, 30, 60), random_image(9)])
 
 
 # ---------------------------------------------------------------------- Idefics3: images cut into crops
@@ -393,17 +384,9 @@ def test_idefics3_mixed_batch_with_chunks_and_preemption_equals_hf(idefics3) -> 
 def test_idefics3_generate_with_pixel_values_equals_hf(idefics3) -> None:
     """A padded batch: the processor pads each row's crops to the batch's most with all-zero crops, which the engine
     drops as the model does; the text-only row has none."""
-    import paged_backend  # noqa: F401  (enables cache_implementation="paged")
-
     model, processor = idefics3
-    processor.tokenizer.padding_side = "left"
-    inputs = processor(text=[IDEFICS_TWO, IDEFICS_TEXT, IDEFICS_ONE], return_tensors="pt", padding=True,
-                       images=[[random_image(5), random_image(6, 20, 30)], [], [random_image(7)]])
-    with torch.no_grad():
-        reference = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
-        paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
-                               cache_implementation="paged")
-    assert paged.tolist() == reference.tolist()
+    check_paged_generate(model, processor, [IDEFICS_TWO, IDEFICS_TEXT, IDEFICS_ONE],
+                         [[random_image(5), random_image(6, 20, 30)], [], [random_image(7)]])
 
 
 # ---------------------------------------------------------------------- Gemma 3: image tokens attend both ways
@@ -457,17 +440,9 @@ def test_gemma3_refuses_an_image_longer_than_a_step(gemma3) -> None:
 
 
 def test_gemma3_generate_with_pixel_values_equals_hf(gemma3) -> None:
-    import paged_backend  # noqa: F401  (enables cache_implementation="paged")
-
     model, processor = gemma3
-    processor.tokenizer.padding_side = "left"
-    inputs = processor(text=[GEMMA_TWO, GEMMA_TEXT, GEMMA_ONE], return_tensors="pt", padding=True,
-                       images=[[random_image(7), random_image(8, 30, 60)], [], [random_image(9)]])
-    with torch.no_grad():
-        reference = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
-        paged = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
-                               cache_implementation="paged")
-    assert paged.tolist() == reference.tolist()
+    check_paged_generate(model, processor, [GEMMA_TWO, GEMMA_TEXT, GEMMA_ONE],
+                         [[random_image(7), random_image(8, 30, 60)], [], [random_image(9)]])
 
 
 # ---------------------------------------------------------------------- web addresses, where the deployer allows them

@@ -3,11 +3,8 @@ image (itself checked against HF generate in tests/model/test_vision.py), whiche
 
 from __future__ import annotations
 
-import base64
-import io
-
 import pytest
-from helpers.vision import random_image, tiny_llava
+from helpers.vision import png_base64, random_image, tiny_llava
 from langchain_core.messages import HumanMessage
 
 from paged_backend import LLM, SamplingParams
@@ -16,12 +13,6 @@ from paged_backend.integrations.langchain import ChatPaged
 
 TOKENS = 6
 QUESTION = {"type": "text", "text": "what is in this picture"}
-
-
-def png_base64(image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")

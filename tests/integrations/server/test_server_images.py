@@ -4,23 +4,14 @@ in tests/model/test_vision.py), bad images are 400s naming the part, and the oth
 
 from __future__ import annotations
 
-import base64
-import io
-
 import httpx
 import pytest
 from helpers.server import serve, wait_all_blocks_free
-from helpers.vision import random_image, tiny_llava
+from helpers.vision import data_url, random_image, tiny_llava
 
 from paged_backend import LLM, SamplingParams
 
 TOKENS = 6
-
-
-def data_url(image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 SEEDS = (21, 22, 23)
