@@ -480,6 +480,15 @@ def vision_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def sampler_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for kind, result in r["results"].items():
+        rows.append((f"{r['rows']} {kind} rows of {r['vocab']} at temperature {r['temperature']}: ms per draw, medians "
+                     f"of {r['repeats']}", ", ".join(f"{name} {number(ms, 2)}" for name, ms in result["ms"].items())))
+        rows += [(f"{kind}: {name}", f"{number(value, 2)}x") for name, value in result.items() if name != "ms"]
+    return rows
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "throughput": throughput_figures, "prefix_cache": prefix_cache_figures, "pipeline": pipeline_figures,
     "serve": serve_figures, "replicas": replicas_figures, "self_check": self_check_figures,
@@ -491,7 +500,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
     "cpu_int8_head": cpu_int8_head_figures, "tracing": tracing_figures, "cpu_peers": cpu_peers_figures,
     "cpu_int4_batch": cpu_int4_batch_figures, "quantized_checkpoints": quantized_checkpoints_figures,
     "kv_offload": kv_offload_figures, "rl_rollouts": rl_rollouts_figures, "batch_invariant": batch_invariant_figures,
-    "vision": vision_figures,
+    "vision": vision_figures, "sampler": sampler_figures,
 }
 
 

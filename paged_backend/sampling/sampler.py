@@ -2,7 +2,7 @@
 
 Greedy rows are an argmax. Random rows use the exponential race (argmax of p / q with
 q ~ Exp(1)), which samples from p exactly; a seeded request draws its q row from its own
-generator, so its tokens do not depend on what else is in the batch.
+generator, so its tokens do not depend on what else is in the batch (race_noise.py).
 
 On a GPU the step waits for the device once, for the sampled ids (and the logprobs asked for, in
 the same wait): per-row values go to the device as non-blocking copies, results come back through
@@ -17,6 +17,7 @@ import torch
 
 from paged_backend.core.request import PenaltyState, Request
 from paged_backend.sampling.grammar import GrammarMask, apply_bitmask
+from paged_backend.sampling.race_noise import race_noise
 
 
 class DraftRows(NamedTuple):
@@ -67,10 +68,7 @@ def pick_tokens(logits: torch.Tensor, requests: list[Request], drafts: DraftRows
     temps = on_device([r.params.temperature or 1.0 for r in requests], logits.device)
     scaled = filter_logits(logits / temps[:, None], requests)
     probs = torch.softmax(scaled, dim=-1)
-    q = torch.empty_like(probs).exponential_()
-    for i, request in enumerate(requests):
-        if request.generator is not None:
-            q[i].exponential_(generator=request.generator)
+    q = race_noise(probs.shape, [r.generator for r in requests], [not g for g in greedy], probs.device)
     sampled = (probs / q).argmax(dim=-1)
     if drafts is not None:
         rows = torch.tensor(drafts.rows, device=logits.device)
@@ -114,11 +112,10 @@ def verify_drafts(p: torch.Tensor, drafts: DraftRows, requests: list[Request]) -
     residual = (p - q).clamp_min(0)
     mass = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)  # p == q: nothing is ever rejected
-    noise = torch.empty_like(residual).exponential_()
     for i, request in enumerate(requests):
         if request.generator is not None:
             uniform[i] = torch.rand(1, generator=request.generator, device=p.device)[0]
-            noise[i].exponential_(generator=request.generator)
+    noise = race_noise(residual.shape, [r.generator for r in requests], [True] * len(requests), p.device)
     accept = uniform * q_x < p_x
     return torch.where(accept, x, (residual / noise).argmax(dim=-1))
 

@@ -43,6 +43,7 @@ from paged_backend.model.loading.model_loader import load_model
 from paged_backend.model.model_runner import ModelRunner
 from paged_backend.model.step_inputs import StepInputs
 from paged_backend.model.paged.paged_cache import KVShape, PagedCache
+from paged_backend.sampling.race_noise import race_noise
 from paged_backend.sampling.sampler import filter_logits
 
 
@@ -192,10 +193,7 @@ def choose_tokens(logits: torch.Tensor, requests: list[Request]) -> tuple[list[i
         return tokens.tolist(), None
     temps = torch.tensor([r.params.temperature or 1.0 for r in requests], device=logits.device)
     probs = torch.softmax(filter_logits(logits / temps[:, None], requests), dim=-1)
-    noise = torch.empty_like(probs).exponential_()
-    for i, request in enumerate(requests):
-        if request.generator is not None and not greedy[i]:
-            noise[i].exponential_(generator=request.generator)
+    noise = race_noise(probs.shape, [r.generator for r in requests], [not g for g in greedy], probs.device)
     sampled = (probs / noise).argmax(dim=-1)
     chosen = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
     return chosen.tolist(), [None if g else probs[i] for i, g in enumerate(greedy)]

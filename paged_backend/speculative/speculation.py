@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from paged_backend.core.request import Request
+from paged_backend.sampling.race_noise import skip_rows
 from paged_backend.sampling.sampler import DraftRows
 from paged_backend.speculative.ngram_proposer import propose_ngram
 from paged_backend.speculative.speculative_config import SpeculativeConfig
@@ -178,11 +179,8 @@ class Speculator:
         """Leave the generator as if it had drawn for the kept tokens only (one noise row of the vocabulary
         per sampled token, the sampler's draw), so the next step continues the stream it would have without
         speculation."""
-        generator = request.generator
-        generator.set_state(state)
-        noise = torch.empty(vocab, dtype=torch.float32, device=generator.device)
-        for _ in range(num_kept):
-            noise.exponential_(generator=generator)
+        request.generator.set_state(state)
+        skip_rows(request.generator, num_kept, vocab)
 
     # ------------------------------------------------------------ metrics
 
