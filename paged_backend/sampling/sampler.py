@@ -69,7 +69,7 @@ def pick_tokens(logits: torch.Tensor, requests: list[Request], drafts: DraftRows
     scaled = filter_logits(logits / temps[:, None], requests)
     probs = torch.softmax(scaled, dim=-1)
     q = race_noise(probs.shape, [r.generator for r in requests], [not g for g in greedy], probs.device)
-    sampled = (probs / q).argmax(dim=-1)
+    sampled = argmax_rows(torch.div(probs, q, out=q))  # into the noise buffer: one buffer of the batch fewer
     if drafts is not None:
         rows = torch.tensor(drafts.rows, device=logits.device)
         sampled[rows] = verify_drafts(probs[rows], drafts, [requests[r] for r in drafts.rows])
@@ -117,7 +117,7 @@ def verify_drafts(p: torch.Tensor, drafts: DraftRows, requests: list[Request]) -
             uniform[i] = torch.rand(1, generator=request.generator, device=p.device)[0]
     noise = race_noise(residual.shape, [r.generator for r in requests], [True] * len(requests), p.device)
     accept = uniform * q_x < p_x
-    return torch.where(accept, x, (residual / noise).argmax(dim=-1))
+    return torch.where(accept, x, argmax_rows(torch.div(residual, noise, out=noise)))
 
 
 def filter_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
