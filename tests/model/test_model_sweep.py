@@ -24,13 +24,14 @@ from paged_backend.model.loading.model_loader import SUPPORTED, check_architectu
 pytestmark = pytest.mark.slow
 
 # Small sizes under every name the causal-LM configs of transformers 5.25 read them (a config keeps what it
-# does not read as a plain attribute, unused).
+# does not read as a plain attribute, unused). A Mamba-2 mixer's reference scan (no mamba_ssm on a CPU) works in
+# squares of its chunk: at the default 256 one tiny Falcon-H1 took two minutes, and 8 also scans several chunks.
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, head_dim=16, pad_token_id=0, bos_token_id=1,
              eos_token_id=2, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
              moe_intermediate_size=32, shared_expert_intermediate_size=32, expert_intermediate_size=32,
              n_positions=512, n_embd=64, n_layer=2, n_head=4, d_model=64, ffn_dim=128, n_inner=128, num_layers=2,
-             num_heads=4, max_seq_len=512)
+             num_heads=4, max_seq_len=512, mamba_chunk_size=8)
 # A window shorter than most of the mixed prompts: layer 0 slides, layer 1 attends to everything.
 WINDOW = dict(sliding_window=8, use_sliding_window=True, max_window_layers=1)
 # A type whose config ignores the sizes above builds at its real size: not tiny, skipped.
