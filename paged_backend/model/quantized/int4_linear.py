@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import cpu_int4_matmul
-from paged_backend.kernels.cpu_int4_matmul import TILE, TiledWeight, int4_matmul_op
+from paged_backend.kernels.cpu_int4_matmul import TiledWeight, int4_matmul_op
 from paged_backend.model.quantized.quantized_linear import (
     COMPUTE_DTYPE,
     NEVER_DENSE,
