@@ -58,7 +58,8 @@ def read_image(source: Any, name: str = "the image", allowed_domains: Collection
     if isinstance(source, Image.Image) or hasattr(source, "shape"):
         return source
     if isinstance(source, str):
-        allowed = urlsplit(source).scheme in ("http", "https") and urlsplit(source).hostname in allowed_domains
+        parts = urlsplit(source)
+        allowed = parts.scheme in ("http", "https") and parts.hostname in allowed_domains
         source = fetch(source, name) if allowed else bytes_of_url(source, name)
     if not isinstance(source, (bytes, bytearray)):
         raise ValueError(f"{name}: expected a PIL image, an array, bytes or a data URL, got {type(source).__name__}")

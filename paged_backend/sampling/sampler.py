@@ -65,11 +65,8 @@ def pick_tokens(logits: torch.Tensor, requests: list[Request], drafts: DraftRows
     greedy = [r.params.temperature == 0.0 for r in requests]
     if all(greedy):
         return argmax_rows(logits)
-    temps = on_device([r.params.temperature or 1.0 for r in requests], logits.device)
-    scaled = filter_logits(logits / temps[:, None], requests)
-    probs = torch.softmax(scaled, dim=-1)
-    q = race_noise(probs.shape, [r.generator for r in requests], [not g for g in greedy], probs.device)
-    sampled = argmax_rows(torch.div(probs, q, out=q))  # into the noise buffer: one buffer of the batch fewer
+    probs = sampling_probs(logits, requests)
+    sampled = race(probs, requests, [not g for g in greedy])
     if drafts is not None:
         rows = torch.tensor(drafts.rows, device=logits.device)
         sampled[rows] = verify_drafts(probs[rows], drafts, [requests[r] for r in drafts.rows])
@@ -77,6 +74,19 @@ def pick_tokens(logits: torch.Tensor, requests: list[Request], drafts: DraftRows
         return sampled
     greedy_rows = on_device(greedy, logits.device)
     return torch.where(greedy_rows, argmax_rows(logits), sampled)
+
+
+def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Each row's distribution at its request's temperature (1 for greedy rows) after its top-k, top-p and min-p."""
+    temps = on_device([r.params.temperature or 1.0 for r in requests], logits.device)
+    return torch.softmax(filter_logits(logits / temps[:, None], requests), dim=-1)
+
+
+def race(probs: torch.Tensor, requests: list[Request], drawn: list[bool]) -> torch.Tensor:
+    """A token per row of `probs [B, V]` drawn from it by the exponential race (race_noise.py), for the rows that
+    are `drawn` (the others' entries are meaningless); a seeded request's row from its own generator."""
+    noise = race_noise(probs.shape, [r.generator for r in requests], drawn, probs.device)
+    return argmax_rows(torch.div(probs, noise, out=noise))  # into the noise buffer: one buffer of the batch fewer
 
 
 ARGMAX_BLOCK = 1024  # vocabulary entries per block of argmax_rows()
@@ -115,9 +125,8 @@ def verify_drafts(p: torch.Tensor, drafts: DraftRows, requests: list[Request]) -
     for i, request in enumerate(requests):
         if request.generator is not None:
             uniform[i] = torch.rand(1, generator=request.generator, device=p.device)[0]
-    noise = race_noise(residual.shape, [r.generator for r in requests], [True] * len(requests), p.device)
     accept = uniform * q_x < p_x
-    return torch.where(accept, x, argmax_rows(torch.div(residual, noise, out=noise)))
+    return torch.where(accept, x, race(residual, requests, [True] * len(requests)))
 
 
 def filter_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -43,8 +43,7 @@ from paged_backend.model.loading.model_loader import load_model
 from paged_backend.model.model_runner import ModelRunner
 from paged_backend.model.step_inputs import StepInputs
 from paged_backend.model.paged.paged_cache import KVShape, PagedCache
-from paged_backend.sampling.race_noise import race_noise
-from paged_backend.sampling.sampler import argmax_rows, filter_logits
+from paged_backend.sampling.sampler import race, sampling_probs
 
 
 class DraftProposer:
@@ -191,10 +190,8 @@ def choose_tokens(logits: torch.Tensor, requests: list[Request]) -> tuple[list[i
     tokens = logits.argmax(dim=-1)
     if all(greedy):
         return tokens.tolist(), None
-    temps = torch.tensor([r.params.temperature or 1.0 for r in requests], device=logits.device)
-    probs = torch.softmax(filter_logits(logits / temps[:, None], requests), dim=-1)
-    noise = race_noise(probs.shape, [r.generator for r in requests], [not g for g in greedy], probs.device)
-    sampled = argmax_rows(torch.div(probs, noise, out=noise))
+    probs = sampling_probs(logits, requests)
+    sampled = race(probs, requests, [not g for g in greedy])
     chosen = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
     return chosen.tolist(), [None if g else probs[i] for i, g in enumerate(greedy)]
 

@@ -4,7 +4,7 @@ image (itself checked against HF generate in tests/model/test_vision.py), whiche
 from __future__ import annotations
 
 import pytest
-from helpers.vision import png_base64, random_image, tiny_llava
+from helpers.vision import data_url, png_base64, random_image, tiny_llava
 from langchain_core.messages import HumanMessage
 
 from paged_backend import LLM, SamplingParams
@@ -57,6 +57,6 @@ def test_chat_paged_built_on_a_model_and_its_processor_takes_images() -> None:
     assert reply.usage_metadata["input_tokens"] > 16 and reply.usage_metadata["output_tokens"] > 0
     reference = LLM(model, processor).chat(
         [{"role": "user", "content": [QUESTION, {"type": "image_url", "image_url": {
-            "url": "data:image/png;base64," + png_base64(random_image(32))}}]}],
+            "url": data_url(random_image(32))}}]}],
         SamplingParams(max_tokens=TOKENS, temperature=0), use_tqdm=False)[0].outputs[0].text
     assert reply.content.split() == reference.split()
