@@ -25,6 +25,7 @@ from paged_backend.entrypoints.reasoning import resolve_reasoning_parser
 from paged_backend.model.paged.attention import ATTENTION_NAME, register
 from paged_backend.model.lora import LoRARequest, LoRASpec
 from paged_backend.model.loading.model_loader import gguf_file_of, is_default_model, load_model
+from paged_backend.model.quantized.half_head import keep_head_in_half
 from paged_backend.model.quantized.quantization import (
     AUTO,
     CHECKPOINT_METHODS,
@@ -98,6 +99,10 @@ class LLM:
             check_checkpoint_method(model, method)
         elif method is not None:
             quantize_weights(model, method, gguf_file_of(source) if method == "int4" else None)
+        # Only a model loaded here (a caller's own model object stays as given). Not with adapters, which may target
+        # the head, nor under tensor parallelism, which splits it.
+        if (source is None or isinstance(source, (str, os.PathLike))) and not config.enable_lora and self.tp_group is None:
+            keep_head_in_half(model)
         if not self.is_leader:  # under torchrun every rank gets the caller's arguments: the draft runs on rank 0 only
             config.speculative_config = None
         publish = broadcast_step if self.tp_group is not None and self.is_leader else None

@@ -1,4 +1,5 @@
-/* Rows times an int8 weight with one scale per output row, on CPU. See cpu_int8_matmul.py for when and why.
+/* Rows times an int8 weight with one scale per output row, or times a 16-bit float weight (fp16 or bf16, no scale),
+ * on CPU. See cpu_int8_matmul.py for when and why.
  *
  * With one to four rows the product is a pass over the weight's bytes: each output row's codes are read once,
  * widened to fp32 in registers and multiplied with every input row (kept in fp32, a few KB), so the weight
@@ -23,6 +24,29 @@ static float bf16_to_float(uint16_t h) {
     return f;
 }
 
+static float f16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023;
+    if (exponent == 0) {  /* zero or subnormal: mantissa * 2^-24 */
+        const float magnitude = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -magnitude : magnitude;
+    }
+    const uint32_t bits = sign | (exponent == 31 ? 0x7f800000u : (exponent + 112) << 23) | mantissa << 13;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* The weight's element type: int8 codes (scaled per output row), or fp16 or bf16 values (unscaled). */
+enum { WEIGHT_INT8 = 0, WEIGHT_F16 = 1, WEIGHT_BF16 = 2 };
+
+static inline int64_t weight_size(int kind) { return kind == WEIGHT_INT8 ? 1 : 2; }
+
+static inline float weight_at(const void *w, int64_t i, int kind) {
+    if (kind == WEIGHT_INT8) return (float)((const int8_t *)w)[i];
+    const uint16_t h = ((const uint16_t *)w)[i];
+    return kind == WEIGHT_F16 ? f16_to_float(h) : bf16_to_float(h);
+}
+
 /* With AVX-512 or AVX2, 16 (8) codes are widened to fp32 per step by intrinsics: the compiler's own
  * vectorisation of these loops widened the codes through several shuffles and ran 3x slower. */
 #if defined(__AVX512F__)
@@ -34,6 +58,11 @@ static inline vec vset(float v) { return _mm512_set1_ps(v); }
 static inline vec vload(const float *x) { return _mm512_loadu_ps(x); }
 static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vcodes(const int8_t *c) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))); }
+static inline vec vhalves(const uint16_t *h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); }
+static inline vec vbf16s(const uint16_t *h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
+}
+#define HAS_HALVES 1
 static inline vec vfma(vec a, vec b, vec acc) { return _mm512_fmadd_ps(a, b, acc); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -45,6 +74,13 @@ static inline vec vset(float v) { return _mm256_set1_ps(v); }
 static inline vec vload(const float *x) { return _mm256_loadu_ps(x); }
 static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec vcodes(const int8_t *c) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c))); }
+#if defined(__F16C__)
+static inline vec vhalves(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
+#define HAS_HALVES 1
+#endif
+static inline vec vbf16s(const uint16_t *h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
+}
 static inline vec vfma(vec a, vec b, vec acc) { return _mm256_fmadd_ps(a, b, acc); }
 static inline float vsum(vec v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -54,33 +90,57 @@ static inline float vsum(vec v) {
 }
 #endif
 
+#ifdef LANES
+/* LANES weights from element i, widened to fp32. `kind` is a constant where the callers are inlined. */
+static inline __attribute__((always_inline)) vec vweights(const void *w, int64_t i, int kind) {
+#ifdef HAS_HALVES
+    if (kind == WEIGHT_F16) return vhalves((const uint16_t *)w + i);
+#endif
+    if (kind == WEIGHT_BF16) return vbf16s((const uint16_t *)w + i);
+    return vcodes((const int8_t *)w + i);
+}
+#endif
+
+/* Whether this build multiplies fp16 weights with vector conversions (F16C): without them it does not take them. */
+int takes_f16(void) {
+#ifdef HAS_HALVES
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* The sums over i < k of x_r[i] * c_r[i] for r < pairs, where x_r = x + r * x_step and c_r = codes + r * code_step:
  * one input row against several code rows (x_step 0) or several input rows against one code row (code_step 0).
  * Each pair keeps its own vector sum, so the fused multiply-adds of the pairs do not wait on each other. */
-static inline void pair_dots(const float *x, int64_t x_step, const int8_t *codes, int64_t code_step, int pairs,
-                             int64_t k, float *acc) {
+static inline __attribute__((always_inline)) void pair_dots(const float *x, int64_t x_step, const void *codes,
+                                                            int64_t code_step, int kind, int pairs, int64_t k,
+                                                            float *acc) {
     int64_t i = 0;
 #ifdef LANES
     vec a[MOST_ROWS] = {vzero(), vzero(), vzero(), vzero()};
     for (; i + LANES <= k; i += LANES)
-        for (int r = 0; r < pairs; r++) a[r] = vfma(vload(x + r * x_step + i), vcodes(codes + r * code_step + i), a[r]);
+        for (int r = 0; r < pairs; r++)
+            a[r] = vfma(vload(x + r * x_step + i), vweights(codes, r * code_step + i, kind), a[r]);
     for (int r = 0; r < pairs; r++) acc[r] = vsum(a[r]);
 #else
     for (int r = 0; r < pairs; r++) acc[r] = 0.0f;
 #endif
+    /* The tails as explicit fused multiply-adds here and in quad_dots: left to the compiler, one path's got
+     * contracted and the other's not, and a row's outputs changed with the rows beside it. */
     for (; i < k; i++)
-        for (int r = 0; r < pairs; r++) acc[r] += x[r * x_step + i] * (float)codes[r * code_step + i];
+        for (int r = 0; r < pairs; r++) acc[r] = fmaf(x[r * x_step + i], weight_at(codes, r * code_step + i, kind), acc[r]);
 }
 
-/* Codes [QUAD, k] widened to fp32 into `panel` [QUAD, k]. */
-static void widen_quad(const int8_t *codes, int64_t k, float *panel) {
+/* Weights [QUAD, k] widened to fp32 into `panel` [QUAD, k]. */
+static inline __attribute__((always_inline)) void widen_quad(const void *codes, int kind, int64_t k, float *panel) {
     int64_t i = 0;
 #ifdef LANES
     for (; i + LANES <= k; i += LANES)
-        for (int c = 0; c < QUAD; c++) vstore(panel + c * k + i, vcodes(codes + c * k + i));
+        for (int c = 0; c < QUAD; c++) vstore(panel + c * k + i, vweights(codes, c * k + i, kind));
 #endif
     for (; i < k; i++)
-        for (int c = 0; c < QUAD; c++) panel[c * k + i] = (float)codes[c * k + i];
+        for (int c = 0; c < QUAD; c++) panel[c * k + i] = weight_at(codes, c * k + i, kind);
 }
 
 /* sums[r * QUAD + c] = x_r . panel_c for `rows` (1..BLOCK_ROWS) rows of x: per pair one vector sum over the
@@ -105,7 +165,7 @@ static inline __attribute__((always_inline)) void quad_dots(const float *x, int 
 #endif
     for (; i < k; i++)
         for (int r = 0; r < rows; r++)
-            for (int c = 0; c < QUAD; c++) sums[r * QUAD + c] += x[r * k + i] * panel[c * k + i];
+            for (int c = 0; c < QUAD; c++) sums[r * QUAD + c] = fmaf(x[r * k + i], panel[c * k + i], sums[r * QUAD + c]);
 }
 
 static void quad_block(const float *x, int rows, int64_t k, const float *panel, float *sums) {
@@ -116,13 +176,20 @@ static void quad_block(const float *x, int rows, int64_t k, const float *panel, 
     }
 }
 
+/* A weight row's scale: its bf16 scale for codes, 1 for float weights (no `scales`). */
+static inline float scale_of(const uint16_t *scales, int64_t j) { return scales == NULL ? 1.0f : bf16_to_float(scales[j]); }
+
 /* out[r * n + c] for the QUAD output rows of `codes` [QUAD, k] (scaled by `scales` [QUAD]) and every row of xf:
- * the codes widened once into `panel`, then multiplied with the rows BLOCK_ROWS at a time. */
-static void multiply_quad(const float *xf, int rows, int64_t k, const int8_t *codes, const uint16_t *scales,
+ * the weights widened once into `panel`, then multiplied with the rows BLOCK_ROWS at a time. */
+static void multiply_quad(const float *xf, int rows, int64_t k, const void *codes, int kind, const uint16_t *scales,
                           float *panel, float *out, int64_t n) {
     float sums[BLOCK_ROWS * QUAD], scale[QUAD];
-    widen_quad(codes, k, panel);
-    for (int c = 0; c < QUAD; c++) scale[c] = bf16_to_float(scales[c]);
+    switch (kind) {  /* a constant kind for the inlined widening */
+    case WEIGHT_F16: widen_quad(codes, WEIGHT_F16, k, panel); break;
+    case WEIGHT_BF16: widen_quad(codes, WEIGHT_BF16, k, panel); break;
+    default: widen_quad(codes, WEIGHT_INT8, k, panel); break;
+    }
+    for (int c = 0; c < QUAD; c++) scale[c] = scale_of(scales, c);
     for (int r = 0; r < rows; r += BLOCK_ROWS) {
         const int block = rows - r < BLOCK_ROWS ? rows - r : BLOCK_ROWS;
         quad_block(xf + r * k, block, k, panel, sums);
@@ -131,16 +198,18 @@ static void multiply_quad(const float *xf, int rows, int64_t k, const int8_t *co
     }
 }
 
-/* out [rows, n] (fp32) = x [rows, k] (fp32 or bf16, contiguous) times codes [n, k] (int8, contiguous), each
- * output column j scaled by scales[j] (bf16). Returns 0, or -1 when rows is out of range or memory could not be
- * allocated. */
-int int8_matmul(const void *x, int x_dtype, int rows, int64_t k, const int8_t *codes, const uint16_t *scales,
-                int64_t n, float *out, int threads) {
+/* out [rows, n] (fp32) = x [rows, k] (fp32 or bf16, contiguous) times w [n, k] (contiguous, of `kind`), each output
+ * column j scaled by scales[j] (bf16) where there are scales (NULL: unscaled). Inlined with a constant kind. */
+static inline __attribute__((always_inline)) int matmul_of_kind(const void *x, int x_dtype, int rows, int64_t k,
+                                                                const void *w, int kind, const uint16_t *scales,
+                                                                int64_t n, float *out, int threads) {
     if (rows < 1) return -1;
     float *xf = malloc(sizeof(float) * (size_t)(rows * k));
     if (xf == NULL) return -1;
     for (int64_t i = 0; i < rows * k; i++)
         xf[i] = x_dtype == DTYPE_BF16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    const char *bytes = (const char *)w;
+    const int64_t row_bytes = k * weight_size(kind);
     /* Output rows QUAD at a time: for one input row, four independent sums; past MOST_ROWS rows, through the
      * panel. The output rows left over (all of them for 2..MOST_ROWS rows) one by one, MOST_ROWS rows at a time. */
     const int many = rows > MOST_ROWS;
@@ -155,36 +224,57 @@ int int8_matmul(const void *x, int x_dtype, int rows, int64_t k, const int8_t *c
         for (int64_t q = 0; q < quads; q++) {
             const int64_t j = QUAD * q;
             if (many) {
-                if (panel != NULL) multiply_quad(xf, rows, k, codes + j * k, scales + j, panel, out + j, n);
+                if (panel != NULL)
+                    multiply_quad(xf, rows, k, bytes + j * row_bytes, kind, scales == NULL ? NULL : scales + j, panel,
+                                  out + j, n);
                 continue;
             }
 #ifdef LANES
-            /* Ask for the codes PREFETCH_ROWS rows ahead: left to the hardware's prefetchers, a core's misses
+            /* Ask for the weights PREFETCH_ROWS rows ahead: left to the hardware's prefetchers, a core's misses
              * in flight reached about half of the memory's rate (1.9 ms for the default model's head against
              * 1.0 ms with this, 2 threads of an AMD EPYC). Prefetching past the end reads nothing. */
-            const char *ahead = (const char *)(codes + (j + PREFETCH_ROWS) * k);
-            for (int64_t b = 0; b < QUAD * k; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+            const char *ahead = bytes + (j + PREFETCH_ROWS) * row_bytes;
+            for (int64_t b = 0; b < QUAD * row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
 #endif
-            pair_dots(xf, 0, codes + j * k, k, QUAD, k, acc);
-            for (int c = 0; c < QUAD; c++) out[j + c] = acc[c] * bf16_to_float(scales[j + c]);
+            pair_dots(xf, 0, bytes + j * row_bytes, k, kind, QUAD, k, acc);
+            for (int c = 0; c < QUAD; c++) out[j + c] = acc[c] * scale_of(scales, j + c);
         }
         free(panel);
 #pragma omp for schedule(static)
         for (int64_t j = QUAD * quads; j < n; j++) {
 #ifdef LANES
-            const char *ahead = (const char *)(codes + (j + PREFETCH_ROWS) * k);
-            for (int64_t b = 0; b < k; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+            const char *ahead = bytes + (j + PREFETCH_ROWS) * row_bytes;
+            for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
 #endif
-            const float scale = bf16_to_float(scales[j]);
+            const float scale = scale_of(scales, j);
             for (int r = 0; r < rows; r += MOST_ROWS) {
                 const int block = rows - r < MOST_ROWS ? rows - r : MOST_ROWS;
-                pair_dots(xf + r * k, k, codes + j * k, 0, block, k, acc);
+                pair_dots(xf + r * k, k, bytes + j * row_bytes, 0, kind, block, k, acc);
                 for (int b = 0; b < block; b++) out[(r + b) * n + j] = acc[b] * scale;
             }
         }
     }
     free(xf);
     return failed ? -1 : 0;
+}
+
+/* out [rows, n] (fp32) = x [rows, k] (fp32 or bf16, contiguous) times codes [n, k] (int8, contiguous), each
+ * output column j scaled by scales[j] (bf16). Returns 0, or -1 when rows is out of range or memory could not be
+ * allocated. */
+int int8_matmul(const void *x, int x_dtype, int rows, int64_t k, const int8_t *codes, const uint16_t *scales,
+                int64_t n, float *out, int threads) {
+    return matmul_of_kind(x, x_dtype, rows, k, codes, WEIGHT_INT8, scales, n, out, threads);
+}
+
+/* The same for a 16-bit float weight [n, k] (WEIGHT_F16 or WEIGHT_BF16), unscaled: out = x times w^T, each output
+ * the fp32 sum of the products of the rows as given and the weight's exact values. -1 as above, or for a kind this
+ * build does not take (fp16 without F16C). */
+int half_matmul(const void *x, int x_dtype, int rows, int64_t k, const uint16_t *w, int kind, int64_t n, float *out,
+                int threads) {
+    if (kind == WEIGHT_F16 && takes_f16())
+        return matmul_of_kind(x, x_dtype, rows, k, w, WEIGHT_F16, NULL, n, out, threads);
+    if (kind == WEIGHT_BF16) return matmul_of_kind(x, x_dtype, rows, k, w, WEIGHT_BF16, NULL, n, out, threads);
+    return -1;
 }
 
 /* A checkpoint's 8-bit weight, `(codes - zeros) * scales` group by group along the inputs: codes int8, uint8 or

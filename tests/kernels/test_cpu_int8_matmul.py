@@ -2,7 +2,9 @@
 row equal the fp32 product of the rows and the dequantized weight, for a few rows (one pass over the codes) and
 many (through its panel), both row dtypes, and each row's outputs are the same whatever rows share its call;
 it leaves what it does not take to torch's kernel; the int8 head gives the same logits
-through it as through torch's kernel, to within bf16 rounding of the rows."""
+through it as through torch's kernel, to within bf16 rounding of the rows. The same kernel multiplies rows by an
+fp16 or bf16 weight (`half_matmul`): the fp32 product with the weight's exact values, a row's outputs the same
+whatever rows share its call."""
 
 from __future__ import annotations
 
@@ -120,3 +122,39 @@ def test_an_int8_layer_takes_the_tiled_kernel_for_bf16_rows_up_to_its_limit(monk
         head(torch.randn(2, 64).bfloat16())
         assert Int8Linear.from_float(torch.nn.Linear(64, 48, bias=False).bfloat16()).tiled_codes is None
     assert calls == [1, 9, limit]
+
+
+def half_weight(out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(out_features, in_features, generator=g) * 0.05
+    values[0, 0] = 3e-6  # an fp16 subnormal, widened exactly as the others
+    return values.to(dtype)
+
+
+half_dtypes = [pytest.param(torch.float16, marks=pytest.mark.skipif(
+    not cpu_int8_matmul.serves_half(torch.zeros(1, 8), torch.zeros(8, 8, dtype=torch.float16)),
+    reason="fp16 weights need F16C")), torch.bfloat16]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 32])
+@pytest.mark.parametrize("dtype", half_dtypes)
+@pytest.mark.parametrize("shape", [(1000, 576), (37, 100), (16, 1)])
+def test_half_products_equal_the_fp32_product_with_the_weights_values(rows: int, dtype: torch.dtype,
+                                                                      shape: tuple[int, int]) -> None:
+    w = half_weight(*shape, dtype)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
+    assert cpu_int8_matmul.serves_half(x, w)
+    got = cpu_int8_matmul.half_matmul(x, w)
+    assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-6 * shape[1] ** 0.5)
+    # Each row on its own, through the one-pass path: the same numbers as among many (through the panel).
+    assert torch.equal(torch.cat([cpu_int8_matmul.half_matmul(row[None], w) for row in x]), got)
+
+
+def test_half_weights_it_does_not_take_are_left_to_the_caller() -> None:
+    w = half_weight(64, 32, torch.bfloat16)
+    assert not cpu_int8_matmul.serves_half(torch.randn(0, 32), w)
+    assert not cpu_int8_matmul.serves_half(torch.randn(1, 32), w.float())
+    assert not cpu_int8_matmul.serves_half(torch.randn(1, 32), w.t().contiguous().t())
+    with cpu_int8_matmul.switched_off():
+        assert not cpu_int8_matmul.serves_half(torch.randn(1, 32), w)
