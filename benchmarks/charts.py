@@ -358,13 +358,16 @@ def cpu_int8_head_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
 
 def quantized_checkpoints_figures(r: dict[str, Any]) -> list[tuple[str, str]]:
     s, ratios, files = r["summary"], r["ratios_over_int4"], r["file_mib"]
-    names = {"gptq": f"GPTQ 4-bit, groups of {r['group_size']} (fp16 LM head)",
+    heads = r.get("lm_head", {})
+    names = {"gptq": f"GPTQ 4-bit, groups of {r['group_size']} (fp16 LM head"
+                     + (f": {heads['gptq']})" if "gptq" in heads else ")"),
+             "gptq-fp32-head": "the same with its LM head widened to fp32, as before the fp16 head kernel",
              "gptq-int8-head": "the same with its LM head made int8, as the int4 path's is",
              "gptq-8bit": f"GPTQ 8-bit, groups of {r['group_size']} (`DequantizingLinear`)",
              "fp8": "compressed-tensors FP8, a scale per row (`DequantizingLinear`)"}
     rows = [(f"one stream of {r['tokens']} greedy tokens, default model's shape: {label} vs the int4 path",
              f"{number(s[side]['tok_s'])} vs {number(s['int4']['tok_s'])} tok/s ({number(ratios[side], 2)}x)")
-            for side, label in names.items()]
+            for side, label in names.items() if side in s]
     for side in files:
         rows.append((f"{side}: memory beyond the process before loading, resident after loading / peak while loading",
                      f"{number(s[side]['loaded_mib'])} / {number(s[side]['peak_loading_mib'])} MiB for "
@@ -610,6 +613,12 @@ HEADLINE: list[tuple[str, str, Callable[[dict[str, Any]], str], Callable[[dict[s
      lambda r: f"{number(r['ratio_gptq_over_int4'], 2)}x / {number(r['ratio_gptq_int8_head_over_int4'], 2)}x; "
                f"{number(r['summary']['gptq']['loaded_mib'])} MiB resident after loading, for "
                f"{number(r['checkpoint_file_mib'])} MiB of files (int4 path {number(r['summary']['int4']['loaded_mib'])} MiB)"),
+    ("quantized_checkpoints", "avx2",
+     lambda r: "the same on an AVX2-only CPU, where the fp32 engine keeps the checkpoint's fp16 LM head in fp16 (widened "
+               "to fp32, as before / made int8)",
+     lambda r: f"{number(r['ratio_gptq_over_int4'], 2)}x ({number(r['ratio_gptq_fp32_head_over_int4'], 2)}x / "
+               f"{number(r['ratio_gptq_int8_head_over_int4'], 2)}x); {number(r['summary']['gptq']['loaded_mib'])} MiB "
+               f"resident after loading (int4 path {number(r['summary']['int4']['loaded_mib'])} MiB)"),
 ]
 HEADLINE.append(
     ("kv_offload", "avx2",

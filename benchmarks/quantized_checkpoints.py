@@ -1,7 +1,10 @@
 """Quantized checkpoints of the default model against the engine's own int4 path: one-stream decode speed and
 memory, each side in its own process, rounds rotated. The checkpoints: GPTQ 4-bit (the int4 kernels), GPTQ 8-bit
 and FP8 (compressed-tensors, per row; both `DequantizingLinear`, whose decode steps run the 8-bit codes kernel). One more side loads the GPTQ 4-bit folder
-with its LM head made int8, as the int4 path's is: its difference to the int4 path is the linear layers' alone.
+with its LM head made int8, as the int4 path's is: its difference to the int4 path is the linear layers' alone. On a
+CPU without native bf16 the engine keeps the checkpoint's fp16 head in fp16 (model/quantized/half_head.py); one
+more side there hands LLM the model loaded with its head widened to fp32 (a caller's model keeps its head), as the
+engine ran it before.
 
 Each checkpoint is the default model's weights rounded round-to-nearest (GPTQ symmetric in groups of
 `--group-size`, its LM head and embeddings in fp16 as GPTQ tools leave them; FP8 a scale per row, the rest in
@@ -45,10 +48,11 @@ from common import (  # noqa: E402
 # The checkpoints written, by side: GPTQ 4-bit (the int4 kernels), GPTQ 8-bit and FP8 (DequantizingLinear).
 CHECKPOINTS = {"gptq": ("gptq", {"bits": 4}), "gptq-8bit": ("gptq", {"bits": 8}),
                "fp8": ("ct-fp8", {"strategy": "channel"})}
-# Each checkpoint as it loads (its LM head in the model's dtype, as the checkpoint keeps it); the GPTQ 4-bit
-# one with its head made int8 as the int4 path makes it, which isolates the linear layers' speed; the int4
-# path at defaults.
-SIDES = ("gptq", "gptq-int8-head", "gptq-8bit", "fp8", "int4")
+# Each checkpoint as it loads (its fp16 LM head as the checkpoint keeps it: in fp16 where the model computes in fp32,
+# else in the model's dtype); the GPTQ 4-bit one with its head widened to fp32 (a model object handed to LLM), and
+# with its head made int8 as the int4 path makes it, which isolates the linear layers' speed; the int4 path at
+# defaults.
+SIDES = ("gptq", "gptq-fp32-head", "gptq-int8-head", "gptq-8bit", "fp8", "int4")
 
 
 def write_checkpoints(root: Path, group_size: int) -> dict[str, int]:
@@ -70,7 +74,7 @@ def write_checkpoints(root: Path, group_size: int) -> dict[str, int]:
 
 
 def folder_of(side: str, root: Path) -> Path:
-    return root / ("gptq" if side == "gptq-int8-head" else side)
+    return root / ("gptq" if side in ("gptq-int8-head", "gptq-fp32-head") else side)
 
 
 def measure(side: str, folder: str, tokens: int) -> dict[str, Any]:
@@ -81,7 +85,7 @@ def measure(side: str, folder: str, tokens: int) -> dict[str, Any]:
     if side == "int4":
         llm = LLM()
     else:
-        llm = LLM(*int8_head_model(folder)) if side == "gptq-int8-head" else LLM(folder)
+        llm = LLM(*head_model(folder, side == "gptq-int8-head")) if side.endswith("-head") else LLM(folder)
     loaded, peak_loading = current_rss_bytes(), peak_rss_bytes()
     cache = llm.engine.runner.cache
     kv = sum(t.numel() * t.element_size() for t in (cache.kv, cache.kv_scales) if t is not None)
@@ -92,17 +96,26 @@ def measure(side: str, folder: str, tokens: int) -> dict[str, Any]:
     start = time.perf_counter()
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     seconds = time.perf_counter() - start
-    return {"tok_s": len(out.token_ids) / seconds, "rss_before_load_bytes": before, "rss_loaded_bytes": loaded,
+    return {"tok_s": len(out.token_ids) / seconds, "lm_head": describe_head(llm.model.get_output_embeddings()),
+            "rss_before_load_bytes": before, "rss_loaded_bytes": loaded,
             "peak_rss_loading_bytes": peak_loading, "kv_cache_bytes": kv, "first_tokens": out.token_ids[:16]}
 
 
-def int8_head_model(folder: str) -> tuple[Any, Any]:
-    """The GPTQ folder loaded as LLM loads it, its LM head made int8 per row (the embedding keeps its weight)."""
+def describe_head(head: Any) -> str:
+    """The LM head's class and the dtype of the weight it multiplies by (a 16-bit head's, an int8 head's codes)."""
+    weight = next(t for t in (getattr(head, name, None) for name in ("weight16", "codes", "weight")) if t is not None)
+    return f"{type(head).__name__} ({str(weight.dtype).removeprefix('torch.')})"
+
+
+def head_model(folder: str, int8: bool) -> tuple[Any, Any]:
+    """The GPTQ folder loaded as LLM loads it, handed over as a model object, whose LM head LLM keeps as it is: in
+    the model's dtype, or made `int8` per row (the embedding keeps its weight)."""
     from paged_backend.model.loading.model_loader import load_model
     from paged_backend.model.quantized.int8_linear import Int8Linear
 
     model, tokenizer = load_model(folder)
-    model.lm_head = Int8Linear.from_float(model.lm_head)
+    if int8:
+        model.lm_head = Int8Linear.from_float(model.lm_head)
     return model, tokenizer
 
 
@@ -151,7 +164,7 @@ def main() -> None:
     print(f"memory beyond the process before loading (KV cache budget {summary['gptq']['kv_mib']:.0f} MiB, "
           "resident only as it is written):")
     for side in SIDES:
-        if side == "gptq-int8-head":
+        if side.endswith("-head"):
             continue
         figures, files = summary[side], sizes.get(side)
         against = f" ({figures['loaded_mib'] / files * 2**20:.2f}x / {figures['peak_loading_mib'] / files * 2**20:.2f}x " \
@@ -162,6 +175,8 @@ def main() -> None:
     write_results({"rounds": args.rounds, "tokens": args.tokens, "group_size": args.group_size, "runs": runs,
                    "summary": summary, "ratios_over_int4": ratios, "ratio_gptq_over_int4": ratios["gptq"],
                    "ratio_gptq_int8_head_over_int4": ratios["gptq-int8-head"],
+                   "ratio_gptq_fp32_head_over_int4": ratios["gptq-fp32-head"],
+                   "lm_head": {side: runs[side][0]["lm_head"] for side in SIDES},
                    "checkpoint_file_mib": sizes["gptq"] / 2**20,
                    "file_mib": {name: size / 2**20 for name, size in sizes.items()},
                    "same_first_tokens": same,
