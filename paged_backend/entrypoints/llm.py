@@ -101,7 +101,8 @@ class LLM:
             quantize_weights(model, method, gguf_file_of(source) if method == "int4" else None)
         # Only a model loaded here (a caller's own model object stays as given). Not with adapters, which may target
         # the head, nor under tensor parallelism, which splits it.
-        if (source is None or isinstance(source, (str, os.PathLike))) and not config.enable_lora and self.tp_group is None:
+        loaded_here = source is None or isinstance(source, (str, os.PathLike))
+        if loaded_here and not config.enable_lora and self.tp_group is None:
             keep_head_in_half(model)
         if not self.is_leader:  # under torchrun every rank gets the caller's arguments: the draft runs on rank 0 only
             config.speculative_config = None

@@ -129,7 +129,8 @@ static inline __attribute__((always_inline)) void pair_dots(const float *x, int6
     /* The tails as explicit fused multiply-adds here and in quad_dots: left to the compiler, one path's got
      * contracted and the other's not, and a row's outputs changed with the rows beside it. */
     for (; i < k; i++)
-        for (int r = 0; r < pairs; r++) acc[r] = fmaf(x[r * x_step + i], weight_at(codes, r * code_step + i, kind), acc[r]);
+        for (int r = 0; r < pairs; r++)
+            acc[r] = fmaf(x[r * x_step + i], weight_at(codes, r * code_step + i, kind), acc[r]);
 }
 
 /* Weights [QUAD, k] widened to fp32 into `panel` [QUAD, k]. */
@@ -165,7 +166,8 @@ static inline __attribute__((always_inline)) void quad_dots(const float *x, int 
 #endif
     for (; i < k; i++)
         for (int r = 0; r < rows; r++)
-            for (int c = 0; c < QUAD; c++) sums[r * QUAD + c] = fmaf(x[r * k + i], panel[c * k + i], sums[r * QUAD + c]);
+            for (int c = 0; c < QUAD; c++)
+                sums[r * QUAD + c] = fmaf(x[r * k + i], panel[c * k + i], sums[r * QUAD + c]);
 }
 
 static void quad_block(const float *x, int rows, int64_t k, const float *panel, float *sums) {
@@ -177,7 +179,9 @@ static void quad_block(const float *x, int rows, int64_t k, const float *panel, 
 }
 
 /* A weight row's scale: its bf16 scale for codes, 1 for float weights (no `scales`). */
-static inline float scale_of(const uint16_t *scales, int64_t j) { return scales == NULL ? 1.0f : bf16_to_float(scales[j]); }
+static inline float scale_of(const uint16_t *scales, int64_t j) {
+    return scales == NULL ? 1.0f : bf16_to_float(scales[j]);
+}
 
 /* out[r * n + c] for the QUAD output rows of `codes` [QUAD, k] (scaled by `scales` [QUAD]) and every row of xf:
  * the weights widened once into `panel`, then multiplied with the rows BLOCK_ROWS at a time. */

@@ -14,10 +14,17 @@ from transformers import AutoModelForCausalLM
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.kernels import cpu_int8_matmul
-from paged_backend.model.quantized.half_head import HalfEmbedding, HalfLinear, keep_head_in_half
+from paged_backend.model.quantized.half_head import (
+    CHECK_ROWS,
+    HalfEmbedding,
+    HalfLinear,
+    exact_half,
+    keep_head_in_half,
+)
 
-pytestmark = pytest.mark.skipif(not cpu_int8_matmul.serves_half(torch.zeros(1, 8), torch.zeros(8, 8, dtype=torch.bfloat16)),
-                                reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(
+    not cpu_int8_matmul.serves_half(torch.zeros(1, 8), torch.zeros(8, 8, dtype=torch.bfloat16)),
+    reason="no C compiler on this machine")
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
@@ -60,6 +67,13 @@ def test_a_head_no_16_bit_type_holds_exactly_stays_as_it_was() -> None:
     head = model.lm_head
     assert keep_head_in_half(model) is None
     assert model.lm_head is head
+
+
+def test_every_row_is_checked_past_the_first_chunk() -> None:
+    weight = torch.randn(CHECK_ROWS + 5, 8).half().float()
+    assert exact_half(weight).dtype == torch.float16
+    weight[-1, -1] = 1 + 2.0**-20  # neither 16-bit type holds it
+    assert exact_half(weight) is None
 
 
 def test_a_tied_embedding_shares_the_16_bit_table_and_the_fp32_one_is_freed() -> None:
