@@ -221,5 +221,9 @@ def check_same_vocabulary(target: PreTrainedModel, tokenizer: Any, draft: PreTra
 
 
 def output_vocab_size(model: PreTrainedModel) -> int:
+    """The rows of `model`'s LM head: `out_features` for a linear one of any weight format (the engine's int8 and
+    16-bit heads hold no `weight`), else its weight's rows; the input vocabulary without a head."""
     head = model.get_output_embeddings()
-    return head.weight.shape[0] if head is not None else model.get_input_embeddings().num_embeddings
+    if head is None:
+        return model.get_input_embeddings().num_embeddings
+    return head.out_features if hasattr(head, "out_features") else head.weight.shape[0]

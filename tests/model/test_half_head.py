@@ -119,3 +119,14 @@ def test_a_callers_model_and_a_lora_engine_keep_their_heads(fp16_folder) -> None
     assert type(LLM(model, compile=False).model.lm_head) is torch.nn.Linear and model.lm_head is head
     llm = LLM(str(fp16_folder), dtype="float32", compile=False, enable_lora=True)
     assert type(llm.model.lm_head) is torch.nn.Linear
+
+
+def test_a_draft_model_runs_beside_a_target_with_a_16_bit_head(fp16_folder) -> None:
+    """The draft's vocabulary is checked against the target's head, which holds no `weight`."""
+    reference = AutoModelForCausalLM.from_pretrained(fp16_folder, dtype=torch.float32)
+    prompts = mixed_prompts(3)
+    refs = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+    draft = {"method": "draft_model", "model": build("llama", seed=1), "num_speculative_tokens": 2}
+    llm = LLM(str(fp16_folder), dtype="float32", compile=False, num_kv_blocks=64, speculative_config=draft)
+    assert isinstance(llm.model.lm_head, HalfLinear)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == refs

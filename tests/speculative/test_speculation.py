@@ -629,3 +629,13 @@ def test_a_quantized_checkpoint_drafts_for_its_float_model(tmp_path):
     assert isinstance(engine.speculator.draft.model.model.layers[0].mlp.up_proj, Int4Linear)
     assert engine.stats()["spec_num_draft_tokens"] > 0
     assert_all_blocks_free(engine)
+
+
+def test_the_vocabulary_check_reads_heads_of_every_weight_format() -> None:
+    """An int4 model's int8 head (the default model's) holds no `weight`: its rows are its `out_features`."""
+    from paged_backend.model.quantized.int8_linear import Int8Linear
+    from paged_backend.speculative.draft_proposer import output_vocab_size
+
+    model = build("llama")
+    model.lm_head = Int8Linear.from_float(model.lm_head)
+    assert output_vocab_size(model) == model.config.vocab_size
