@@ -71,12 +71,18 @@ def int8_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -
 HALF_KINDS = {torch.float16: 1, torch.bfloat16: 2}
 
 
+@functools.cache
+def takes_half(dtype: torch.dtype) -> bool:
+    """Whether this machine's build multiplies rows by a weight of this 16-bit `dtype` (fp16 needs the F16C
+    conversions); asked once per dtype, not per call."""
+    lib = library()
+    return dtype in HALF_KINDS and lib is not None and (dtype != torch.float16 or bool(lib.takes_f16()))
+
+
 def serves_half(rows: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel multiplies these `rows [n, in]` by the fp16 or bf16 `weight [out, in]` here (fp16 needs
-    the F16C conversions in this build)."""
+    """Whether the kernel multiplies these `rows [n, in]` by the fp16 or bf16 `weight [out, in]` here."""
     return (not SWITCH.off and rows.device.type == "cpu" and rows.dim() == 2 and rows.shape[0] >= 1
-            and rows.dtype in ROW_DTYPES and weight.dtype in HALF_KINDS and weight.is_contiguous()
-            and library() is not None and (weight.dtype != torch.float16 or bool(library().takes_f16())))
+            and rows.dtype in ROW_DTYPES and weight.is_contiguous() and takes_half(weight.dtype))
 
 
 def half_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

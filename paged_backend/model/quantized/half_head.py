@@ -24,6 +24,7 @@ from torch import nn
 
 from paged_backend.kernels import cpu_int8_matmul
 from paged_backend.model.quantized.quantization import replace_module
+from paged_backend.model.quantized.quantized_linear import cast_to
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class HalfLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()
+        rows = cast_to(x.reshape(-1, self.in_features), torch.float32)
         # The registered op inside a graph being compiled; its implementation directly in an eager forward.
         matmul = half_matmul_op if torch.compiler.is_compiling() else half_matmul
         out = matmul(rows, self.weight16)
@@ -92,12 +93,12 @@ CHECK_ROWS = 4096
 
 def exact_half(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` as the first of HALF_DTYPES that holds every value exactly (and that the kernel takes), else None."""
-    probe = torch.empty(1, weight.shape[1])
-    for dtype in HALF_DTYPES:
+    if cpu_int8_matmul.SWITCH.off:
+        return None
+    for dtype in filter(cpu_int8_matmul.takes_half, HALF_DTYPES):
         half = weight.to(dtype)
-        if cpu_int8_matmul.serves_half(probe, half) and all(
-                torch.equal(half[i:i + CHECK_ROWS].float(), weight[i:i + CHECK_ROWS])
-                for i in range(0, weight.shape[0], CHECK_ROWS)):
+        if all(torch.equal(half[i:i + CHECK_ROWS].float(), weight[i:i + CHECK_ROWS])
+               for i in range(0, weight.shape[0], CHECK_ROWS)):
             return half
     return None
 
