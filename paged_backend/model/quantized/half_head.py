@@ -109,6 +109,8 @@ def keep_head_in_half(model: nn.Module) -> str | None:
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear or head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
         return None
+    if type(head.weight) not in (torch.Tensor, nn.Parameter):  # a quantized weight (torchao's int8) stays as it is
+        return None
     half = exact_half(head.weight.detach())
     if half is None:
         return None
